@@ -1,0 +1,126 @@
+"""The six-state decision tree, parameter naming through wrappers, and argument validation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from . import stats
+from .status import Status
+
+__all__ = ["classify", "decide", "named_parameters", "unwrap", "as_optimizers", "optimizer_param_ids"]
+
+# Infixes that wrappers put into parameter names; the user knows the wrapped module's names.
+_WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module the user wrote, under DistributedDataParallel, DataParallel or torch.compile."""
+    seen = 0
+    while seen < 16:
+        seen += 1
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+            continue
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if isinstance(inner, nn.Module):
+            model = inner
+            continue
+        break
+    return model
+
+
+def _clean(name: str) -> str:
+    for token in _WRAPPER_TOKENS:
+        if token in name:
+            name = name.replace(token, "")
+    return name
+
+
+def check_model(model) -> nn.Module:
+    """Validate the ``model`` argument and return the unwrapped module."""
+    if not isinstance(model, nn.Module):
+        hint = ""
+        if isinstance(model, torch.optim.Optimizer):
+            hint = " (an optimizer was passed where the model belongs: GradHealth(model, optimizer))"
+        elif callable(model):
+            hint = " (a function was passed; pass the nn.Module whose parameters train)"
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}{hint}")
+    return unwrap(model)
+
+
+def named_parameters(model: nn.Module, *, validate: bool = True) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` pairs as ``named_parameters()`` gives them (tied ones once), with
+    wrapper prefixes removed. Raises ``ValueError`` for an empty model or meta parameters."""
+    module = check_model(model)
+    entries = [(_clean(n), p) for n, p in module.named_parameters()]
+    if validate:
+        if not entries:
+            raise ValueError(
+                f"model ({type(module).__name__}) has no parameters: named_parameters() is empty, so "
+                "there is nothing to monitor; pass the module that holds the trainable weights"
+            )
+        for name, p in entries:
+            if p.device.type == "meta":
+                raise ValueError(
+                    f"parameter {name!r} is on the meta device and holds no data; materialise the "
+                    "model first (model.to_empty(device=...) and initialise the weights) and then "
+                    "monitor it"
+                )
+    return entries
+
+
+def as_optimizers(optimizer) -> list:
+    """Validate ``optimizer`` (None, one optimizer, or a list/tuple of them) into a list."""
+    if optimizer is None:
+        return []
+    items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for i, opt in enumerate(items):
+        groups = getattr(opt, "param_groups", None)
+        if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
+            where = "optimizer" if len(items) == 1 and not isinstance(optimizer, (list, tuple)) else f"optimizer[{i}]"
+            raise TypeError(
+                f"{where} must be a torch.optim.Optimizer (anything with param_groups), a list of "
+                f"them, or None; got {type(opt).__name__}"
+            )
+    return items
+
+
+def optimizer_param_ids(optimizers: Iterable) -> set[int]:
+    return {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+
+
+def decide(requires_grad: bool, norm: float | None, in_optimizer: bool) -> Status:
+    """The decision tree, given the exact gradient norm (None: no gradient).
+
+    The norm is exact (see :mod:`gradhealth.stats`), so it is non-finite exactly when an element
+    is, and zero exactly when every element is.
+    """
+    if not requires_grad:
+        return Status.FROZEN
+    if norm is None:
+        return Status.NO_GRAD
+    if not math.isfinite(norm):
+        return Status.NON_FINITE_GRAD
+    if not in_optimizer:
+        return Status.NOT_IN_OPTIMIZER
+    if norm == 0.0:
+        return Status.ZERO_GRAD
+    return Status.OK
+
+
+def classify(model: nn.Module, optimizer=None) -> dict[str, Status]:
+    """Status of every parameter of ``model`` right now; ``optimizer`` may be one, a list, or None."""
+    entries = named_parameters(model)
+    optimizers = as_optimizers(optimizer)
+    ids = optimizer_param_ids(optimizers) if optimizers else None
+    with_grad = [i for i, (_, p) in enumerate(entries) if p.grad is not None]
+    norms, _ = stats.grad_norms([entries[i][1].grad for i in with_grad])
+    norm_of = dict(zip(with_grad, norms))
+    return {
+        name: decide(p.requires_grad, norm_of.get(i), ids is None or id(p) in ids)
+        for i, (name, p) in enumerate(entries)
+    }

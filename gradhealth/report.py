@@ -1,0 +1,185 @@
+"""Results of one check: ``Finding`` and ``Report``, and grouping parameter names by module."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from .status import Status
+
+__all__ = ["Finding", "Report", "group_by_module", "describe_groups"]
+
+LEVELS = ("info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A problem that is not a parameter state (a stale gradient, a grad-mode mistake, ...).
+
+    ``level`` is "info", "warning" (expected now and then) or "error" (``report.ok`` is False).
+    """
+
+    kind: str
+    message: str
+    params: tuple[str, ...] = ()
+    level: str = "error"
+    step: int | None = None
+    data: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """What does not change from step to step: shared by every report of a monitor."""
+
+    numel: int
+    dtype: str
+    device: str
+
+
+def group_by_module(status: dict[str, Status], select) -> list[tuple[str, list[str], Status]]:
+    """Collapse selected parameters into the shortest module prefixes that share one state.
+
+    A prefix ``enc.*`` is emitted only when *every* parameter under ``enc`` is selected and in the
+    same state; otherwise its children are looked at. Returns ``(label, names, state)`` rows.
+    """
+    tree: dict = {}
+    for name in status:
+        node = tree
+        for part in name.split("."):
+            node = node.setdefault(part, {})
+    rows: list[tuple[str, list[str], Status]] = []
+
+    def names_under(prefix: str, node: dict) -> list[str]:
+        if not node:
+            return [prefix]
+        out: list[str] = []
+        for part, child in node.items():
+            out.extend(names_under(f"{prefix}.{part}" if prefix else part, child))
+        return out
+
+    def visit(prefix: str, node: dict) -> None:
+        for part, child in node.items():
+            path = f"{prefix}.{part}" if prefix else part
+            if not child:  # a parameter
+                if select(status[path]):
+                    rows.append((path, [path], status[path]))
+                continue
+            names = names_under(path, child)
+            states = {status[n] for n in names}
+            if len(states) == 1 and select(next(iter(states))):
+                rows.append((f"{path}.*", names, next(iter(states))))
+            elif any(select(status[n]) for n in names):
+                visit(path, child)
+
+    visit("", tree)
+    return rows
+
+
+def describe_groups(rows) -> str:
+    """``enc.* (24 params), head.weight`` from :func:`group_by_module` rows."""
+    parts = []
+    for label, names, _ in rows:
+        parts.append(f"{label} ({len(names)} params)" if label.endswith(".*") else label)
+    return ", ".join(parts)
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    return f"{x:.3g}"
+
+
+@dataclass
+class Report:
+    """What one check saw. Dicts are keyed by parameter name (``named_parameters()`` order)."""
+
+    step: int
+    status: dict[str, Status]
+    grad_norm: dict[str, float]
+    total_grad_norm: float
+    findings: list[Finding] = field(default_factory=list)
+    #: per-parameter update norm ||Δθ|| and ratio ||Δθ||/||θ|| of this step's optimizer.step(),
+    #: filled in once the step has run (empty before, or without an optimizer).
+    update_norm: dict[str, float] = field(default_factory=dict)
+    update_ratio: dict[str, float] = field(default_factory=dict)
+    #: valid-element counts recorded with ``track_valid`` for this step, by name.
+    valid_counts: dict[str, int] = field(default_factory=dict)
+    loss: float | None = None
+    meta: dict[str, ParamMeta] = field(default_factory=dict, repr=False)
+    in_optimizer: dict[str, bool] | None = field(default=None, repr=False)
+
+    @property
+    def problems(self) -> dict[str, Status]:
+        """Every parameter whose state is neither OK nor FROZEN."""
+        return {n: s for n, s in self.status.items() if s is not Status.OK and s is not Status.FROZEN}
+
+    @property
+    def ok(self) -> bool:
+        """No problem states and no error-level findings."""
+        return not self.problems and not any(f.level == "error" for f in self.findings)
+
+    def counts(self) -> dict[Status, int]:
+        """How many parameters are in each state (every state present, zeros included)."""
+        c = Counter(self.status.values())
+        return {s: c.get(s, 0) for s in Status}
+
+    def findings_of(self, kind: str) -> list[Finding]:
+        return [f for f in self.findings if f.kind == kind]
+
+    def to_frame(self):
+        """A pandas DataFrame, one row per parameter, indexed by name."""
+        import pandas as pd  # only here: the core needs pandas for this alone
+
+        names = list(self.status)
+        rows = []
+        for n in names:
+            m = self.meta.get(n)
+            s = self.status[n]
+            rows.append(
+                {
+                    "status": s.name,
+                    "grad_norm": self.grad_norm.get(n, math.nan),
+                    "update_norm": self.update_norm.get(n, math.nan),
+                    "update_ratio": self.update_ratio.get(n, math.nan),
+                    "numel": m.numel if m else None,
+                    "dtype": m.dtype if m else None,
+                    "device": m.device if m else None,
+                    "requires_grad": s is not Status.FROZEN,
+                    "in_optimizer": None if self.in_optimizer is None else self.in_optimizer.get(n),
+                }
+            )
+        frame = pd.DataFrame(rows, index=pd.Index(names, name="name"))
+        return frame
+
+    def summary_line(self) -> str:
+        counts = ", ".join(f"{k} {s.value}" for s, k in self.counts().items() if k)
+        return f"{len(self.status)} parameters: {counts}; total grad norm {_fmt(self.total_grad_norm)}"
+
+    def __str__(self) -> str:
+        head = f"gradhealth step {self.step}: "
+        problems = self.problems
+        errors = [f for f in self.findings if f.level == "error"]
+        if not problems and not self.findings:
+            return head + "healthy (" + self.summary_line() + ")"
+        verdict = "healthy" if self.ok else f"{len(problems)} problem parameters, {len(errors)} error findings"
+        lines = [head + verdict, "  " + self.summary_line()]
+        if problems:
+            rows = group_by_module(self.status, lambda s: s is not Status.OK and s is not Status.FROZEN)
+            width = max(len("where"), *(len(r[0]) for r in rows))
+            lines.append(f"  {'where':<{width}}  {'params':>6}  {'state':<16}  grad norm")
+            for label, names, state in rows:
+                norms = [self.grad_norm[n] for n in names if n in self.grad_norm]
+                norm = math.hypot(*norms) if norms else None
+                lines.append(f"  {label:<{width}}  {len(names):>6}  {state.value:<16}  {_fmt(norm)}")
+        if self.findings:
+            lines.append("  findings:")
+            for f in self.findings:
+                lines.append(f"    [{f.level}] {f.kind}: {f.message}")
+        return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""Where reports go: a small protocol, and a sink for the standard ``logging`` module."""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol, runtime_checkable
+
+from .report import Report
+
+__all__ = ["Sink", "LoggingSink", "check_sinks"]
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Anything with ``write(report)``; ``flush()`` and ``close()`` are called when present."""
+
+    def write(self, report: Report) -> None: ...
+
+
+def check_sinks(sinks) -> tuple:
+    if sinks is None:
+        return ()
+    if not isinstance(sinks, (list, tuple)):
+        sinks = (sinks,)
+    for i, s in enumerate(sinks):
+        if not callable(getattr(s, "write", None)):
+            raise TypeError(
+                f"sinks[{i}] must have a write(report) method (e.g. gh.LoggingSink() or "
+                f"gradhealth.integrations.tensorboard.TensorBoardSink(logdir)); got {type(s).__name__}"
+            )
+    return tuple(sinks)
+
+
+class LoggingSink:
+    """Logs each report to a ``logging`` logger: one summary line, then each finding.
+
+    Healthy reports are logged at ``level`` (INFO by default), reports with problems at WARNING.
+    ``every_n`` keeps only every n-th healthy report.
+    """
+
+    def __init__(self, logger: logging.Logger | str = "gradhealth", level: int = logging.INFO, every_n: int = 1):
+        if not isinstance(every_n, int) or every_n < 1:
+            raise ValueError(f"every_n must be a positive int; got {every_n!r}")
+        self.logger = logging.getLogger(logger) if isinstance(logger, str) else logger
+        self.level = level
+        self.every_n = every_n
+        self._seen = 0
+
+    def write(self, report: Report) -> None:
+        self._seen += 1
+        if report.ok and not report.findings:
+            if (self._seen - 1) % self.every_n == 0:
+                self.logger.log(self.level, "gradhealth step %d: healthy; %s", report.step, report.summary_line())
+            return
+        self.logger.warning("%s", report)

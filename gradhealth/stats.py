@@ -1,0 +1,122 @@
+"""The hot path: exact per-tensor L2 norms of many gradients with one device-to-host transfer.
+
+Gradients are grouped by (device, dtype) and reduced with one ``torch._foreach_norm`` per group,
+accumulating in float32 (float64 for float64 tensors). The per-tensor norms, plus any small extra
+values the caller wants on the host (a loss, valid counts), are packed into one float64 tensor and
+read with a single transfer. Only tensors whose fused norm came back 0 or inf are looked at again:
+that is where a naive norm lies (squares of 1e20 overflow float32, squares of 1e-30 underflow), and
+the re-check computes a scaled float64 norm that is exact there. A NaN norm needs no re-check: finite
+values cannot produce one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["dense_view", "pack_norms", "fetch", "exact_norms", "grad_norms"]
+
+
+def dense_view(grad: Tensor) -> Tensor:
+    """The values whose norm equals the gradient's: ``grad`` itself, or a sparse gradient's
+    coalesced values (duplicates summed, as densifying would)."""
+    if grad.layout is torch.strided:
+        return grad
+    if grad.is_sparse:
+        return grad.coalesce().values()
+    if grad.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        return grad.values()
+    return grad.to_dense()
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def pack_norms(tensors: Sequence[Tensor]) -> tuple[Tensor | None, list[int]]:
+    """Norms of ``tensors`` as one float64 device tensor, and the permutation it is in.
+
+    ``packed[k]`` is the norm of ``tensors[perm[k]]``. No host synchronisation happens here.
+    """
+    if not tensors:
+        return None, []
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    pieces: list[Tensor] = []
+    perm: list[int] = []
+    target = None
+    for (device, dtype), idx in groups.items():
+        members = [tensors[i] for i in idx]
+        acc = _acc_dtype(dtype)
+        try:
+            norms = torch._foreach_norm(members, 2, dtype=acc)
+        except (RuntimeError, NotImplementedError, TypeError):
+            # Devices or dtypes without a foreach kernel: same result, one kernel per tensor.
+            norms = [torch.linalg.vector_norm(m, dtype=acc) for m in members]
+        piece = torch.stack(norms).to(torch.float64)
+        if target is None:
+            target = device
+        elif device != target:
+            piece = piece.to(target, non_blocking=True)
+        pieces.append(piece)
+        perm.extend(idx)
+    packed = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return packed, perm
+
+
+def fetch(parts: Sequence[Tensor]) -> list[float]:
+    """Concatenate small device tensors into float64 and read them with ONE host transfer."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return []
+    device = parts[0].device
+    flat = [p.reshape(-1).to(device=device, dtype=torch.float64, non_blocking=True) for p in parts]
+    packed = flat[0] if len(flat) == 1 else torch.cat(flat)
+    return packed.tolist()
+
+
+def exact_norms(tensors: Sequence[Tensor]) -> list[float]:
+    """Scaled float64 norms that neither overflow nor underflow: max|x| * ||x / max|x|||.
+
+    Costs one kernel chain per tensor and one transfer for all of them; meant only for the few
+    tensors whose fused norm was 0 or inf.
+    """
+    if not tensors:
+        return []
+    out = []
+    for t in tensors:
+        if t.numel() == 0:
+            out.append(torch.zeros((), dtype=torch.float64, device=t.device))
+            continue
+        x = t.detach().to(torch.float64)
+        amax = x.abs().amax()
+        # amax == 0: all zeros (-0.0 included); amax == inf: a real infinity; nan propagates.
+        special = (amax == 0) | torch.isinf(amax) | torch.isnan(amax)
+        safe = torch.where(special, torch.ones_like(amax), amax)
+        scaled = amax * torch.linalg.vector_norm(x / safe)
+        out.append(torch.where(special, amax, scaled))
+    return fetch(out)
+
+
+def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = ()) -> tuple[list[float], list[float]]:
+    """Exact L2 norms of ``grads`` (dense or sparse), and ``extras`` read in the same transfer.
+
+    Returns ``(norms, extra_values)``: ``norms[i]`` is the norm of ``grads[i]`` (nan if it holds a
+    NaN, inf if it holds an inf and no NaN), ``extra_values`` the flattened ``extras``.
+    """
+    views = [dense_view(g) for g in grads]
+    packed, perm = pack_norms(views)
+    values = fetch([packed, *extras] if packed is not None else list(extras))
+    n = len(perm)
+    norms = [0.0] * n
+    for k, i in enumerate(perm):
+        norms[i] = values[k]
+    suspects = [i for i, v in enumerate(norms) if v == 0.0 or v == math.inf]
+    if suspects:
+        for i, v in zip(suspects, exact_norms([views[i] for i in suspects])):
+            norms[i] = v
+    return norms, values[n:]
