@@ -15,7 +15,7 @@ from .classify import as_optimizers, decide, named_parameters, optimizer_param_i
 from . import stats
 from .errors import GradHealthError, GradHealthInternalWarning, GradHealthWarning
 from .guards import diagnose_loss
-from .report import Finding, ParamMeta, Report, describe_groups, group_by_module
+from .report import Finding, ParamMeta, Report, describe_groups, group_by_module, is_problem
 from .sinks import check_sinks
 from .status import HINTS, Status
 
@@ -213,7 +213,7 @@ class GradHealth:
     def _judge_frozen(self, report: Report) -> None:
         frozen = [n for n, s in report.status.items() if s is Status.FROZEN]
         if self._checks == 0 and frozen:
-            rows = group_by_module(report.status, lambda s: s is Status.FROZEN)
+            rows = group_by_module(report.status, lambda n, s: s is Status.FROZEN)
             trainable = len(report.status) - len(frozen)
             log.info("%s frozen; %d of %d trainable", describe_groups(rows), trainable, len(report.status))
         if self.expect_frozen is None:
@@ -226,22 +226,22 @@ class GradHealth:
         wrong_frozen = tuple(n for n in frozen if not expected(n))
         wrong_trainable = tuple(n for n, s in report.status.items() if s is not Status.FROZEN and expected(n))
         if wrong_frozen:
-            sub = {n: Status.FROZEN for n in wrong_frozen}
+            chosen = set(wrong_frozen)
             report.findings.append(
                 Finding(
                     "UNEXPECTED_FROZEN",
-                    f"{describe_groups(group_by_module(sub, lambda s: True))} frozen but not matched by "
+                    f"{describe_groups(group_by_module(report.status, lambda n, s: n in chosen))} frozen but not matched by "
                     f"expect_frozen={list(pats)}: unfreeze them (requires_grad_(True)) or add them to expect_frozen",
                     params=wrong_frozen,
                     step=report.step,
                 )
             )
         if wrong_trainable:
-            sub = {n: Status.OK for n in wrong_trainable}
+            chosen = set(wrong_trainable)
             report.findings.append(
                 Finding(
                     "UNEXPECTED_TRAINABLE",
-                    f"{describe_groups(group_by_module(sub, lambda s: True))} match expect_frozen={list(pats)} "
+                    f"{describe_groups(group_by_module(report.status, lambda n, s: n in chosen))} match expect_frozen={list(pats)} "
                     "but are trainable: freeze them (requires_grad_(False)) or change expect_frozen",
                     params=wrong_trainable,
                     step=report.step,
@@ -276,11 +276,9 @@ class GradHealth:
     @staticmethod
     def explain(report: Report) -> str:
         """The warning text: problems grouped by module, each with its usual causes and fix."""
-        problems = report.problems
-        lines = [f"gradhealth step {report.step}: {len(problems)} parameters with problems, "
-                 f"{sum(f.level == 'error' for f in report.findings)} error findings"]
+        lines = [f"gradhealth step {report.step}: {report.headline()}"]
         by_state: dict[Status, list] = {}
-        for row in group_by_module(report.status, lambda s: s is not Status.OK and s is not Status.FROZEN):
+        for row in group_by_module(report.status, is_problem):
             by_state.setdefault(row[2], []).append(row)
         for state, rows in by_state.items():
             lines.append(f"  {state.value}: {describe_groups(rows)} {HINTS[state]}")

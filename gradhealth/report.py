@@ -9,7 +9,7 @@ from typing import Any
 
 from .status import Status
 
-__all__ = ["Finding", "Report", "group_by_module", "describe_groups"]
+__all__ = ["Finding", "Report", "group_by_module", "describe_groups", "is_problem"]
 
 LEVELS = ("info", "warning", "error")
 
@@ -44,8 +44,10 @@ class ParamMeta:
 def group_by_module(status: dict[str, Status], select) -> list[tuple[str, list[str], Status]]:
     """Collapse selected parameters into the shortest module prefixes that share one state.
 
-    A prefix ``enc.*`` is emitted only when *every* parameter under ``enc`` is selected and in the
-    same state; otherwise its children are looked at. Returns ``(label, names, state)`` rows.
+    ``select(name, state)`` picks the parameters to show. A prefix ``enc.*`` is emitted only when
+    *every* parameter under ``enc`` is selected and in the same state; otherwise its children are
+    looked at. When that holds for the whole model the single row is labelled ``*``. Returns
+    ``(label, names, state)`` rows.
     """
     tree: dict = {}
     for name in status:
@@ -62,20 +64,30 @@ def group_by_module(status: dict[str, Status], select) -> list[tuple[str, list[s
             out.extend(names_under(f"{prefix}.{part}" if prefix else part, child))
         return out
 
+    def uniform(names: list[str]) -> Status | None:
+        states = {status[n] for n in names}
+        if len(states) == 1 and all(select(n, status[n]) for n in names):
+            return next(iter(states))
+        return None
+
     def visit(prefix: str, node: dict) -> None:
         for part, child in node.items():
             path = f"{prefix}.{part}" if prefix else part
             if not child:  # a parameter
-                if select(status[path]):
+                if select(path, status[path]):
                     rows.append((path, [path], status[path]))
                 continue
             names = names_under(path, child)
-            states = {status[n] for n in names}
-            if len(states) == 1 and select(next(iter(states))):
-                rows.append((f"{path}.*", names, next(iter(states))))
-            elif any(select(status[n]) for n in names):
+            state = uniform(names)
+            if state is not None:
+                rows.append((f"{path}.*", names, state))
+            elif any(select(n, status[n]) for n in names):
                 visit(path, child)
 
+    everything = list(status)
+    state = uniform(everything) if len(everything) > 1 else None
+    if state is not None:
+        return [("*", everything, state)]
     visit("", tree)
     return rows
 
@@ -84,8 +96,17 @@ def describe_groups(rows) -> str:
     """``enc.* (24 params), head.weight`` from :func:`group_by_module` rows."""
     parts = []
     for label, names, _ in rows:
-        parts.append(f"{label} ({len(names)} params)" if label.endswith(".*") else label)
+        if label == "*":
+            parts.append(f"every parameter ({len(names)} params)")
+        elif label.endswith(".*"):
+            parts.append(f"{label} ({len(names)} params)")
+        else:
+            parts.append(label)
     return ", ".join(parts)
+
+
+def is_problem(_name: str, state: Status) -> bool:
+    return state is not Status.OK and state is not Status.FROZEN
 
 
 def _fmt(x: float | None) -> str:
@@ -158,6 +179,13 @@ class Report:
         frame = pd.DataFrame(rows, index=pd.Index(names, name="name"))
         return frame
 
+    def headline(self) -> str:
+        """``2 NOT_IN_OPTIMIZER; STALE_GRAD`` or ``healthy``: what is wrong, in a few words."""
+        c = Counter(s for s in self.problems.values())
+        parts = [f"{k} {s.value}" for s, k in sorted(c.items(), key=lambda kv: list(Status).index(kv[0]))]
+        parts += list(dict.fromkeys(f.kind for f in self.findings if f.level != "info"))
+        return "; ".join(parts) if parts else "healthy"
+
     def summary_line(self) -> str:
         counts = ", ".join(f"{k} {s.value}" for s, k in self.counts().items() if k)
         return f"{len(self.status)} parameters: {counts}; total grad norm {_fmt(self.total_grad_norm)}"
@@ -168,10 +196,9 @@ class Report:
         errors = [f for f in self.findings if f.level == "error"]
         if not problems and not self.findings:
             return head + "healthy (" + self.summary_line() + ")"
-        verdict = "healthy" if self.ok else f"{len(problems)} problem parameters, {len(errors)} error findings"
-        lines = [head + verdict, "  " + self.summary_line()]
+        lines = [head + self.headline(), "  " + self.summary_line()]
         if problems:
-            rows = group_by_module(self.status, lambda s: s is not Status.OK and s is not Status.FROZEN)
+            rows = group_by_module(self.status, is_problem)
             width = max(len("where"), *(len(r[0]) for r in rows))
             lines.append(f"  {'where':<{width}}  {'params':>6}  {'state':<16}  grad norm")
             for label, names, state in rows:

@@ -1,0 +1,127 @@
+"""``gradhealth bench``: the cost of a check, side by side with the naive way, in one run.
+
+Every figure is a median over interleaved rounds (each method timed in turn, round after round), so
+a noisy neighbour slows all of them alike; ratios are to the floor, one fused norm pass over every
+gradient read back to the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .monitor import GradHealth
+
+SHAPES = {
+    # name: (blocks, width) -> blocks x (Linear(width, width) + LayerNorm(width)) = 4 tensors a block
+    "400 small tensors (100x Linear(64)+LayerNorm)": (100, 64),
+    "26M params, 400 tensors (width 512)": (100, 512),
+    "84M params, 80 tensors (width 2048)": (20, 2048),
+}
+
+
+def build_model(blocks: int, width: int) -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(blocks):
+        layers += [nn.Linear(width, width), nn.LayerNorm(width)]
+    return nn.Sequential(*layers)
+
+
+def naive_check(model: nn.Module, optimizer) -> list:
+    """The seed-style loop: per parameter, .all()/.max() and a norm, each synced with the host."""
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    rows = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            rows.append((name, "FROZEN", None))
+        elif p.grad is None:
+            rows.append((name, "NO_GRAD", None))
+        elif not torch.isfinite(p.grad).all():
+            rows.append((name, "NON_FINITE_GRAD", None))
+        elif id(p) not in ids:
+            rows.append((name, "NOT_IN_OPTIMIZER", p.grad.norm().item()))
+        elif p.grad.abs().max() == 0:
+            rows.append((name, "ZERO_GRAD", 0.0))
+        else:
+            rows.append((name, "OK", p.grad.norm().item()))
+    return rows
+
+
+def floor_pass(model: nn.Module) -> list[float]:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.stack(torch._foreach_norm(grads)).tolist()
+
+
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int, inner: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():  # warm-up
+        fn()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times[k].append((time.perf_counter() - t0) / inner)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_shape(label: str, blocks: int, width: int, rounds: int, device: str) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = build_model(blocks, width).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(32, width, device=device)
+
+    def train_step():
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+    train_step()
+    model(x).square().mean().backward()  # leave gradients in place for the checks
+    monitor = GradHealth(model, opt, on_problem="ignore")
+    fns: dict[str, Callable[[], object]] = {
+        "floor": lambda: floor_pass(model),
+        "naive loop": lambda: naive_check(model, opt),
+        "check()": lambda: monitor.check(),
+    }
+    try:
+        from lightning.pytorch.utilities import grad_norm
+
+        fns["lightning grad_norm"] = lambda: {k: float(v) for k, v in grad_norm(model, 2).items()}
+    except Exception:
+        pass
+    inner = 20 if width <= 64 else 3
+    out = interleaved(fns, rounds, inner)
+    step_t = interleaved({"step": train_step}, max(3, rounds // 2), 1)["step"]
+    monitor.close()
+    out["training step"] = step_t
+    n_params = sum(p.numel() for p in model.parameters())
+    n_tensors = len(list(model.parameters()))
+    floor = out["floor"]
+    print(f"\n{label}: {n_params / 1e6:.1f}M parameters in {n_tensors} tensors, device {device}")
+    print(f"  {'method':<22}{'ms/check':>10}{'x floor':>10}{'% of step':>11}")
+    for k in ["floor", "naive loop", "lightning grad_norm", "check()"]:
+        if k in out:
+            print(f"  {k:<22}{out[k] * 1e3:>10.3f}{out[k] / floor:>10.2f}{100 * out[k] / step_t:>10.1f}%")
+    print(f"  {'training step':<22}{step_t * 1e3:>10.3f}  (forward+backward+SGD step, batch 32)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gradhealth bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds per shape (median)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shapes", default="all", help="comma-separated shape indexes (0,1,2) or 'all'")
+    args = ap.parse_args(argv)
+    print(f"gradhealth bench: torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
+    chosen = list(SHAPES.items())
+    if args.shapes != "all":
+        chosen = [chosen[int(i)] for i in args.shapes.split(",")]
+    for label, (blocks, width) in chosen:
+        bench_shape(label, blocks, width, args.rounds, args.device)
+    return 0

@@ -1,0 +1,136 @@
+"""``gradhealth demo``: a small model on synthetic data, one planted bug at a time.
+
+Each scenario trains a few steps of a plain PyTorch loop with one classic mistake and prints what
+gradhealth said about it; the last one is a healthy run, which says nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .errors import GradHealthWarning, GradModeError
+from .guards import check_loss
+from .monitor import GradHealth
+
+
+class Net(nn.Module):
+    def __init__(self, d_in: int = 16, d_hidden: int = 32, n_classes: int = 4):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(d_in, d_hidden), nn.ReLU(), nn.Linear(d_hidden, d_hidden), nn.ReLU())
+        self.head = nn.Linear(d_hidden, n_classes)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def synthetic_batches(n: int, batch: int = 32, d_in: int = 16, n_classes: int = 4, seed: int = 0):
+    """A learnable toy task: the class is the argmax of a fixed random projection of x."""
+    g = torch.Generator().manual_seed(seed)
+    proj = torch.randn(d_in, n_classes, generator=g)
+    for _ in range(n):
+        x = torch.randn(batch, d_in, generator=g)
+        yield x, (x @ proj).argmax(dim=1)
+
+
+@dataclass
+class Outcome:
+    said: list[str]
+    report: object = None
+
+
+def _run(train_step: Callable, monitor_kw: dict, steps: int = 5, model_fn=Net, opt_fn=None) -> Outcome:
+    torch.manual_seed(0)
+    model = model_fn()
+    opt = (opt_fn or (lambda m: torch.optim.SGD(m.parameters(), lr=0.1)))(model)
+    said: list[str] = []
+    report = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", GradHealthWarning)
+        with GradHealth(model, opt, **monitor_kw) as monitor:
+            for x, y in synthetic_batches(steps):
+                try:
+                    report = train_step(model, opt, monitor, x, y) or report
+                except GradModeError as exc:
+                    said.append(f"GradModeError: {exc}")
+                    break
+    said += [str(w.message) for w in caught if issubclass(w.category, GradHealthWarning)]
+    return Outcome(said, report)
+
+
+def _step(model, opt, monitor, x, y, forward=None, loss_fn=None):
+    opt.zero_grad(set_to_none=True)
+    out = (forward or model)(x)
+    loss = (loss_fn or nn.functional.cross_entropy)(out, y)
+    check_loss(loss, model)  # the loss-side check: names why backward() could not work
+    loss.backward()
+    report = monitor.check(loss=loss)
+    opt.step()
+    return report
+
+
+def scenario_detached(steps: int) -> Outcome:
+    # The model's output is detached before the loss (e.g. to log it) and that tensor is used.
+    return _run(lambda m, o, mon, x, y: _step(m, o, mon, x, y, forward=lambda x: m(x).detach()), {}, steps)
+
+
+def scenario_frozen(steps: int) -> Outcome:
+    # A leftover freeze from fine-tuning code: the first encoder layer never trains.
+    def model_fn():
+        net = Net()
+        net.encoder[0].requires_grad_(False)
+        return net
+
+    return _run(_step, {"expect_frozen": []}, steps, model_fn=model_fn)
+
+
+def scenario_not_in_optimizer(steps: int) -> Outcome:
+    # The optimizer was built from the encoder alone; the head gets gradients but never moves.
+    return _run(_step, {}, steps, opt_fn=lambda m: torch.optim.SGD(m.encoder.parameters(), lr=0.1))
+
+
+def scenario_division_by_zero(steps: int) -> Outcome:
+    # A per-sample weight that is 0 for a padded sample, divided by instead of multiplied.
+    def loss_fn(out, y):
+        weight = torch.ones(out.shape[0])
+        weight[0] = 0.0
+        return (nn.functional.cross_entropy(out, y, reduction="none") / weight).mean()
+
+    return _run(lambda m, o, mon, x, y: _step(m, o, mon, x, y, loss_fn=loss_fn), {}, steps)
+
+
+def scenario_healthy(steps: int) -> Outcome:
+    return _run(_step, {}, steps)
+
+
+SCENARIOS: list[tuple[str, str, Callable[[int], Outcome]]] = [
+    ("detached output", "out = model(x).detach() before the loss", scenario_detached),
+    ("frozen layer", "encoder.0 left frozen (expect_frozen=[] says nothing should be)", scenario_frozen),
+    ("layer missing from the optimizer", "SGD(model.encoder.parameters()) leaves out the head", scenario_not_in_optimizer),
+    ("division by zero", "a per-sample weight of 0 divided by", scenario_division_by_zero),
+    ("healthy run", "the same loop with no bug", scenario_healthy),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gradhealth demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5, help="training steps per scenario")
+    args = ap.parse_args(argv)
+    print("gradhealth demo: a 3-layer classifier on synthetic data, one planted bug per scenario\n")
+    for i, (title, what, fn) in enumerate(SCENARIOS, 1):
+        print(f"[{i}/{len(SCENARIOS)}] {title}: {what}")
+        outcome = fn(args.steps)
+        if not outcome.said:
+            print("    gradhealth said nothing: every parameter trains normally.")
+        else:  # the same words come on every step: show the first, count the rest
+            print(textwrap.indent(outcome.said[0], "    "))
+            if len(outcome.said) > 1:
+                print(f"    (and {len(outcome.said) - 1} more warnings on the following steps)")
+        print()
+    return 0

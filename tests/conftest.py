@@ -1,0 +1,72 @@
+import math
+import socket
+import warnings
+
+import pytest
+import torch
+
+import gradhealth as gh
+
+warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+
+
+def naive_classify(model, optimizer=None):
+    """The seed-style per-parameter loop: the oracle. Densifies sparse grads (torch's isfinite and
+    norms refuse sparse tensors)."""
+    ids = None
+    if optimizer is not None:
+        opts = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+        ids = {id(p) for o in opts for g in o.param_groups for p in g["params"]}
+    out = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            out[name] = gh.Status.FROZEN
+            continue
+        if p.grad is None:
+            out[name] = gh.Status.NO_GRAD
+            continue
+        g = p.grad.to_dense() if p.grad.is_sparse else p.grad
+        if not torch.isfinite(g).all():
+            out[name] = gh.Status.NON_FINITE_GRAD
+        elif ids is not None and id(p) not in ids:
+            out[name] = gh.Status.NOT_IN_OPTIMIZER
+        elif (g == 0).all():
+            out[name] = gh.Status.ZERO_GRAD
+        else:
+            out[name] = gh.Status.OK
+    return out
+
+
+def reference_norm(grad):
+    g = grad.to_dense() if grad.is_sparse else grad
+    return torch.linalg.vector_norm(g.to(torch.float64)).item()
+
+
+def same_float(a, b, rel=1e-5):
+    if math.isnan(b):
+        return math.isnan(a)
+    if math.isinf(b):
+        return a == b
+    return math.isclose(a, b, rel_tol=rel, abs_tol=0.0)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, d_in=8, d_hidden=16, d_out=4):
+        super().__init__()
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(d_in, d_hidden), torch.nn.ReLU(), torch.nn.Linear(d_hidden, d_hidden))
+        self.head = torch.nn.Linear(d_hidden, d_out)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.encoder(x)))
+
+
+@pytest.fixture
+def mlp():
+    torch.manual_seed(0)
+    return MLP()

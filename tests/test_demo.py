@@ -1,0 +1,51 @@
+"""The demo's planted bugs, each identified at the right stage; the healthy run silent."""
+
+import subprocess
+import sys
+
+from gradhealth import demo
+
+
+def test_detached_output_is_a_loss_side_problem():
+    out = demo.scenario_detached(3)
+    assert len(out.said) == 1 and out.said[0].startswith("GradModeError")
+    assert ".detach()" in out.said[0]
+    assert out.report is None  # stopped before backward: no parameter-level verdict was needed
+
+
+def test_frozen_layer_is_frozen():
+    out = demo.scenario_frozen(3)
+    assert out.report.status["encoder.0.weight"] == "FROZEN" and out.report.status["encoder.0.bias"] == "FROZEN"
+    assert out.report.findings_of("UNEXPECTED_FROZEN")[0].params == ("encoder.0.weight", "encoder.0.bias")
+    assert "UNEXPECTED_FROZEN" in out.said[0]
+
+
+def test_layer_missing_from_optimizer():
+    out = demo.scenario_not_in_optimizer(3)
+    assert out.report.problems == {"head.weight": "NOT_IN_OPTIMIZER", "head.bias": "NOT_IN_OPTIMIZER"}
+
+
+def test_division_by_zero_is_non_finite_everywhere():
+    out = demo.scenario_division_by_zero(1)
+    assert set(out.report.status.values()) == {"NON_FINITE_GRAD"}
+    assert "every parameter (6 params)" in out.said[0]
+
+
+def test_healthy_run_is_silent():
+    out = demo.scenario_healthy(5)
+    assert out.said == [] and out.report.ok
+
+
+def test_demo_command_runs():
+    res = subprocess.run([sys.executable, "-m", "gradhealth", "demo", "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "NOT_IN_OPTIMIZER" in res.stdout and "gradhealth said nothing" in res.stdout
+
+
+def test_bench_command_runs_and_prints_ratios():
+    res = subprocess.run(
+        [sys.executable, "-m", "gradhealth", "bench", "--shapes", "0", "--rounds", "1"], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr
+    for method in ("floor", "naive loop", "check()", "x floor"):
+        assert method in res.stdout
