@@ -1,4 +1,19 @@
-"""``GradHealth``: the plain-loop monitor. One ``check()`` after ``loss.backward()``."""
+"""``GradHealth``: the plain-loop monitor. One ``check()`` after ``loss.backward()``.
+
+What a check does, in order: gather every gradient, reduce them (one fused kernel per device and
+dtype), read the norms back together with this check's small extras (the loss, valid counts, the
+previous optimizer step's update norms, the grad scaler's scale) in ONE transfer, re-check only
+the tensors whose norm came back 0 or inf, classify, then judge: findings from the loss, the
+forward's grad mode, stale gradients, the previous step's updates, the norm history, AMP. Then the
+report goes to every sink, and last the policy warns or raises.
+
+When the previous step's updates arrive: an optimizer step that follows check N is measured on
+the device by the optimizer's own step hooks; its numbers travel in check N+1's transfer (or at
+``flush()``/``close()``). They are then written into report N (``update_norm``,
+``update_ratio``, and its findings NOT_UPDATED / FROZEN_BUT_CHANGED / AMP_SKIPPED), which sinks
+receive through ``write_update(report)``; report N+1 carries the same findings as well, so the
+policy acts on them at check N+1 at the latest.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +21,29 @@ import fnmatch
 import logging
 import math
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from .classify import as_optimizers, decide, named_parameters, optimizer_param_ids
 from . import stats
+from .classify import as_optimizers, decide, named_parameters, optimizer_param_ids, unwrap
+from .deltas import DELTA_MODES, UpdateTracker
 from .errors import GradHealthError, GradHealthInternalWarning, GradHealthWarning
-from .guards import diagnose_loss
+from .guards import ForwardRecord, diagnose_loss
+from .history import NormHistory, module_of
 from .report import Finding, ParamMeta, Report, describe_groups, group_by_module, is_problem
 from .sinks import check_sinks
 from .status import HINTS, Status
+from .trace import NonFiniteTracer
 
 __all__ = ["GradHealth", "ON_PROBLEM"]
 
 ON_PROBLEM = ("warn", "raise", "ignore")
 log = logging.getLogger("gradhealth")
+
+_NORM_LAYERS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm, nn.AlphaDropout)
 
 
 def _check_choice(name: str, value, allowed: Sequence[str]) -> str:
@@ -49,19 +70,42 @@ def _check_patterns(value) -> tuple[str, ...] | None:
     return value
 
 
+def _check_scaler(scaler):
+    if scaler is None:
+        return None
+    if not (hasattr(scaler, "get_scale") and hasattr(scaler, "_per_optimizer_states")):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler or None; got {type(scaler).__name__}")
+    return scaler
+
+
 class GradHealth:
     """Classify every parameter after each backward pass and report what is wrong.
 
     Args:
         model: the module being trained (DDP / torch.compile wrappers are unwrapped for names).
-        optimizer: one optimizer, a list of them, or None (then NOT_IN_OPTIMIZER is never reported).
+        optimizer: one optimizer, a list of them, or None (then NOT_IN_OPTIMIZER, deltas and
+            STALE_GRAD are not available).
         on_problem: "warn" (one :class:`GradHealthWarning` per check with problems), "raise"
             (:class:`GradHealthError` after every sink got the report), or "ignore".
-        every_n_steps: check only every n-th call of :meth:`check` (others return None at once).
-        sinks: objects with ``write(report)`` (e.g. :class:`LoggingSink`, ``TensorBoardSink``).
+        every_n_steps: check only every n-th call of :meth:`check` (others return None at once,
+            and the optimizer step after them is not measured).
+        sinks: objects with ``write(report)`` (e.g. :class:`LoggingSink`, ``TensorBoardSink``);
+            an optional ``write_update(report)`` receives a report again once its step's update
+            norms are known.
         expect_frozen: name patterns (``fnmatch``, e.g. ``"encoder.*"``) of the parameters meant
             to be frozen. With it, a frozen parameter outside them, or a trainable one inside them,
             is an error finding (UNEXPECTED_FROZEN / UNEXPECTED_TRAINABLE).
+        deltas: how the optimizer step's update ||Δθ|| is measured: "sample" (default, at most 2%
+            extra memory), "exact" (a transient 1x copy of the parameters during the step) or "off".
+        history: True (default baseline), False, or a :class:`NormHistory` to tune
+            EXPLODING_GRAD / VANISHING_GRAD.
+        scaler: a ``torch.amp.GradScaler``: norms are reported unscaled, and a step the scaler
+            skips is AMP_SKIPPED, an alarm only after ``amp_skip_alarm`` skips in a row or when the
+            scale falls below ``amp_scale_floor``.
+        trace_on_nonfinite: when a check finds NaN/inf gradients, arm the NaN tracer for the next
+            step, so the next report says where they were born (no hooks otherwise).
+        watch_forward: observe the model's forward (Python state only) to report GRAD_MODE
+            mistakes and name the exact cause of a loss that cannot produce gradients.
     """
 
     def __init__(
@@ -73,6 +117,13 @@ class GradHealth:
         every_n_steps: int = 1,
         sinks=(),
         expect_frozen=None,
+        deltas: str = "sample",
+        history=True,
+        scaler=None,
+        amp_skip_alarm: int = 3,
+        amp_scale_floor: float = 1.0,
+        trace_on_nonfinite: bool = True,
+        watch_forward: bool = True,
     ):
         self.model = model
         self._entries = named_parameters(model)
@@ -81,14 +132,44 @@ class GradHealth:
         self.every_n_steps = _check_positive_int("every_n_steps", every_n_steps)
         self.sinks = check_sinks(sinks)
         self.expect_frozen = _check_patterns(expect_frozen)
-        self._meta = {
-            n: ParamMeta(p.numel(), str(p.dtype).replace("torch.", ""), str(p.device)) for n, p in self._entries
-        }
+        self.deltas = _check_choice("deltas", deltas, DELTA_MODES)
+        if history is True:
+            history = NormHistory()
+        elif history is False or history is None:
+            history = None
+        elif not isinstance(history, NormHistory):
+            raise TypeError(f"history must be True, False or a gh.NormHistory; got {type(history).__name__}")
+        self.history = history
+        self.scaler = _check_scaler(scaler)
+        self.amp_skip_alarm = _check_positive_int("amp_skip_alarm", amp_skip_alarm)
+        self.amp_scale_floor = float(amp_scale_floor)
+        self.trace_on_nonfinite = bool(trace_on_nonfinite)
+
+        self._meta = {n: ParamMeta(p.numel(), str(p.dtype).replace("torch.", ""), str(p.device)) for n, p in self._entries}
+        self._modules = [module_of(n) for n, _ in self._entries]
         self._calls = 0
         self._checks = 0
         self._closed = False
         self._broken_sinks: set[int] = set()
         self.last_report: Report | None = None
+
+        # state carried from one check to the next
+        self._armed_report: Report | None = None
+        self._grad_refs: list | None = None
+        self._last_scale: float | None = None
+        self._amp_skips = 0
+        self._valid: dict[str, Tensor] = {}
+        self._forward: ForwardRecord | None = None
+        self._eval_backward: ForwardRecord | None = None
+        self._tracer: NonFiniteTracer | None = None
+        self._trace_pending_from: int | None = None
+
+        self._tracker = UpdateTracker(self._entries, self.optimizers, mode=self.deltas) if self.optimizers else None
+        self._hooks = []
+        if watch_forward:
+            module = unwrap(model)
+            self._dropout_like = [(n, m) for n, m in module.named_modules() if isinstance(m, _NORM_LAYERS)]
+            self._hooks.append(model.register_forward_hook(self._on_forward))
 
     # ------------------------------------------------------------------ public
     def check(self, loss: Tensor | None = None, *, step: int | None = None) -> Report | None:
@@ -104,6 +185,8 @@ class GradHealth:
         s = self._calls if step is None else int(step)
         self._calls += 1
         if s % self.every_n_steps:
+            if self._tracker is not None:
+                self._tracker.armed_step = None  # the step after a skipped call is not measured
             return None
         try:
             report = self._build(s, loss)
@@ -122,11 +205,47 @@ class GradHealth:
         self._emit(report, stacklevel=3)
         return report
 
+    def track_valid(self, mask: Tensor, name: str = "valid") -> None:
+        """Record how many elements ``mask`` selects in this step (a device sum, no host sync).
+
+        Read with the next check: its report's ``valid_counts[name]``, and EMPTY_VALID_SET if 0.
+        Several calls with one name in a step (micro-batches) add up.
+        """
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"track_valid: mask must be a torch.Tensor; got {type(mask).__name__}")
+        count = (mask if mask.dtype == torch.bool else mask != 0).sum()
+        prev = self._valid.get(name)
+        self._valid[name] = count if prev is None else prev + count.to(prev.device)
+
+    def flush(self) -> None:
+        """Fetch the last measured optimizer step now (one transfer) instead of at the next check."""
+        if self._tracker is None or not self._tracker.pending:
+            return
+        pending, self._tracker.pending = self._tracker.pending, []
+        values = stats.fetch([p.packed for p in pending])
+        k = 0
+        for p in pending:
+            n = p.packed.numel()
+            p.values = values[k : k + n]
+            k += n
+        self._apply_updates(pending, carry_to=None)
+
     def close(self) -> None:
         """Remove every hook this monitor installed; flush and close every sink. Idempotent."""
         if self._closed:
             return
+        try:
+            self.flush()
+        except Exception as exc:
+            warnings.warn(f"gradhealth: could not fetch the last step's updates: {exc}", GradHealthInternalWarning, stacklevel=2)
         self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._tracker is not None:
+            self._tracker.close()
+        if self._tracer is not None:
+            self._tracer.disarm()
         for sink in self.sinks:
             for method in ("flush", "close"):
                 fn = getattr(sink, method, None)
@@ -143,19 +262,54 @@ class GradHealth:
         self.close()
 
     def state_dict(self) -> dict:
-        return {"calls": self._calls, "checks": self._checks}
+        """The monitor's progress and norm history (plain Python, for checkpoints)."""
+        return {
+            "calls": self._calls,
+            "checks": self._checks,
+            "amp_skips": self._amp_skips,
+            "history": self.history.state_dict() if self.history is not None else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._calls = int(state.get("calls", 0))
         self._checks = int(state.get("checks", 0))
+        self._amp_skips = int(state.get("amp_skips", 0))
+        if self.history is not None and state.get("history") is not None:
+            self.history.load_state_dict(state["history"])
 
     @property
     def parameter_names(self) -> list[str]:
         return [n for n, _ in self._entries]
 
+    @property
+    def forward_record(self) -> ForwardRecord | None:
+        """What the monitor saw when the model's forward last ran."""
+        return self._forward
+
+    def diagnose_loss(self, loss) -> str | None:
+        """:func:`gh.guards.diagnose_loss` with what this monitor saw of the forward."""
+        return diagnose_loss(loss, self.model, self._forward)
+
+    # --------------------------------------------------------- forward watch
+    def _on_forward(self, module, args, output) -> None:
+        grad_on = torch.is_grad_enabled()
+        inference = torch.is_inference_mode_enabled()
+        evals = tuple(n for n, m in self._dropout_like if not m.training)
+        record = ForwardRecord(grad_on, inference, module.training, evals)
+        self._forward = record
+        if grad_on and (not module.training or evals):
+            # Flag it only if a backward really goes through this forward: a hook on the output
+            # fires then, and never for validation forwards.
+            for t in _first_grad_tensor(output):
+                t.register_hook(lambda g, record=record: self._note_eval_backward(record))
+
+    def _note_eval_backward(self, record: ForwardRecord) -> None:
+        self._eval_backward = record
+
     # ---------------------------------------------------------------- internal
     def _build(self, step: int, loss) -> Report:
         entries = self._entries
+        tracker = self._tracker
         ids = optimizer_param_ids(self.optimizers) if self.optimizers else None
         grads: list[Tensor] = []
         with_grad: list[int] = []
@@ -164,17 +318,55 @@ class GradHealth:
             if g is not None:
                 grads.append(g)
                 with_grad.append(i)
+
+        # the extras that ride along in the one transfer
+        extras: list[Tensor] = []
         loss_t = loss.detach().reshape(1) if isinstance(loss, Tensor) and loss.numel() == 1 else None
-        norms, extra = stats.grad_norms(grads, (loss_t,) if loss_t is not None else ())
+        if loss_t is not None:
+            extras.append(loss_t)
+        valid_names = list(self._valid)
+        extras += [self._valid[n].reshape(1) for n in valid_names]
+        pending = []
+        stale: set[int] = set()
+        steps_ran = None
+        if tracker is not None:
+            tracker.clear_grad_hooks()
+            stale = tracker.take_stale()
+            pending, tracker.pending = tracker.pending, []
+            extras += [p.packed for p in pending]
+            steps_ran = tracker.steps_since_check
+        scale_t = None
+        if self.scaler is not None and self.scaler.is_enabled() and getattr(self.scaler, "_scale", None) is not None:
+            scale_t = self.scaler._scale
+            extras.append(scale_t.reshape(1))
+
+        norms, extra = stats.grad_norms(grads, extras)
+
+        k = 0
+        loss_value = None
+        if loss_t is not None:
+            loss_value, k = extra[0], 1
+        valid_counts = {n: int(extra[k + j]) for j, n in enumerate(valid_names)}
+        k += len(valid_names)
+        self._valid = {}
+        for p in pending:
+            n = p.packed.numel()
+            p.values = extra[k : k + n]
+            k += n
+        scale = extra[k] if scale_t is not None else None
+
+        if scale is not None:
+            norms = self._unscale(norms, with_grad, scale)
 
         norm_of: list[float | None] = [None] * len(entries)
         for i, v in zip(with_grad, norms):
             norm_of[i] = v
         status: dict[str, Status] = {}
-        in_opt: dict[str, bool] = {}
+        in_opt: dict[str, bool] | None = {} if ids is not None else None
         for i, (name, p) in enumerate(entries):
             inside = ids is None or id(p) in ids
-            in_opt[name] = inside
+            if in_opt is not None:
+                in_opt[name] = inside
             status[name] = decide(p.requires_grad, norm_of[i], inside)
         grad_norm = {entries[i][0]: v for i, v in zip(with_grad, norms)}
         if any(math.isnan(v) for v in norms):
@@ -188,27 +380,230 @@ class GradHealth:
             grad_norm=grad_norm,
             total_grad_norm=total,
             meta=self._meta,
-            in_optimizer=in_opt if ids is not None else None,
-            loss=extra[0] if extra else None,
+            in_optimizer=in_opt,
+            loss=loss_value,
+            valid_counts=valid_counts,
         )
+        nonfinite = any(s is Status.NON_FINITE_GRAD for s in status.values())
+
+        # the previous step: its updates, or why it did not run
+        if pending:
+            self._apply_updates(pending, carry_to=report)
+        elif self._armed_report is not None and steps_ran == 0:
+            self._judge_missing_step(report, scale)
+        self._judge_amp(report, scale, nonfinite)
         if loss is not None:
             self._judge_loss(report, loss)
+        self._judge_empty(report, valid_counts, norms)
+        self._judge_forward(report)
+        self._judge_stale(report, stale)
         self._judge_frozen(report)
+        self._judge_trace(report, nonfinite)
+        if self.history is not None:
+            report.findings += self.history.update(step, total, self._module_norms(with_grad, norms))
+
+        # arm the next optimizer step
+        if tracker is not None:
+            tracker.armed_step = step
+            tracker.steps_since_check = 0
+            self._armed_report = report
+            self._grad_refs = [(i, weakref.ref(entries[i][1].grad), entries[i][1].grad._version) for i in with_grad]
+        self._last_scale = scale
         return report
 
+    def _unscale(self, norms: list[float], with_grad: list[int], scale: float) -> list[float]:
+        """Divide by the scaler's scale, except for optimizers whose gradients were unscaled."""
+        from torch.amp.grad_scaler import OptState
+
+        unscaled: set[int] = set()
+        states = self.scaler._per_optimizer_states
+        for opt in self.optimizers:
+            st = states.get(id(opt)) if hasattr(states, "get") else None
+            if st is not None and st.get("stage") in (OptState.UNSCALED, OptState.STEPPED):
+                unscaled |= {id(p) for g in opt.param_groups for p in g["params"]}
+        if not scale:
+            return norms
+        return [v if id(self._entries[i][1]) in unscaled else v / scale for i, v in zip(with_grad, norms)]
+
+    def _module_norms(self, with_grad: list[int], norms: list[float]) -> dict[str, float]:
+        sq: dict[str, list[float]] = {}
+        mods = self._modules
+        for i, v in zip(with_grad, norms):
+            sq.setdefault(mods[i], []).append(v)
+        return {m: (vs[0] if len(vs) == 1 else math.hypot(*vs)) for m, vs in sq.items()}
+
+    def _apply_updates(self, pending, carry_to: Report | None) -> None:
+        """Write measured update norms into the report of their step, judge them, tell sinks."""
+        target = self._armed_report
+        if target is None:
+            return
+        names = self._entries
+        changed_ok_missing: list[str] = []
+        frozen_moved: list[str] = []
+        for p in pending:
+            upd, before, changed = p.unpack(self._tracker.sample_scale(p.indices))
+            for i, u, b, c in zip(p.indices, upd, before, changed):
+                name = names[i][0]
+                target.update_norm[name] = u if c else 0.0
+                target.update_ratio[name] = (u / b if b > 0 else math.inf) if c else 0.0
+                state = target.status.get(name)
+                if state is Status.OK and not c:
+                    changed_ok_missing.append(name)
+                elif state is Status.FROZEN and c:
+                    frozen_moved.append(name)
+        new: list[Finding] = []
+        if changed_ok_missing:
+            chosen = set(changed_ok_missing)
+            new.append(
+                Finding("NOT_UPDATED", f"{describe_groups(group_by_module(target.status, lambda n, s: n in chosen))} had "
+                        f"finite, non-zero gradients at step {target.step} yet optimizer.step() left them unchanged: "
+                        "a learning rate of 0 (check the scheduler), an update rule that does nothing, or a step "
+                        "that was skipped", params=tuple(changed_ok_missing), step=target.step)
+            )
+        if frozen_moved:
+            chosen = set(frozen_moved)
+            new.append(
+                Finding("FROZEN_BUT_CHANGED", f"{describe_groups(group_by_module(target.status, lambda n, s: n in chosen))} "
+                        f"are frozen but optimizer.step() moved them at step {target.step}: weight decay or momentum "
+                        "still acts on frozen parameters left in the optimizer; build the optimizer from the "
+                        "trainable parameters only ([p for p in model.parameters() if p.requires_grad])",
+                        params=tuple(frozen_moved), step=target.step)
+            )
+        self._deliver(target, new, carry_to)
+
+    def _deliver(self, target: Report, new: list[Finding], carry_to: Report | None) -> None:
+        target.findings.extend(new)
+        if carry_to is not None and carry_to is not target:
+            carry_to.findings.extend(new)
+        self._armed_report = None
+        for i, sink in enumerate(self.sinks):
+            fn = getattr(sink, "write_update", None)
+            if callable(fn):
+                self._safe_sink_call(i, sink, fn, target)
+
+    def _judge_missing_step(self, report: Report, scale: float | None) -> None:
+        """No optimizer step ran since the previous check. Fine while accumulating; a skipped
+        step if that check's gradients were thrown away (zeroed or set to None) meanwhile."""
+        prev = self._armed_report
+        refs = self._grad_refs or []
+        entries = self._entries
+        discarded = False
+        for i, ref, version in refs:
+            g = entries[i][1].grad
+            if g is None or g is not ref() or g._version > version + 1:
+                discarded = True
+                break
+        if not discarded:
+            return  # gradient accumulation: several backwards, then one step
+        if self.scaler is not None and self._last_scale is not None and scale is not None and scale < self._last_scale:
+            self._amp_skips += 1
+            alarm = self._amp_skips >= self.amp_skip_alarm
+            f = Finding("AMP_SKIPPED", f"the grad scaler skipped optimizer.step() at step {prev.step} (inf/NaN in the "
+                        f"scaled gradients; scale now {scale:g})" + (f", {self._amp_skips} times in a row: "
+                        "the model itself produces non-finite gradients, not just an fp16 overflow" if alarm else
+                        "; expected now and then while the scale settles"), step=prev.step,
+                        level="error" if alarm else "info", data={"scale": scale, "consecutive": self._amp_skips})
+            self._deliver(prev, [f], report)
+            return
+        ok = [n for n, s in prev.status.items() if s is Status.OK]
+        if ok and any(prev.in_optimizer.get(n) for n in ok):
+            chosen = {n for n in ok if prev.in_optimizer.get(n)}
+            f = Finding("NOT_UPDATED", f"{describe_groups(group_by_module(prev.status, lambda n, s: n in chosen))} had "
+                        f"gradients at step {prev.step} but no optimizer.step() ran before they were zeroed: the "
+                        "step was skipped (a condition around optimizer.step(), or an exception swallowed)",
+                        params=tuple(sorted(chosen, key=list(prev.status).index)), step=prev.step)
+            self._deliver(prev, [f], report)
+        else:
+            self._armed_report = None
+
+    def _judge_amp(self, report: Report, scale: float | None, nonfinite: bool) -> None:
+        if self.scaler is None or scale is None:
+            return
+        if scale < self.amp_scale_floor:
+            report.findings.append(Finding("AMP_SKIPPED", f"the grad scaler's scale collapsed to {scale:g} (floor "
+                                           f"{self.amp_scale_floor:g}): nearly every step overflows; the model produces "
+                                           "non-finite gradients at any scale", step=report.step, data={"scale": scale}))
+        elif nonfinite:
+            report.findings.append(Finding("AMP_SKIPPED", f"non-finite scaled gradients at scale {scale:g}: the grad "
+                                           "scaler will skip this step and lower the scale (expected now and then)",
+                                           level="info", step=report.step, data={"scale": scale}))
+        elif self._armed_report is None or not report.findings_of("AMP_SKIPPED"):
+            self._amp_skips = 0 if not nonfinite else self._amp_skips
+
     def _judge_loss(self, report: Report, loss) -> None:
-        cause = diagnose_loss(loss, self.model)
+        cause = diagnose_loss(loss, self.model, self._forward)
         if cause is not None:
             report.findings.append(Finding("GRAD_MODE", f"loss cannot produce gradients: {cause}", step=report.step))
-        elif report.loss is not None and not math.isfinite(report.loss):
+
+    def _judge_empty(self, report: Report, valid_counts: dict[str, int], norms: list[float]) -> None:
+        empty = [n for n, c in valid_counts.items() if c == 0]
+        if empty:
             report.findings.append(
-                Finding(
-                    "NON_FINITE_LOSS",
-                    f"the loss is {report.loss}: check the inputs and targets of this batch, a log/division "
-                    "inside the loss, or a mean over an empty mask (gh.masked_mean makes the empty case explicit)",
-                    step=report.step,
-                )
+                Finding("EMPTY_VALID_SET", f"the valid mask {', '.join(repr(n) for n in empty)} selected nothing at step "
+                        f"{report.step}: a mean over it is NaN (or 0 with a guarded mean) and the step still moves the "
+                        "weights through weight decay and momentum; skip such batches or use gh.masked_mean(..., "
+                        "empty='zero')", step=report.step, data={"counts": valid_counts})
             )
+            return
+        if report.loss is None or math.isfinite(report.loss):
+            return
+        if norms and all(v == 0.0 for v in norms):
+            report.findings.append(
+                Finding("EMPTY_VALID_SET", f"the loss is {report.loss} while every gradient is exactly zero at step "
+                        f"{report.step}: the signature of a mean over an empty selection (a mask that selected "
+                        "nothing, a cross-entropy whose targets are all ignore_index). The step still moves the "
+                        "weights through weight decay; skip such batches or use gh.masked_mean(..., empty='zero'), "
+                        "and call monitor.track_valid(mask) to see the counts", step=report.step)
+            )
+        else:
+            report.findings.append(
+                Finding("NON_FINITE_LOSS", f"the loss is {report.loss}: check the inputs and targets of this batch, a "
+                        "log or division inside the loss, or a mean over an empty mask (gh.masked_mean makes the "
+                        "empty case explicit)", step=report.step)
+            )
+
+    def _judge_forward(self, report: Report) -> None:
+        rec, self._eval_backward = self._eval_backward, None
+        if rec is None:
+            return
+        if not rec.training:
+            what = "the model was in eval() mode during the training forward"
+        else:
+            what = f"submodules {', '.join(rec.eval_modules[:5])}{' ...' if len(rec.eval_modules) > 5 else ''} were in eval() mode during the training forward"
+        report.findings.append(
+            Finding("GRAD_MODE", f"{what}: dropout is off and batch norm uses (and no longer updates) its running "
+                    "statistics. Call model.train() after validation, before training resumes", step=report.step,
+                    params=rec.eval_modules)
+        )
+
+    def _judge_stale(self, report: Report, stale: set[int]) -> None:
+        if not stale:
+            return
+        chosen = {self._entries[i][0] for i in stale}
+        report.findings.append(
+            Finding("STALE_GRAD", f"{describe_groups(group_by_module(report.status, lambda n, s: n in chosen))}: this "
+                    "backward added onto gradients that optimizer.step() had already used (no zero_grad in between), "
+                    "so every step applies the sum of all past gradients. Call optimizer.zero_grad() before each "
+                    "backward (or after each step)", params=tuple(n for n in report.status if n in chosen),
+                    step=report.step)
+        )
+
+    def _judge_trace(self, report: Report, nonfinite: bool) -> None:
+        tracer = self._tracer
+        if tracer is not None and tracer.armed:
+            tracer.resolve()
+            origin = tracer.forward_origin or tracer.backward_origin
+            report.findings.append(
+                Finding("NONFINITE_ORIGIN", f"traced at step {report.step} after NaN/inf gradients at step "
+                        f"{self._trace_pending_from}: {tracer.explain()}", level="error" if origin else "info",
+                        step=report.step, data={"forward_origin": tracer.forward_origin,
+                                                "backward_origin": tracer.backward_origin,
+                                                "op": tracer.backward_op, "source": tracer.op_source}),
+            )
+            self._tracer = None
+        elif nonfinite and self.trace_on_nonfinite and self.scaler is None:
+            self._tracer = NonFiniteTracer(self.model).arm()
+            self._trace_pending_from = report.step
 
     def _judge_frozen(self, report: Report) -> None:
         frozen = [n for n, s in report.status.items() if s is Status.FROZEN]
@@ -228,48 +623,53 @@ class GradHealth:
         if wrong_frozen:
             chosen = set(wrong_frozen)
             report.findings.append(
-                Finding(
-                    "UNEXPECTED_FROZEN",
-                    f"{describe_groups(group_by_module(report.status, lambda n, s: n in chosen))} frozen but not matched by "
-                    f"expect_frozen={list(pats)}: unfreeze them (requires_grad_(True)) or add them to expect_frozen",
-                    params=wrong_frozen,
-                    step=report.step,
-                )
+                Finding("UNEXPECTED_FROZEN", f"{describe_groups(group_by_module(report.status, lambda n, s: n in chosen))} "
+                        f"frozen but not matched by expect_frozen={list(pats)}: unfreeze them (requires_grad_(True)) "
+                        "or add them to expect_frozen", params=wrong_frozen, step=report.step)
             )
         if wrong_trainable:
             chosen = set(wrong_trainable)
             report.findings.append(
-                Finding(
-                    "UNEXPECTED_TRAINABLE",
-                    f"{describe_groups(group_by_module(report.status, lambda n, s: n in chosen))} match expect_frozen={list(pats)} "
-                    "but are trainable: freeze them (requires_grad_(False)) or change expect_frozen",
-                    params=wrong_trainable,
-                    step=report.step,
-                )
+                Finding("UNEXPECTED_TRAINABLE", f"{describe_groups(group_by_module(report.status, lambda n, s: n in chosen))} "
+                        f"match expect_frozen={list(pats)} but are trainable: freeze them (requires_grad_(False)) or "
+                        "change expect_frozen", params=wrong_trainable, step=report.step)
             )
+
+    # ------------------------------------------------------------------ policy
+    def _safe_sink_call(self, i: int, sink, fn, report: Report, stacklevel: int = 4) -> None:
+        try:
+            fn(report)
+        except Exception as exc:
+            if self.on_problem == "raise":
+                raise
+            if i not in self._broken_sinks:
+                self._broken_sinks.add(i)
+                warnings.warn(
+                    f"gradhealth: sink {type(sink).__name__} failed ({type(exc).__name__}: {exc}); its reports are "
+                    "lost, training continues",
+                    GradHealthInternalWarning,
+                    stacklevel=stacklevel,
+                )
+
+    def alarm(self, report: Report) -> bool:
+        """Whether the policy acts on this report: any problem or error finding, except gradients
+        that overflowed under a grad scaler which will skip the step (AMP_SKIPPED, info level)."""
+        if report.ok:
+            return False
+        if any(f.level == "error" for f in report.findings):
+            return True
+        amp_expected = any(f.kind == "AMP_SKIPPED" and f.level == "info" and f.step == report.step for f in report.findings)
+        return not (amp_expected and set(report.problems.values()) == {Status.NON_FINITE_GRAD})
 
     def _emit(self, report: Report, stacklevel: int) -> None:
         for i, sink in enumerate(self.sinks):
-            try:
-                sink.write(report)
-            except Exception as exc:
-                if self.on_problem == "raise":
-                    raise
-                if i not in self._broken_sinks:
-                    self._broken_sinks.add(i)
-                    warnings.warn(
-                        f"gradhealth: sink {type(sink).__name__} failed ({type(exc).__name__}: {exc}); "
-                        "its reports are lost, training continues",
-                        GradHealthInternalWarning,
-                        stacklevel=stacklevel + 1,
-                    )
-        loud = [f for f in report.findings if f.level in ("warning", "error")]
-        if report.ok and not loud:
-            return
-        if self.on_problem == "ignore":
+            self._safe_sink_call(i, sink, sink.write, report, stacklevel + 2)
+        alarm = self.alarm(report)
+        loud = any(f.level == "warning" for f in report.findings)
+        if (not alarm and not loud) or self.on_problem == "ignore":
             return
         message = self.explain(report)
-        if self.on_problem == "raise" and not report.ok:
+        if self.on_problem == "raise" and alarm:
             raise GradHealthError(message, report)
         warnings.warn(message, GradHealthWarning, stacklevel=stacklevel + 1)
 
@@ -286,3 +686,14 @@ class GradHealth:
             if f.level != "info":
                 lines.append(f"  {f.kind}: {f.message}")
         return "\n".join(lines)
+
+
+def _first_grad_tensor(output) -> list[Tensor]:
+    if isinstance(output, Tensor):
+        return [output] if output.requires_grad else []
+    items = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
+    for o in items:
+        found = _first_grad_tensor(o)
+        if found:
+            return found
+    return []

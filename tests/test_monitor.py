@@ -141,7 +141,7 @@ def test_loss_judged_in_same_check(mlp):
     r = mon.check(loss=loss)
     assert r.loss == pytest.approx(loss.item())
     r = mon.check(loss=torch.tensor(float("nan")))
-    assert [f.kind for f in r.findings] == ["GRAD_MODE"]  # a detached nan loss: grad-mode first
+    assert [f.kind for f in r.findings] == ["GRAD_MODE", "NON_FINITE_LOSS"]  # a detached nan loss: both said
     nan_loss = mlp(torch.full((2, 8), float("nan"))).sum()
     r = mon.check(loss=nan_loss)
     assert [f.kind for f in r.findings] == ["NON_FINITE_LOSS"] and math.isnan(r.loss)

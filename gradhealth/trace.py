@@ -1,0 +1,308 @@
+"""Where a NaN or inf was born: the module (forward and backward) and the autograd operation.
+
+``trace_nonfinite(model)`` arms hooks for one forward+backward and resolves them, with a single
+device-to-host transfer, when the block exits:
+
+* forward: the first module (in completion order, so the deepest) whose output is non-finite;
+* backward: the deepest module that received finite gradients at its outputs and passed
+  non-finite ones to its inputs or parameters: the ``torch.where``-over-an-overflow and
+  mask-after-divide cases, whose forward is clean;
+* inside that module, the autograd operation where it happened (``DivBackward0``, ...) and, where
+  torch recorded it, the forward source line. This is found by re-running that one module's forward
+  and backward (unit upstream gradient, buffers restored, ``.grad`` untouched) with anomaly-mode
+  stack recording on; the training step itself runs without anomaly mode.
+
+Unlike ``torch.autograd.detect_anomaly``, inf counts as well as NaN, and only Python-side hooks plus
+one ``isfinite`` reduction per hooked tensor run during the step. No hook exists outside the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sysconfig
+import traceback as _tb
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .classify import unwrap
+
+__all__ = ["NonFiniteTracer", "trace_nonfinite", "REPAIRS"]
+
+ROOT = "(root)"
+
+REPAIRS = (
+    "mask or clamp *before* the dangerous operation (gh.safe_div, gh.safe_log, gh.safe_sqrt, "
+    "gh.safe_where: the 'double where'), not after it; guard the domain of log/sqrt/division; "
+    "for fp16, an overflow (compute that part in fp32 or lower the scale); and where the composed "
+    "function has a finite derivative but autodiff passes through a singular step (exp(log(x)) or "
+    "sqrt(x**2) at 0, a norm at 0), rewrite the expression or give it its own backward "
+    "(torch.autograd.Function)"
+)
+
+
+def _tensors(obj, limit: int = 16) -> list[Tensor]:
+    out: list[Tensor] = []
+
+    def walk(o):
+        if len(out) >= limit:
+            return
+        if isinstance(o, Tensor):
+            out.append(o)
+        elif isinstance(o, (list, tuple)):
+            for x in o:
+                walk(x)
+        elif isinstance(o, dict):
+            for x in o.values():
+                walk(x)
+
+    walk(obj)
+    return out
+
+
+def _bad(tensors) -> Tensor | None:
+    """A 0-d device bool: does any floating tensor hold a NaN or inf? (no host sync)"""
+    flags = [~torch.isfinite(t).all() for t in tensors if t is not None and t.is_floating_point() and t.numel()]
+    if not flags:
+        return None
+    return flags[0] if len(flags) == 1 else torch.stack(flags).any()
+
+
+@dataclass
+class _Event:
+    module: str
+    kind: str  # "fwd" | "out" | "in" | "param"
+    flag: Tensor
+
+
+class NonFiniteTracer:
+    """Hooks for one traced step; see the module docstring. Results are final after ``resolve()``."""
+
+    def __init__(self, model: nn.Module):
+        self.root = unwrap(model)
+        self.forward_origin: str | None = None
+        self.backward_origin: str | None = None
+        self.backward_op: str | None = None
+        self.op_source: str | None = None
+        self._handles: list = []
+        self._events: list[_Event] = []
+        self._inputs: dict[str, tuple] = {}
+        self._armed = False
+        self.resolved = False
+
+    # ----------------------------------------------------------------- arming
+    def arm(self) -> NonFiniteTracer:
+        if self._armed:
+            return self
+        self._armed = True
+        self.resolved = False
+        self._events.clear()
+        self._inputs.clear()
+        for name, module in self.root.named_modules():
+            name = name or ROOT
+            self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post(name)))
+            for p in module.parameters(recurse=False):
+                if p.requires_grad:
+                    self._handles.append(p.register_hook(self._grad_hook(name, "param")))
+        return self
+
+    def disarm(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._armed = False
+
+    @property
+    def armed(self) -> bool:
+        return self._armed
+
+    def _grad_hook(self, name: str, kind: str):
+        def hook(grad):
+            flag = _bad([grad])
+            if flag is not None:
+                self._events.append(_Event(name, kind, flag))
+
+        return hook
+
+    def _pre(self, name: str):
+        def hook(module, args, kwargs):
+            self._inputs[name] = (args, kwargs)
+            ins = _tensors((args, kwargs))
+            flag = _bad(ins)
+            if flag is not None:
+                self._events.append(_Event(name, "inp", flag))
+            if torch.is_grad_enabled():
+                for t in ins:
+                    if t.requires_grad:
+                        t.register_hook(self._grad_hook(name, "in"))
+
+        return hook
+
+    def _post(self, name: str):
+        def hook(module, args, output):
+            outs = _tensors(output)
+            flag = _bad(outs)
+            if flag is not None:
+                self._events.append(_Event(name, "fwd", flag))
+            if torch.is_grad_enabled():
+                for t in outs:
+                    if t.requires_grad:
+                        t.register_hook(self._grad_hook(name, "out"))
+
+        return hook
+
+    # -------------------------------------------------------------- resolving
+    def resolve(self) -> NonFiniteTracer:
+        """Read every recorded flag in one transfer and name the origins."""
+        self.disarm()
+        events = self._events
+        values = torch.stack([e.flag.to(events[0].flag.device) for e in events]).tolist() if events else []
+        fwd = [e.module for e, v in zip(events, values) if e.kind == "fwd" and v]
+        self.forward_origin = fwd[0] if fwd else None
+
+        # A module fed non-finite values in its forward passes them on in backward too: a
+        # consequence of a forward origin, never a backward origin.
+        fed_bad = {e.module for e, v in zip(events, values) if e.kind == "inp" and v}
+        out_bad: dict[str, bool] = {}
+        in_bad: dict[str, int] = {}  # module -> first event index with a non-finite input/param grad
+        for k, (e, v) in enumerate(zip(events, values)):
+            if e.kind == "out":
+                out_bad[e.module] = out_bad.get(e.module, False) or bool(v)
+            elif e.kind in ("in", "param") and v and e.module not in in_bad:
+                in_bad[e.module] = k
+        # A module qualifies when its output gradients were all finite (or it had no output
+        # gradient at all but is a parameter owner inside the path) and it produced non-finite ones.
+        qualifies = [m for m in in_bad if m not in fed_bad and not out_bad.get(m, False) and (m in out_bad or m == ROOT)]
+        deepest = [m for m in qualifies if not any(o != m and (m == ROOT or o.startswith(m + ".")) for o in qualifies)]
+        deepest.sort(key=lambda m: in_bad[m])
+        self.backward_origin = deepest[0] if deepest else None
+        if self.backward_origin is not None:
+            self._find_op(self.backward_origin)
+        self._inputs.clear()
+        self._events = []
+        self.resolved = True
+        return self
+
+    def _module(self, name: str) -> nn.Module:
+        return self.root if name == ROOT else self.root.get_submodule(name)
+
+    def _find_op(self, name: str) -> None:
+        """Re-run the origin module alone, with anomaly-mode stacks, to name the operation."""
+        captured = self._inputs.get(name)
+        if captured is None:
+            return
+        module = self._module(name)
+        args, kwargs = captured
+        buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
+        rng = torch.random.get_rng_state()
+        found: list[tuple[str, str | None]] = []
+        try:
+            leaves = []
+
+            def detach(o):
+                if isinstance(o, Tensor):
+                    if o.is_floating_point():
+                        leaf = o.detach().requires_grad_(True)
+                        leaves.append(leaf)
+                        return leaf
+                    return o
+                if isinstance(o, (list, tuple)):
+                    return type(o)(detach(x) for x in o)
+                if isinstance(o, dict):
+                    return {k: detach(v) for k, v in o.items()}
+                return o
+
+            args2, kwargs2 = detach(args), detach(kwargs)
+            params = [p for p in module.parameters() if p.requires_grad]
+            with torch.enable_grad(), torch.autograd.set_detect_anomaly(True, check_nan=False):
+                outs = [t for t in _tensors(module(*args2, **kwargs2)) if t.requires_grad]
+                if not outs:
+                    return
+                nodes = _graph_nodes([o.grad_fn for o in outs], stop_at=leaves + params)
+                handles = []
+                records: list[tuple] = []
+                for node in nodes:
+                    handles.append(node.register_hook(lambda gi, go, node=node: records.append((node, _bad(go), _bad(gi)))))
+                try:
+                    torch.autograd.grad(outs, leaves + params, [torch.ones_like(o) for o in outs], allow_unused=True)
+                finally:
+                    for h in handles:
+                        h.remove()
+            flags = [(n, a, b) for n, a, b in records if b is not None]
+            if flags:
+                vals = torch.stack([torch.stack([a if a is not None else torch.zeros((), dtype=torch.bool, device=b.device), b]) for _, a, b in flags]).tolist()
+                for (node, _, _), (went_in_bad, came_out_bad) in zip(flags, vals):
+                    if came_out_bad and not went_in_bad:
+                        found.append((node.name(), _source(node)))
+                        break
+        except Exception:  # best effort: the module-level answer stands without it
+            return
+        finally:
+            torch.random.set_rng_state(rng)
+            with torch.no_grad():
+                for k, b in module.named_buffers():
+                    if k in buffers:
+                        b.copy_(buffers[k])
+        if found:
+            self.backward_op, self.op_source = found[0]
+
+    def explain(self) -> str:
+        """What the origins mean and the usual repairs, in words."""
+        if self.forward_origin is None and self.backward_origin is None:
+            return "no module produced a NaN or inf in this step (it may have come from outside the model, e.g. the loss)"
+        parts = []
+        if self.forward_origin is not None:
+            parts.append(f"the forward first produced a non-finite output in module {self.forward_origin!r}")
+        if self.backward_origin is not None:
+            where = f"module {self.backward_origin!r}"
+            if self.backward_op:
+                where += f", at {self.backward_op}"
+                if self.op_source:
+                    where += f" (forward: {self.op_source})"
+            clean = " although its forward output was finite" if self.forward_origin is None else ""
+            parts.append(f"backward turned finite gradients into NaN/inf inside {where}{clean}")
+        return "; ".join(parts) + ". Usual repairs: " + REPAIRS + "."
+
+
+def _graph_nodes(roots, stop_at) -> list:
+    stop = {id(t) for t in stop_at}
+    seen, order, stack = set(), [], [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        order.append(node)
+        var = getattr(node, "variable", None)
+        if var is not None and id(var) in stop:
+            continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                stack.append(nxt)
+    return order
+
+
+def _source(node) -> str | None:
+    tb = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
+    if not tb:
+        return None
+    lines = tb if isinstance(tb, list) else _tb.format_list(_tb.extract_stack())
+    text = "".join(lines)
+    frames = [ln for ln in text.strip().splitlines() if ln.strip().startswith("File ")]
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), sysconfig.get_paths()["stdlib"])
+    user = [f for f in frames if not any(f'"{s}' in f for s in skip)]
+    pick = (user or frames)[-1] if (user or frames) else None
+    return pick.strip() if pick else None
+
+
+@contextlib.contextmanager
+def trace_nonfinite(model: nn.Module):
+    """Arm a :class:`NonFiniteTracer` for the forward and backward run inside the block."""
+    tracer = NonFiniteTracer(model).arm()
+    try:
+        yield tracer
+    finally:
+        tracer.resolve()
