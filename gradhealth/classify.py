@@ -118,7 +118,7 @@ def classify(model: nn.Module, optimizer=None) -> dict[str, Status]:
     optimizers = as_optimizers(optimizer)
     ids = optimizer_param_ids(optimizers) if optimizers else None
     with_grad = [i for i, (_, p) in enumerate(entries) if p.grad is not None]
-    norms, _ = stats.grad_norms([entries[i][1].grad for i in with_grad])
+    norms, _, _ = stats.grad_norms([entries[i][1].grad for i in with_grad])
     norm_of = dict(zip(with_grad, norms))
     return {
         name: decide(p.requires_grad, norm_of.get(i), ids is None or id(p) in ids)

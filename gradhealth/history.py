@@ -1,10 +1,12 @@
 """A running, outlier-robust baseline of gradient norms: exploding and vanishing gradients.
 
-Kept on the host from numbers every check already fetched (the total norm and per-module norms),
-over a sliding window of checks: the baseline is the median, the spread the MAD. A spike is a norm
-far above both (``spike_factor`` x the median and ``spike_mads`` MADs above it) or above an absolute
-``ceiling``; a collapse is a module's norm below ``vanish_factor`` x its median. Nothing is judged
-during the first ``warmup`` checks.
+Kept on the host, in plain Python, from numbers every check already fetched (the total norm and
+per-module norms), over a sliding window of checks: the baseline is the median, the spread the
+MAD. A spike is a total norm far above both (``spike_factor`` x the median and ``spike_mads`` MADs
+above it) or above an absolute ``ceiling``; a collapse is a module's norm below ``vanish_factor``
+x its median. Nothing is judged during the first ``warmup`` checks. Per-module medians are
+refreshed every ``refresh`` checks: the baseline moves slowly, and recomputing it every check
+would cost more than the check itself.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class NormHistory:
         spike_mads: float = 10.0,
         vanish_factor: float = 1e-3,
         ceiling: float | None = None,
+        refresh: int = 16,
     ):
         if window < 3 or warmup < 1 or warmup > window:
             raise ValueError(f"history needs window >= 3 and 1 <= warmup <= window; got window={window}, warmup={warmup}")
@@ -42,25 +45,46 @@ class NormHistory:
         self.spike_mads = spike_mads
         self.vanish_factor = vanish_factor
         self.ceiling = ceiling
+        self.refresh = refresh
         self.total: deque[float] = deque(maxlen=window)
-        self.modules: dict[str, deque[float]] = {}
+        self.modules: list[str] = []
+        self._col: dict[str, int] = {}
+        self._rows: deque[list[float]] = deque(maxlen=window)  # one row of module norms per check
         self.seen = 0
+        self._medians: list[float] = []
+        self._medians_at = -1
 
-    @staticmethod
-    def _baseline(values) -> tuple[float, float]:
-        med = statistics.median(values)
-        mad = statistics.median(abs(v - med) for v in values) * 1.4826
-        return med, mad
+    # --------------------------------------------------------------- storage
+    def _row(self, module_norms: dict[str, float]) -> list[float]:
+        col = self._col
+        for n in module_norms:
+            if n not in col:
+                col[n] = len(self.modules)
+                self.modules.append(n)
+                self._medians_at = -1
+        row = [math.nan] * len(self.modules)
+        for n, v in module_norms.items():
+            row[col[n]] = v if math.isfinite(v) else math.nan
+        return row
 
-    def _spiky(self, value: float, values) -> tuple[bool, float]:
-        med, mad = self._baseline(values)
-        return value > self.spike_factor * med and value > med + self.spike_mads * mad, med
+    def _module_medians(self) -> list[float]:
+        if self._medians_at < 0 or self.seen - self._medians_at >= self.refresh:
+            width = len(self.modules)
+            meds = []
+            for c in range(width):
+                col = sorted(r[c] for r in self._rows if c < len(r) and r[c] == r[c])
+                n = len(col)
+                meds.append(math.nan if n < self.warmup else (col[n // 2] if n % 2 else 0.5 * (col[n // 2 - 1] + col[n // 2])))
+            self._medians, self._medians_at = meds, self.seen
+        return self._medians
 
+    # --------------------------------------------------------------- judging
     def update(self, step: int, total: float, module_norms: dict[str, float]) -> list[Finding]:
         """Judge this check against the baseline, then add it to the baseline."""
         findings: list[Finding] = []
         if not math.isfinite(total):
             return findings  # non-finite gradients are a parameter state already; keep them out
+        row = self._row(module_norms)
         judged = self.seen >= self.warmup
         if self.ceiling is not None and total > self.ceiling:
             findings.append(
@@ -69,49 +93,50 @@ class NormHistory:
                         step=step, data={"total": total, "ceiling": self.ceiling})
             )
         elif judged:
-            spike, med = self._spiky(total, self.total)
-            if spike:
-                worst = sorted(
-                    (m for m, v in module_norms.items() if m in self.modules and len(self.modules[m]) >= self.warmup
-                     and v > self.spike_factor * statistics.median(self.modules[m])),
-                    key=lambda m: -module_norms[m] / max(statistics.median(self.modules[m]), 1e-300),
-                )[:5]
-                where = f"; largest jumps in {', '.join(worst)}" if worst else ""
+            med = statistics.median(self.total)
+            mad = statistics.median(abs(v - med) for v in self.total) * 1.4826
+            if total > self.spike_factor * med and total > med + self.spike_mads * mad:
+                meds = self._module_medians()
+                jumps = [(v / m, c) for c, (v, m) in enumerate(zip(row, meds)) if m > 0 and v > self.spike_factor * m]
+                names = tuple(self.modules[c] for _, c in sorted(jumps, reverse=True)[:5])
+                where = f"; largest jumps in {', '.join(names)}" if names else ""
                 findings.append(
                     Finding("EXPLODING_GRAD", f"total grad norm {total:.3g} is {total / med:.3g}x its running median "
                             f"{med:.3g}{where}: a bad batch (look at its inputs and targets), a learning rate too high, "
                             "or an fp16 overflow; clip gradients (clip_grad_norm_) to contain it",
-                            params=tuple(worst), step=step, data={"total": total, "median": med})
+                            params=names, step=step, data={"total": total, "median": med})
                 )
         if judged:
-            vanished = []
-            for m, v in module_norms.items():
-                hist = self.modules.get(m)
-                if hist is None or len(hist) < self.warmup:
-                    continue
-                med = statistics.median(hist)
-                if med > 0 and v < self.vanish_factor * med:
-                    vanished.append((m, v, med))
-            if vanished:
-                desc = ", ".join(f"{m} ({v:.3g} vs median {med:.3g})" for m, v, med in vanished[:5])
-                more = f" and {len(vanished) - 5} more" if len(vanished) > 5 else ""
+            meds = self._module_medians()
+            f = self.vanish_factor
+            low = [c for c, (v, m) in enumerate(zip(row, meds)) if v < f * m]  # NaN compares False
+            if low:
+                desc = ", ".join(f"{self.modules[c]} ({row[c]:.3g} vs median {meds[c]:.3g})" for c in low[:5])
+                more = f" and {len(low) - 5} more" if len(low) > 5 else ""
                 findings.append(
-                    Finding("VANISHING_GRAD", f"gradients collapsed below {self.vanish_factor:g}x their running median in "
+                    Finding("VANISHING_GRAD", f"gradients collapsed below {f:g}x their running median in "
                             f"{desc}{more}: saturated activations, dead ReLUs, a learning rate that blew the weights up, "
-                            "or a mask that cut the path", params=tuple(m for m, _, _ in vanished), level="warning",
+                            "or a mask that cut the path", params=tuple(self.modules[c] for c in low), level="warning",
                             step=step)
                 )
         self.seen += 1
         self.total.append(total)
-        for m, v in module_norms.items():
-            if math.isfinite(v):
-                self.modules.setdefault(m, deque(maxlen=self.window)).append(v)
+        self._rows.append(row)
         return findings
 
+    # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        return {"seen": self.seen, "total": list(self.total), "modules": {m: list(v) for m, v in self.modules.items()}}
+        return {
+            "seen": self.seen,
+            "total": list(self.total),
+            "modules": list(self.modules),
+            "rows": [list(r) for r in self._rows],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.seen = int(state["seen"])
         self.total = deque((float(v) for v in state["total"]), maxlen=self.window)
-        self.modules = {m: deque((float(x) for x in v), maxlen=self.window) for m, v in state["modules"].items()}
+        self.modules = [str(m) for m in state["modules"]]
+        self._col = {m: c for c, m in enumerate(self.modules)}
+        self._rows = deque(([float(v) for v in r] for r in state["rows"]), maxlen=self.window)
+        self._medians_at = -1

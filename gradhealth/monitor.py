@@ -145,8 +145,14 @@ class GradHealth:
         self.amp_scale_floor = float(amp_scale_floor)
         self.trace_on_nonfinite = bool(trace_on_nonfinite)
 
+        self._names = [n for n, _ in self._entries]
+        self._params = [p for _, p in self._entries]
+        self._pids = [id(p) for p in self._params]
         self._meta = {n: ParamMeta(p.numel(), str(p.dtype).replace("torch.", ""), str(p.device)) for n, p in self._entries}
-        self._modules = [module_of(n) for n, _ in self._entries]
+        groups: dict[str, list[int]] = {}
+        for i, (n, _) in enumerate(self._entries):
+            groups.setdefault(module_of(n), []).append(i)
+        self._module_groups = list(groups.items())
         self._calls = 0
         self._checks = 0
         self._closed = False
@@ -164,6 +170,7 @@ class GradHealth:
         self._tracer: NonFiniteTracer | None = None
         self._trace_pending_from: int | None = None
 
+        self._plan = None
         self._tracker = UpdateTracker(self._entries, self.optimizers, mode=self.deltas) if self.optimizers else None
         self._hooks = []
         if watch_forward:
@@ -340,7 +347,7 @@ class GradHealth:
             scale_t = self.scaler._scale
             extras.append(scale_t.reshape(1))
 
-        norms, extra = stats.grad_norms(grads, extras)
+        norms, extra, self._plan = stats.grad_norms(grads, extras, self._plan)
 
         k = 0
         loss_value = None
@@ -361,18 +368,25 @@ class GradHealth:
         norm_of: list[float | None] = [None] * len(entries)
         for i, v in zip(with_grad, norms):
             norm_of[i] = v
-        status: dict[str, Status] = {}
-        in_opt: dict[str, bool] | None = {} if ids is not None else None
-        for i, (name, p) in enumerate(entries):
-            inside = ids is None or id(p) in ids
-            if in_opt is not None:
-                in_opt[name] = inside
-            status[name] = decide(p.requires_grad, norm_of[i], inside)
-        grad_norm = {entries[i][0]: v for i, v in zip(with_grad, norms)}
-        if any(math.isnan(v) for v in norms):
-            total = math.nan
-        else:
-            total = math.hypot(*norms) if norms else 0.0
+        names, params, pids = self._names, self._params, self._pids
+        status: dict[str, Status] = dict.fromkeys(names, Status.OK)
+        in_opt: dict[str, bool] | None = dict.fromkeys(names, True) if ids is not None else None
+        inf = math.inf
+        nonfinite = False
+        for i, p in enumerate(params):
+            v = norm_of[i]
+            inside = ids is None or pids[i] in ids
+            if inside and v is not None and 0.0 < v < inf and p.requires_grad:
+                continue  # OK, the common case, without the full decision tree
+            if not inside:
+                in_opt[names[i]] = False
+            state = decide(p.requires_grad, v, inside)
+            status[names[i]] = state
+            nonfinite = nonfinite or state is Status.NON_FINITE_GRAD
+        grad_norm = {names[i]: v for i, v in zip(with_grad, norms)}
+        total = math.hypot(*norms) if norms else 0.0
+        if total == inf and any(math.isnan(v) for v in norms):
+            total = math.nan  # hypot says inf when an inf and a NaN meet; the norm is NaN
 
         report = Report(
             step=step,
@@ -384,7 +398,6 @@ class GradHealth:
             loss=loss_value,
             valid_counts=valid_counts,
         )
-        nonfinite = any(s is Status.NON_FINITE_GRAD for s in status.values())
 
         # the previous step: its updates, or why it did not run
         if pending:
@@ -400,14 +413,15 @@ class GradHealth:
         self._judge_frozen(report)
         self._judge_trace(report, nonfinite)
         if self.history is not None:
-            report.findings += self.history.update(step, total, self._module_norms(with_grad, norms))
+            report.findings += self.history.update(step, total, self._module_norms(norm_of))
 
         # arm the next optimizer step
         if tracker is not None:
             tracker.armed_step = step
             tracker.steps_since_check = 0
             self._armed_report = report
-            self._grad_refs = [(i, weakref.ref(entries[i][1].grad), entries[i][1].grad._version) for i in with_grad]
+            # A few witnesses suffice: zero_grad resets every gradient of an optimizer at once.
+            self._grad_refs = [(i, weakref.ref(entries[i][1].grad), entries[i][1].grad._version) for i in with_grad[:: max(1, len(with_grad) // 8)]]
         self._last_scale = scale
         return report
 
@@ -425,12 +439,13 @@ class GradHealth:
             return norms
         return [v if id(self._entries[i][1]) in unscaled else v / scale for i, v in zip(with_grad, norms)]
 
-    def _module_norms(self, with_grad: list[int], norms: list[float]) -> dict[str, float]:
-        sq: dict[str, list[float]] = {}
-        mods = self._modules
-        for i, v in zip(with_grad, norms):
-            sq.setdefault(mods[i], []).append(v)
-        return {m: (vs[0] if len(vs) == 1 else math.hypot(*vs)) for m, vs in sq.items()}
+    def _module_norms(self, norm_of: list[float | None]) -> dict[str, float]:
+        out = {}
+        for module, idx in self._module_groups:
+            vs = [norm_of[i] for i in idx if norm_of[i] is not None]
+            if vs:
+                out[module] = vs[0] if len(vs) == 1 else math.hypot(*vs)
+        return out
 
     def _apply_updates(self, pending, carry_to: Report | None) -> None:
         """Write measured update norms into the report of their step, judge them, tell sinks."""

@@ -36,20 +36,39 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def pack_norms(tensors: Sequence[Tensor]) -> tuple[Tensor | None, list[int]]:
-    """Norms of ``tensors`` as one float64 device tensor, and the permutation it is in.
-
-    ``packed[k]`` is the norm of ``tensors[perm[k]]``. No host synchronisation happens here.
-    """
-    if not tensors:
-        return None, []
+def plan_groups(tensors: Sequence[Tensor]) -> list[tuple[torch.device, torch.dtype, list[int]]]:
+    """Indices of ``tensors`` grouped by (device, dtype): one fused kernel per group."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
+    return [(d, dt, idx) for (d, dt), idx in groups.items()]
+
+
+def _plan_fits(plan, tensors: Sequence[Tensor]) -> bool:
+    if plan is None or sum(len(idx) for _, _, idx in plan) != len(tensors):
+        return False
+    for device, dtype, idx in plan:  # spot check: the first and last member of each group
+        for i in (idx[0], idx[-1]):
+            t = tensors[i]
+            if t.dtype != dtype or t.device != device:
+                return False
+    return True
+
+
+def pack_norms(tensors: Sequence[Tensor], plan=None):
+    """Norms of ``tensors`` as one float64 device tensor, the permutation it is in, and the plan.
+
+    ``packed[k]`` is the norm of ``tensors[perm[k]]``. ``plan`` (from a previous call over the
+    same parameters) skips regrouping. No host synchronisation happens here.
+    """
+    if not tensors:
+        return None, [], plan
+    if not _plan_fits(plan, tensors):
+        plan = plan_groups(tensors)
     pieces: list[Tensor] = []
     perm: list[int] = []
     target = None
-    for (device, dtype), idx in groups.items():
+    for device, dtype, idx in plan:
         members = [tensors[i] for i in idx]
         acc = _acc_dtype(dtype)
         try:
@@ -65,7 +84,7 @@ def pack_norms(tensors: Sequence[Tensor]) -> tuple[Tensor | None, list[int]]:
         pieces.append(piece)
         perm.extend(idx)
     packed = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    return packed, perm
+    return packed, perm, plan
 
 
 def fetch(parts: Sequence[Tensor]) -> list[float]:
@@ -102,14 +121,16 @@ def exact_norms(tensors: Sequence[Tensor]) -> list[float]:
     return fetch(out)
 
 
-def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = ()) -> tuple[list[float], list[float]]:
+def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None):
     """Exact L2 norms of ``grads`` (dense or sparse), and ``extras`` read in the same transfer.
 
-    Returns ``(norms, extra_values)``: ``norms[i]`` is the norm of ``grads[i]`` (nan if it holds a
-    NaN, inf if it holds an inf and no NaN), ``extra_values`` the flattened ``extras``.
+    Returns ``(norms, extra_values, plan)``: ``norms[i]`` is the norm of ``grads[i]`` (nan if it
+    holds a NaN, inf if it holds an inf and no NaN), ``extra_values`` the flattened ``extras``,
+    ``plan`` the grouping to pass back next time.
     """
-    views = [dense_view(g) for g in grads]
-    packed, perm = pack_norms(views)
+    strided = torch.strided
+    views = [g if g.layout is strided else dense_view(g) for g in grads]
+    packed, perm, plan = pack_norms(views, plan)
     values = fetch([packed, *extras] if packed is not None else list(extras))
     n = len(perm)
     norms = [0.0] * n
@@ -119,4 +140,4 @@ def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = ()) -> tuple[
     if suspects:
         for i, v in zip(suspects, exact_norms([views[i] for i in suspects])):
             norms[i] = v
-    return norms, values[n:]
+    return norms, values[n:], plan
