@@ -16,10 +16,14 @@ from .errors import (
     GradModeError,
 )
 from .guards import check_loss
+from .history import NormHistory
+from .masking import masked_mean, safe_div, safe_log, safe_sqrt, safe_where
 from .monitor import GradHealth
 from .report import Finding, Report
 from .sinks import LoggingSink, Sink
 from .status import Status
+from .testing import assert_trains
+from .trace import NonFiniteTracer, trace_nonfinite
 
 __version__ = "0.1.0"
 
@@ -32,6 +36,15 @@ __all__ = [
     "Sink",
     "LoggingSink",
     "check_loss",
+    "masked_mean",
+    "safe_div",
+    "safe_log",
+    "safe_sqrt",
+    "safe_where",
+    "trace_nonfinite",
+    "NonFiniteTracer",
+    "assert_trains",
+    "NormHistory",
     "GradModeError",
     "GradHealthError",
     "GradHealthWarning",

@@ -131,7 +131,7 @@ class UpdateTracker:
         self._stride = []
         for n in sizes:
             k = max(1, min(n, lo))
-            stride = max(1, n // k)
+            stride = max(1, -(-n // k))  # ceil: never more than k samples
             offset = int(torch.randint(0, stride, (1,), generator=gen)) if stride > 1 else 0
             count = len(range(offset, n, stride))
             self._stride.append((offset, stride, count))

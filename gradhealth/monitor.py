@@ -400,6 +400,8 @@ class GradHealth:
         )
 
         # the previous step: its updates, or why it did not run
+        if steps_ran:
+            self._amp_skips = 0
         if pending:
             self._apply_updates(pending, carry_to=report)
         elif self._armed_report is not None and steps_ran == 0:
@@ -510,15 +512,15 @@ class GradHealth:
                 break
         if not discarded:
             return  # gradient accumulation: several backwards, then one step
-        if self.scaler is not None and self._last_scale is not None and scale is not None and scale < self._last_scale:
+        if self.scaler is not None:
+            # The scaler skipped it (inf/NaN in the scaled gradients): already said as AMP_SKIPPED
+            # in that step's report when the check saw the overflow; count it, and say it now
+            # if that check did not see it.
             self._amp_skips += 1
-            alarm = self._amp_skips >= self.amp_skip_alarm
-            f = Finding("AMP_SKIPPED", f"the grad scaler skipped optimizer.step() at step {prev.step} (inf/NaN in the "
-                        f"scaled gradients; scale now {scale:g})" + (f", {self._amp_skips} times in a row: "
-                        "the model itself produces non-finite gradients, not just an fp16 overflow" if alarm else
-                        "; expected now and then while the scale settles"), step=prev.step,
-                        level="error" if alarm else "info", data={"scale": scale, "consecutive": self._amp_skips})
-            self._deliver(prev, [f], report)
+            if not prev.findings_of("AMP_SKIPPED") and scale is not None and self._last_scale is not None and scale < self._last_scale:
+                self._deliver(prev, [self._amp_finding(prev.step, scale, self._amp_skips)], report)
+            else:
+                self._armed_report = None
             return
         ok = [n for n, s in prev.status.items() if s is Status.OK]
         if ok and any(prev.in_optimizer.get(n) for n in ok):
@@ -531,19 +533,26 @@ class GradHealth:
         else:
             self._armed_report = None
 
+    def _amp_finding(self, step: int, scale: float, consecutive: int) -> Finding:
+        alarm = consecutive >= self.amp_skip_alarm
+        return Finding(
+            "AMP_SKIPPED",
+            f"the grad scaler skips optimizer.step() at step {step}: inf/NaN in the scaled gradients at scale {scale:g}"
+            + (f", {consecutive} steps in a row: the model itself produces non-finite gradients, not an fp16 "
+               "overflow the scaler can absorb (trace it with gh.trace_nonfinite)" if alarm
+               else "; expected now and then while the scale settles"),
+            step=step, level="error" if alarm else "info", data={"scale": scale, "consecutive": consecutive},
+        )
+
     def _judge_amp(self, report: Report, scale: float | None, nonfinite: bool) -> None:
         if self.scaler is None or scale is None:
             return
+        if nonfinite:
+            report.findings.append(self._amp_finding(report.step, scale, self._amp_skips + 1))
         if scale < self.amp_scale_floor:
             report.findings.append(Finding("AMP_SKIPPED", f"the grad scaler's scale collapsed to {scale:g} (floor "
                                            f"{self.amp_scale_floor:g}): nearly every step overflows; the model produces "
                                            "non-finite gradients at any scale", step=report.step, data={"scale": scale}))
-        elif nonfinite:
-            report.findings.append(Finding("AMP_SKIPPED", f"non-finite scaled gradients at scale {scale:g}: the grad "
-                                           "scaler will skip this step and lower the scale (expected now and then)",
-                                           level="info", step=report.step, data={"scale": scale}))
-        elif self._armed_report is None or not report.findings_of("AMP_SKIPPED"):
-            self._amp_skips = 0 if not nonfinite else self._amp_skips
 
     def _judge_loss(self, report: Report, loss) -> None:
         cause = diagnose_loss(loss, self.model, self._forward)

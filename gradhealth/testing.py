@@ -1,0 +1,111 @@
+"""``assert_trains``: the "does every intended parameter actually train?" test, for users' suites."""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .classify import as_optimizers, classify, named_parameters
+from .guards import diagnose_loss
+from .status import HINTS, Status
+
+__all__ = ["assert_trains"]
+
+
+def _rng_state():
+    state = {"cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state) -> None:
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def assert_trains(
+    model: nn.Module,
+    optimizer,
+    loss_fn: Callable,
+    batch,
+    *,
+    expect_frozen=None,
+    restore: bool = True,
+) -> dict[str, Status]:
+    """Run one training step and fail with a readable list of every parameter that does not train.
+
+    ``loss_fn(model, batch)`` returns the loss. A parameter fails when it gets no gradient, a
+    non-finite or all-zero gradient, is in no optimizer, or is unchanged by ``optimizer.step()``.
+    Frozen parameters are skipped, unless ``expect_frozen`` (name patterns) is given: then a frozen
+    parameter outside the patterns, or a trainable one inside them, fails too. The model's
+    parameters, buffers and gradients, the optimizer's state and the RNG are restored afterwards
+    unless ``restore=False``. Returns the statuses when everything trains.
+    """
+    entries = named_parameters(model)
+    optimizers = as_optimizers(optimizer)
+    if not optimizers:
+        raise TypeError("assert_trains needs an optimizer (or a list of them) to take the step with")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
+    pats = None if expect_frozen is None else ((expect_frozen,) if isinstance(expect_frozen, str) else tuple(expect_frozen))
+
+    saved_params = [p.detach().clone() for _, p in entries]
+    saved_grads = [None if p.grad is None else p.grad.detach().clone() for _, p in entries]
+    saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    saved_opt = [copy.deepcopy(o.state_dict()) for o in optimizers]
+    saved_rng = _rng_state()
+    failures: list[str] = []
+    status: dict[str, Status] = {}
+    try:
+        for o in optimizers:
+            o.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        cause = diagnose_loss(loss, model)
+        if cause is not None:
+            failures.append(f"the loss cannot produce gradients: {cause}")
+        else:
+            loss.backward()
+            status = classify(model, optimizers)
+            before = [p.detach().clone() for _, p in entries]
+            for o in optimizers:
+                o.step()
+            for (name, p), b in zip(entries, before):
+                state = status[name]
+                expected_frozen = pats is not None and any(fnmatch.fnmatchcase(name, pat) for pat in pats)
+                if state is Status.FROZEN:
+                    if pats is not None and not expected_frozen:
+                        failures.append(f"{name}: FROZEN (requires_grad=False) but not in expect_frozen")
+                    continue
+                if expected_frozen:
+                    failures.append(f"{name}: trainable but matched by expect_frozen {list(pats)}")
+                if state is not Status.OK:
+                    failures.append(f"{name}: {state.value}: {HINTS[state]}")
+                elif torch.equal(p.detach(), b):
+                    failures.append(
+                        f"{name}: did not change after optimizer.step() although its gradient is finite and non-zero "
+                        "(learning rate 0? an update rule that does nothing?)"
+                    )
+    finally:
+        if restore:
+            with torch.no_grad():
+                for (_, p), v, g in zip(entries, saved_params, saved_grads):
+                    p.copy_(v)
+                    p.grad = g
+                for b, v in saved_buffers:
+                    b.copy_(v)
+            for o, s in zip(optimizers, saved_opt):
+                o.load_state_dict(s)
+            _set_rng_state(saved_rng)
+    if failures:
+        n = len(entries)
+        raise AssertionError(
+            f"gradhealth.assert_trains: {len(failures)} problem(s) in a model of {n} parameter tensors:\n  "
+            + "\n  ".join(failures)
+        )
+    return status

@@ -1,0 +1,86 @@
+"""GradScaler (CPU): unscaled norms, AMP_SKIPPED instead of an alarm, the alarm on repeats."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import gradhealth as gh
+from conftest import MLP
+
+
+def amp_step(model, opt, scaler, mon, x, overflow=False, unscale_first=False):
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    scaler.scale(loss).backward()
+    if overflow:  # what an fp16 overflow leaves in the scaled gradients
+        model.head.weight.grad[0, 0] = math.inf
+    if unscale_first:
+        scaler.unscale_(opt)
+    r = mon.check()
+    scaler.step(opt)
+    scaler.update()
+    return r
+
+
+def setup(**kw):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    return model, opt, scaler, gh.GradHealth(model, opt, scaler=scaler, **kw)
+
+
+def test_norms_are_unscaled():
+    model, opt, scaler, mon = setup()
+    x = torch.randn(4, 8)
+    r = amp_step(model, opt, scaler, mon, x)
+    # after scaler.step the grads were unscaled in place: they are the reference now
+    for n, p in model.named_parameters():
+        assert r.grad_norm[n] == pytest.approx(p.grad.double().norm().item(), rel=1e-5)
+
+
+def test_norms_after_unscale_are_not_divided_twice():
+    model, opt, scaler, mon = setup()
+    x = torch.randn(4, 8)
+    r = amp_step(model, opt, scaler, mon, x, unscale_first=True)
+    for n, p in model.named_parameters():
+        assert r.grad_norm[n] == pytest.approx(p.grad.double().norm().item(), rel=1e-5)
+
+
+def test_one_skip_is_reported_not_alarmed():
+    model, opt, scaler, mon = setup()
+    x = torch.randn(4, 8)
+    amp_step(model, opt, scaler, mon, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r1 = amp_step(model, opt, scaler, mon, x, overflow=True)
+        r2 = amp_step(model, opt, scaler, mon, x)
+    assert r1.status["head.weight"] is gh.Status.NON_FINITE_GRAD
+    f = r1.findings_of("AMP_SKIPPED")
+    assert f and f[0].level == "info" and f[0].data["scale"] == 2.0**12
+    assert not r2.findings  # no NOT_UPDATED for the skipped step, no repeat
+    assert scaler.get_scale() == 2.0**11
+
+
+def test_repeated_skips_alarm():
+    model, opt, scaler, mon = setup(on_problem="raise", amp_skip_alarm=3)
+    x = torch.randn(4, 8)
+    amp_step(model, opt, scaler, mon, x)
+    amp_step(model, opt, scaler, mon, x, overflow=True)
+    amp_step(model, opt, scaler, mon, x, overflow=True)
+    with pytest.raises(gh.GradHealthError, match="3 steps in a row"):
+        amp_step(model, opt, scaler, mon, x, overflow=True)
+
+
+def test_scale_floor_alarm():
+    model, opt, scaler, mon = setup(on_problem="ignore", amp_scale_floor=2.0**13)
+    r = amp_step(model, opt, scaler, mon, torch.randn(4, 8))
+    f = r.findings_of("AMP_SKIPPED")
+    assert f and f[0].level == "error" and "collapsed" in f[0].message
+
+
+def test_bad_scaler():
+    with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler"):
+        gh.GradHealth(MLP(), scaler=object())

@@ -1,0 +1,121 @@
+"""Norm history: EXPLODING_GRAD on an injected spike, VANISHING_GRAD on a collapse, silence on a
+healthy run, and the state_dict round trip."""
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import gradhealth as gh
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 1)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.head(self.body(x) * self.scale)
+
+
+def data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(16, 1, generator=g)
+    while True:
+        x = torch.randn(32, 16, generator=g)
+        yield x, x @ w + 0.1 * torch.randn(32, 1, generator=g)
+
+
+def train(model, opt, mon, batches, n, scale_input=None, clip=None):
+    out = []
+    for k in range(n):
+        x, y = next(batches)
+        if scale_input and k in scale_input:
+            x = x * scale_input[k]
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        out.append(mon.check(loss=loss))
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return out
+
+
+def test_healthy_300_steps_have_no_findings():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mon = gh.GradHealth(model, opt)
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("error")
+        reports = train(model, opt, mon, data(), 300)
+    assert all(r.ok and not r.findings for r in reports), [(r.step, [f.kind for f in r.findings]) for r in reports if r.findings][:5]
+
+
+def test_spike_from_a_scaled_batch():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    # clipped after the check (the check sees the pre-clip norm), so the spike does not wreck the
+    # weights and the steps after it are normal again
+    reports = train(model, opt, mon, data(), 60, scale_input={50: 1e4}, clip=1.0)
+    flagged = [r.step for r in reports if r.findings_of("EXPLODING_GRAD")]
+    assert flagged == [50]
+    msg = reports[50].findings_of("EXPLODING_GRAD")[0].message
+    assert "running median" in msg and "clip" in msg
+
+
+def test_ceiling():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = gh.GradHealth(model, opt, on_problem="ignore", history=gh.NormHistory(ceiling=1e-3))
+    r = train(model, opt, mon, data(), 1)[0]
+    assert r.findings_of("EXPLODING_GRAD") and "ceiling" in r.findings_of("EXPLODING_GRAD")[0].message
+
+
+def test_vanishing_module():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    batches = data()
+    train(model, opt, mon, batches, 40)
+    model.scale = 1e-6  # the body's output barely reaches the head: its gradients collapse
+    r = train(model, opt, mon, batches, 1)[0]
+    f = r.findings_of("VANISHING_GRAD")
+    assert f and set(f[0].params) >= {"body.0", "body.2"} and "head" not in f[0].params
+
+
+def test_state_dict_round_trip_keeps_history():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    batches = data()
+    train(model, opt, mon, batches, 30)
+    buf = io.BytesIO()
+    torch.save(mon.state_dict(), buf)
+    buf.seek(0)
+    resumed = gh.GradHealth(model, opt, on_problem="ignore")
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    assert resumed.state_dict() == mon.state_dict()
+    # the resumed monitor is past its warm-up: a spike on its first check is caught
+    fresh = gh.GradHealth(model, opt, on_problem="ignore")
+    x, y = next(batches)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x * 1e4), y).backward()
+    assert resumed.check().findings_of("EXPLODING_GRAD")
+    assert not fresh.check().findings_of("EXPLODING_GRAD")
+
+
+def test_history_options_validated():
+    with pytest.raises(ValueError, match="warmup"):
+        gh.NormHistory(window=10, warmup=20)
+    with pytest.raises(TypeError, match="history must be True, False or a gh.NormHistory"):
+        gh.GradHealth(nn.Linear(2, 2), history="yes")
