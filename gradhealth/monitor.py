@@ -523,6 +523,9 @@ class GradHealth:
                 self._armed_report = None
             return
         ok = [n for n, s in prev.status.items() if s is Status.OK]
+        if not prev.grads_finite:
+            self._armed_report = None  # skipping a step with NaN/inf gradients is the right reaction
+            return
         if ok and any(prev.in_optimizer.get(n) for n in ok):
             chosen = {n for n in ok if prev.in_optimizer.get(n)}
             f = Finding("NOT_UPDATED", f"{describe_groups(group_by_module(prev.status, lambda n, s: n in chosen))} had "

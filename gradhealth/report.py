@@ -142,6 +142,11 @@ class Report:
         return {n: s for n, s in self.status.items() if s is not Status.OK and s is not Status.FROZEN}
 
     @property
+    def grads_finite(self) -> bool:
+        """No gradient holds a NaN or inf: safe to apply (``if report.grads_finite: opt.step()``)."""
+        return all(s is not Status.NON_FINITE_GRAD for s in self.status.values())
+
+    @property
     def ok(self) -> bool:
         """No problem states and no error-level findings."""
         return not self.problems and not any(f.level == "error" for f in self.findings)

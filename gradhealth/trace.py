@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sysconfig
 import traceback as _tb
 from dataclasses import dataclass
@@ -86,6 +87,8 @@ class NonFiniteTracer:
         self.backward_origin: str | None = None
         self.backward_op: str | None = None
         self.op_source: str | None = None
+        #: modules whose own parameters were already NaN/inf when their forward ran
+        self.nonfinite_weights: tuple[str, ...] = ()
         self._handles: list = []
         self._events: list[_Event] = []
         self._inputs: dict[str, tuple] = {}
@@ -130,6 +133,9 @@ class NonFiniteTracer:
     def _pre(self, name: str):
         def hook(module, args, kwargs):
             self._inputs[name] = (args, kwargs)
+            own = _bad(list(module.parameters(recurse=False)))
+            if own is not None:
+                self._events.append(_Event(name, "weights", own))
             ins = _tensors((args, kwargs))
             flag = _bad(ins)
             if flag is not None:
@@ -162,6 +168,8 @@ class NonFiniteTracer:
         values = torch.stack([e.flag.to(events[0].flag.device) for e in events]).tolist() if events else []
         fwd = [e.module for e, v in zip(events, values) if e.kind == "fwd" and v]
         self.forward_origin = fwd[0] if fwd else None
+        bad_weights = [e.module for e, v in zip(events, values) if e.kind == "weights" and v]
+        self.nonfinite_weights = tuple(dict.fromkeys(bad_weights))
 
         # A module fed non-finite values in its forward passes them on in backward too: a
         # consequence of a forward origin, never a backward origin.
@@ -171,6 +179,10 @@ class NonFiniteTracer:
         for k, (e, v) in enumerate(zip(events, values)):
             if e.kind == "out":
                 out_bad[e.module] = out_bad.get(e.module, False) or bool(v)
+                if v and e.module != ROOT:
+                    # gradients reaching a child's output were made by its parent's own code
+                    parent = e.module.rpartition(".")[0] or ROOT
+                    in_bad.setdefault(parent, k)
             elif e.kind in ("in", "param") and v and e.module not in in_bad:
                 in_bad[e.module] = k
         # A module qualifies when its output gradients were all finite (or it had no output
@@ -254,6 +266,14 @@ class NonFiniteTracer:
         if self.forward_origin is None and self.backward_origin is None:
             return "no module produced a NaN or inf in this step (it may have come from outside the model, e.g. the loss)"
         parts = []
+        if self.forward_origin is not None and self.forward_origin in self.nonfinite_weights:
+            return (
+                f"the weights of module {self.forward_origin!r} are already NaN/inf: an earlier optimizer.step() "
+                "applied non-finite gradients, so every later step is poisoned and the true origin is in that "
+                "earlier step. Skip optimizer.step() on a step whose report has non-finite gradients (if "
+                "report.grads_finite: optimizer.step()), reload the last good checkpoint, and trace that batch "
+                "again with gh.trace_nonfinite(model)"
+            )
         if self.forward_origin is not None:
             parts.append(f"the forward first produced a non-finite output in module {self.forward_origin!r}")
         if self.backward_origin is not None:
@@ -286,16 +306,24 @@ def _graph_nodes(roots, stop_at) -> list:
 
 
 def _source(node) -> str | None:
+    """``file:line in function: code`` of the innermost user frame torch recorded for ``node``."""
     tb = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
     if not tb:
         return None
-    lines = tb if isinstance(tb, list) else _tb.format_list(_tb.extract_stack())
-    text = "".join(lines)
-    frames = [ln for ln in text.strip().splitlines() if ln.strip().startswith("File ")]
+    lines = "".join(tb if isinstance(tb, list) else [str(tb)]).splitlines()
     skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), sysconfig.get_paths()["stdlib"])
-    user = [f for f in frames if not any(f'"{s}' in f for s in skip)]
-    pick = (user or frames)[-1] if (user or frames) else None
-    return pick.strip() if pick else None
+    frames = []
+    for k, ln in enumerate(lines):
+        m = re.match(r'\s*File "(.*)", line (\d+), in (.*)', ln)
+        if m:
+            code = lines[k + 1].strip() if k + 1 < len(lines) and not lines[k + 1].lstrip().startswith("File ") else ""
+            frames.append((m.group(1), m.group(2), m.group(3), code))
+    user = [f for f in frames if not f[0].startswith(skip)]
+    pick = (user or frames)[-1] if frames else None
+    if pick is None:
+        return None
+    path, line, func, code = pick
+    return f"{path}:{line} in {func}" + (f": {code}" if code else "")
 
 
 @contextlib.contextmanager

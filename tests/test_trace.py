@@ -1,0 +1,94 @@
+"""trace_nonfinite on the three planted origins and a healthy model; hooks gone after the block."""
+
+import torch
+from torch import nn
+
+import gradhealth as gh
+from test_monitor import hook_state
+
+
+class Softplus(nn.Module):
+    """The seed's log(1 + exp(x)) with torch.where over the overflowing branch."""
+
+    def forward(self, x):
+        e = x.exp()
+        return torch.where(torch.isinf(e), x, e.log1p())
+
+
+class MaskAfterDivide(nn.Module):
+    def forward(self, x):
+        d = torch.ones_like(x)
+        d[:, 0] = 0.0
+        q = x / d
+        return torch.where(d != 0, q, torch.zeros_like(q))
+
+
+class DivideByZero(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x) / torch.zeros(4)
+
+
+def model_with(block):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Identity(), block), nn.Linear(4, 1))
+
+
+def run(model, x):
+    with gh.trace_nonfinite(model) as tracer:
+        model(x).sum().backward()
+    return tracer
+
+
+def test_where_over_overflow():
+    m = model_with(Softplus())
+    t = run(m, torch.randn(3, 4) * 1000)
+    assert t.forward_origin is None  # the forward is clean
+    assert t.backward_origin == "1.1"  # the child, not its Sequential parent
+    assert t.backward_op == "ExpBackward0"
+    assert t.op_source.endswith("in forward: e = x.exp()") and "test_trace.py:" in t.op_source
+    assert "double where" in t.explain()
+    assert not torch.isfinite(m[0].weight.grad).all()
+
+
+def test_mask_after_divide():
+    t = run(model_with(MaskAfterDivide()), torch.randn(3, 4))
+    assert t.forward_origin is None
+    assert t.backward_origin == "1.1"
+    assert t.backward_op == "DivBackward0"
+    assert t.op_source.endswith("q = x / d")
+
+
+def test_divide_by_zero_in_forward():
+    t = run(model_with(DivideByZero()), torch.randn(3, 4))
+    assert t.forward_origin == "1.1"
+    assert t.backward_origin == "1.1"  # downstream consumers of the inf are consequences, not origins
+    assert t.backward_op == "DivBackward0"
+
+
+def test_inf_counts_not_only_nan():
+    class LogZero(nn.Module):
+        def forward(self, x):
+            return torch.log(x - x)  # -inf forward, inf gradient
+
+    t = run(model_with(LogZero()), torch.randn(3, 4))
+    assert t.forward_origin == "1.1"
+
+
+def test_healthy_model_has_no_origin():
+    t = run(model_with(nn.ReLU()), torch.randn(3, 4))
+    assert t.forward_origin is None and t.backward_origin is None
+    assert "no module produced" in t.explain()
+
+
+def test_hooks_exist_only_inside_the_block():
+    m = model_with(Softplus())
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = hook_state(m, opt)
+    with gh.trace_nonfinite(m):
+        assert hook_state(m, opt) != before
+        m(torch.randn(3, 4)).sum().backward()
+    assert hook_state(m, opt) == before
