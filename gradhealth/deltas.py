@@ -9,9 +9,11 @@ Two modes:
 * ``"exact"`` keeps a copy of every parameter across the step (1x parameter memory, during the
   step only) and measures ||θ_after - θ_before|| exactly.
 * ``"sample"`` (default) keeps a fixed, evenly strided sample of each tensor: extra memory is at
-  most ``budget`` (2%) of parameter memory. The update norm is the sample's, scaled by
-  sqrt(numel / samples). Whether a parameter changed at all is tested exactly on the sampled
-  elements and, for the rest, by comparing float64 norms of the whole tensor before and after.
+  most ``budget`` (2%) of parameter memory. The update norm (and the parameter norm of the
+  ratio) is the sample's, scaled by sqrt(numel / samples). Whether a parameter changed at all is
+  tested exactly on the sampled elements and, for the rest, by comparing the whole tensor's L1
+  norm before and after (a change confined to unsampled elements and too small to move that
+  float32 sum can be missed: below ~1e-7 of the tensor's L1 norm).
 """
 
 from __future__ import annotations
@@ -28,44 +30,49 @@ __all__ = ["UpdateTracker", "StepStats", "DELTA_MODES"]
 DELTA_MODES = ("sample", "exact", "off")
 
 
-def norms64(tensors: list[Tensor]) -> Tensor:
-    """Float64 L2 norms of ``tensors`` as one 1-d tensor (one foreach kernel per device/dtype)."""
+def _grouped(tensors: list[Tensor]) -> list[list[int]]:
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
-    out = [None] * len(tensors)
-    for idx in groups.values():
+    return list(groups.values())
+
+
+def _apply(op, groups: list[list[int]], tensors: list[Tensor], other=None) -> list[Tensor]:
+    """A foreach ``op`` per (device, dtype) group, results back in the original order."""
+    out: list = [None] * len(tensors)
+    for idx in groups:
+        args = [tensors[i] for i in idx]
+        res = op(args, other if not isinstance(other, list) else [other[i] for i in idx])
+        for i, r in zip(idx, res):
+            out[i] = r
+    return out
+
+
+def _norms(tensors: list[Tensor], groups: list[list[int]]) -> Tensor:
+    """L2 norms as one 1-d float64 tensor; one foreach kernel per group, accumulating in float32
+    (float64 for float64 tensors: CPU float64 reductions of float32 data are ~15x slower)."""
+    out: list = [None] * len(tensors)
+    for idx in groups:
         members = [tensors[i] for i in idx]
+        acc = torch.float64 if members[0].dtype == torch.float64 else torch.float32
         try:
-            res = torch._foreach_norm(members, 2, dtype=torch.float64)
+            res = torch._foreach_norm(members, 2, dtype=acc)
         except (RuntimeError, NotImplementedError, TypeError):
-            res = [torch.linalg.vector_norm(m, dtype=torch.float64) for m in members]
+            res = [torch.linalg.vector_norm(m, dtype=acc) for m in members]
         for i, r in zip(idx, res):
             out[i] = r
     device = tensors[0].device
-    return torch.stack([o.to(device) for o in out])
+    return torch.stack([o.to(device=device, dtype=torch.float64) for o in out])
 
 
-def copies(tensors: list[Tensor]) -> list[Tensor]:
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    out: list = [None] * len(tensors)
-    for idx in groups.values():
-        for i, c in zip(idx, torch._foreach_mul([tensors[i] for i in idx], 1)):
-            out[i] = c
-    return out
-
-
-def differences(after: list[Tensor], before: list[Tensor]) -> list[Tensor]:
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(after):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    out: list = [None] * len(after)
-    for idx in groups.values():
-        for i, d in zip(idx, torch._foreach_sub([after[i] for i in idx], [before[i] for i in idx])):
-            out[i] = d
-    return out
+@dataclass
+class _OptPlan:
+    ids: list[int]
+    idx: list[int]
+    params: list[Tensor]
+    views: list[Tensor]
+    ptrs: list[int]
+    groups: list[list[int]]
 
 
 @dataclass
@@ -74,7 +81,7 @@ class StepStats:
 
     check_step: int  # the check whose step this was
     indices: list[int]  # entry indices of the parameters this optimizer stepped
-    packed: Tensor  # [update norm (n), param norm before (n), changed flag (n)], float64
+    packed: Tensor  # [update norm of the sample (n), param norm before (n), changed flag (n)], float64
     values: list[float] = field(default_factory=list)
 
     def unpack(self, scale: list[float]):
@@ -99,23 +106,27 @@ class UpdateTracker:
         self.pending: list[StepStats] = []
         self.stale: set[int] = set()
         self._inflight: dict[int, tuple] = {}
-        self._views: dict[int, tuple] = {}
+        self._plans: dict[int, _OptPlan] = {}
         self._handles = []
         self._grad_hooks: dict[int, list] = {}
         self._seed = seed
-        self._sample_scale: dict[int, float] = {}
+        self.witnesses = 8
         self._plan_samples()
         for opt in optimizers:
             self._handles.append(opt.register_step_pre_hook(self._pre))
             self._handles.append(opt.register_step_post_hook(self._post))
 
     # ---------------------------------------------------------------- sampling
-    def _plan_samples(self) -> None:
-        """Strides per tensor so that all samples together stay within ``budget`` of the elements.
+    BLOCK = 4  # contiguous elements per sampled block: copies run at memory speed, unlike gathers
 
-        Water-filling: every tensor gets the same number of samples k (or all of itself when
-        smaller), k as large as the budget allows; small tensors are thus copied whole and large
-        ones sampled evenly.
+    def _plan_samples(self) -> None:
+        """Which elements of each tensor to keep across a step, within ``budget`` of all elements.
+
+        Water-filling: every tensor gets the same allowance k (or all of itself when smaller), k as
+        large as the budget allows, so small tensors are copied whole and large ones sampled. A
+        sample is ``k // BLOCK`` blocks of ``BLOCK`` contiguous elements, evenly spaced with a period
+        coprime to the last dimension (so the blocks walk across columns instead of repeating the
+        same ones) and a seeded random offset.
         """
         sizes = [p.numel() for _, p in self.entries]
         allowed = max(1, int(self.budget * sum(sizes)))
@@ -128,57 +139,78 @@ class UpdateTracker:
                 hi = mid - 1
         self.per_tensor = lo
         gen = torch.Generator().manual_seed(self._seed)
-        self._stride = []
-        for n in sizes:
+        self._layout = []  # per entry: None (whole tensor) or (offset, blocks, period, block)
+        for (_, p), n in zip(self.entries, sizes):
             k = max(1, min(n, lo))
-            stride = max(1, -(-n // k))  # ceil: never more than k samples
-            offset = int(torch.randint(0, stride, (1,), generator=gen)) if stride > 1 else 0
-            count = len(range(offset, n, stride))
-            self._stride.append((offset, stride, count))
+            if k >= n:
+                self._layout.append(None)
+                continue
+            block = min(self.BLOCK, k)
+            blocks = max(1, k // block)
+            period = n // blocks
+            last = p.shape[-1] if p.dim() else 1
+            while period > block and math.gcd(period, last) != 1:
+                period -= 1
+            slack = n - blocks * period
+            offset = int(torch.randint(0, min(period - block, slack) + 1, (1,), generator=gen))
+            self._layout.append((offset, blocks, period, block))
+
+    def _count(self, i: int) -> int:
+        lay = self._layout[i]
+        return self.entries[i][1].numel() if lay is None else lay[1] * lay[3]
 
     def extra_elements(self) -> int:
         """Elements held across a step in this mode (what the memory bound counts)."""
         if self.mode == "exact":
             return sum(p.numel() for _, p in self.entries)
-        return sum(c for _, _, c in self._stride)
+        return sum(self._count(i) for i in range(len(self.entries)))
 
-    def _view(self, i: int) -> Tensor:
-        p = self.entries[i][1]
-        cached = self._views.get(i)
-        ptr = p.data_ptr()
-        if cached is not None and cached[0] == ptr:
-            return cached[1]
-        offset, stride, _ = self._stride[i]
+    def _sample_view(self, p: Tensor, i: int) -> Tensor:
         flat = p.detach().reshape(-1)  # a view for contiguous parameters
-        view = flat[offset::stride]
-        self._views[i] = (ptr, view)
-        return view
+        lay = self._layout[i]
+        if lay is None:
+            return flat
+        offset, blocks, period, block = lay
+        return flat[offset : offset + blocks * period].view(blocks, period)[:, :block]
 
     # ------------------------------------------------------------------- hooks
+    def _plan(self, opt) -> _OptPlan | None:
+        """The optimizer's monitored parameters, their sample views and (device, dtype) groups,
+        cached while its param_groups and the parameters' storage stay the same."""
+        ids = [id(p) for g in opt.param_groups for p in g["params"]]
+        plan = self._plans.get(id(opt))
+        if plan is not None and plan.ids == ids and plan.ptrs == [p.data_ptr() for p in plan.params]:
+            return plan
+        idx = [self.index[i] for i in ids if i in self.index]
+        if not idx:
+            return None
+        params = [self.entries[i][1].detach() for i in idx]
+        views = params if self.mode == "exact" else [self._sample_view(p, i) for p, i in zip(params, idx)]
+        plan = _OptPlan(ids, idx, params, views, [p.data_ptr() for p in params], _grouped(params))
+        self._plans[id(opt)] = plan
+        return plan
+
     def _pre(self, opt, args, kwargs) -> None:
         self.steps_since_check += 1
         if self.armed_step is None or self.mode == "off":
             return
-        idx = [self.index[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in self.index]
-        if not idx:
+        plan = self._plan(opt)
+        if plan is None:
             return
-        params = [self.entries[i][1].detach() for i in idx]
-        before = norms64(params)
-        if self.mode == "exact":
-            snap_src = params
-        else:
-            snap_src = [self._view(i) for i in idx]
-        self._inflight[id(opt)] = (idx, before, copies(snap_src), snap_src)
+        before = _norms(plan.params, plan.groups)  # whole tensors: ||θ|| and the change test
+        self._inflight[id(opt)] = (plan, before, _apply(torch._foreach_mul, plan.groups, plan.views, 1))
 
     def _post(self, opt, args, kwargs) -> None:
         state = self._inflight.pop(id(opt), None)
         if state is not None:
-            idx, before, snap, live = state
-            after = norms64([self.entries[i][1].detach() for i in idx])
-            dnorm = norms64(differences(live, snap))
-            changed = ((after != before) | (dnorm > 0)).to(torch.float64)
-            packed = torch.cat([dnorm, before, changed])
-            self.pending.append(StepStats(self.armed_step, idx, packed))
+            plan, before, snap = state
+            diff = _apply(torch._foreach_sub, plan.groups, plan.views, snap)
+            dnorm = _norms(diff, plan.groups)
+            changed = dnorm > 0
+            if self.mode != "exact":
+                changed = changed | (_norms(plan.params, plan.groups) != before)
+            packed = torch.cat([dnorm, before, changed.to(torch.float64)])
+            self.pending.append(StepStats(self.armed_step, plan.idx, packed))
         if self.armed_step is not None:
             self._arm_stale(opt)
 
@@ -192,22 +224,23 @@ class UpdateTracker:
         for h in self._grad_hooks.pop(id(opt), ()):
             h.remove()
         handles = []
-        for g in opt.param_groups:
-            for p in g["params"]:
-                i = self.index.get(id(p))
-                grad = p.grad
-                if i is None or grad is None or not p.requires_grad:
-                    continue
-                fired = [False]
+        plan = self._plan(opt)
+        idx = [i for i in (plan.idx if plan else []) if self.entries[i][1].grad is not None and self.entries[i][1].requires_grad]
+        # zero_grad clears all of an optimizer's gradients together: a few witnesses, spread over
+        # the parameter list, tell the same as hooking every parameter, at a fraction of the cost
+        for i in idx[:: max(1, len(idx) // self.witnesses)]:
+            p = self.entries[i][1]
+            grad = p.grad
+            fired = [False]
 
-                def hook(incoming, p=p, i=i, ref=weakref.ref(grad), version=grad._version, fired=fired):
-                    if not fired[0]:
-                        fired[0] = True
-                        current = p.grad
-                        if current is not None and current is ref() and current._version == version:
-                            self.stale.add(i)
+            def hook(incoming, p=p, ref=weakref.ref(grad), version=grad._version, fired=fired, key=id(opt)):
+                if not fired[0]:
+                    fired[0] = True
+                    current = p.grad
+                    if current is not None and current is ref() and current._version == version:
+                        self.stale.add(key)
 
-                handles.append(p.register_hook(hook))
+            handles.append(p.register_hook(hook))
         self._grad_hooks[id(opt)] = handles
 
     def clear_grad_hooks(self) -> None:
@@ -217,18 +250,20 @@ class UpdateTracker:
         self._grad_hooks.clear()
 
     def take_stale(self) -> set[int]:
-        out, self.stale = self.stale, set()
+        """Entry indices of the parameters (with gradients) of every optimizer found stale."""
+        found, self.stale = self.stale, set()
+        out: set[int] = set()
+        for opt_id in found:
+            plan = self._plans.get(opt_id)
+            if plan is not None:
+                out |= {i for i in plan.idx if self.entries[i][1].grad is not None}
         return out
 
     def sample_scale(self, idx: list[int]) -> list[float]:
+        """sqrt(numel / sampled) per entry: scales a sample's norm to the tensor's."""
         if self.mode == "exact":
             return [1.0] * len(idx)
-        out = []
-        for i in idx:
-            n = self.entries[i][1].numel()
-            c = self._stride[i][2]
-            out.append(math.sqrt(n / c) if c else 0.0)
-        return out
+        return [math.sqrt(self.entries[i][1].numel() / self._count(i)) for i in idx]
 
     def close(self) -> None:
         for h in self._handles:
@@ -236,4 +271,4 @@ class UpdateTracker:
         self._handles.clear()
         self.clear_grad_hooks()
         self._inflight.clear()
-        self._views.clear()
+        self._plans.clear()
