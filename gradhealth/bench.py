@@ -184,29 +184,30 @@ def bench_tracer(rounds: int) -> None:
     """One training step plain, with the NaN tracer armed, and under detect_anomaly."""
     from .trace import NonFiniteTracer
 
-    torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(256, 256), nn.GELU(), nn.LayerNorm(256))])
-    x = torch.randn(64, 256)
+    print("\nNaN tracer: one forward+backward of an 8-block MLP (Linear+GELU+LayerNorm), interleaved:")
+    for width, batch in [(256, 64), (1024, 256)]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width))])
+        x = torch.randn(batch, width)
 
-    def plain():
-        model.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
+        def plain():
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
 
-    def armed():
-        tracer = NonFiniteTracer(model).arm()
-        plain()
-        tracer.resolve()
+        def armed():
+            tracer = NonFiniteTracer(model).arm()
+            plain()
+            tracer.resolve()
 
-    def anomaly():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with torch.autograd.detect_anomaly():
-                plain()
+        def anomaly():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with torch.autograd.detect_anomaly():
+                    plain()
 
-    t = interleaved({"plain": plain, "armed": armed, "anomaly": anomaly}, rounds, 3)
-    print("\nNaN tracer, one forward+backward of an 8-block MLP (width 256, batch 64):")
-    print(f"  plain {t['plain'] * 1e3:.2f} ms; tracer armed {t['armed'] / t['plain']:.2f}x; "
-          f"torch.autograd.detect_anomaly {t['anomaly'] / t['plain']:.2f}x; disarmed: no hooks at all")
+        t = interleaved({"plain": plain, "armed": armed, "anomaly": anomaly}, rounds, 3)
+        print(f"  width {width}, batch {batch}: plain {t['plain'] * 1e3:.2f} ms; tracer armed {t['armed'] / t['plain']:.2f}x; "
+              f"torch.autograd.detect_anomaly {t['anomaly'] / t['plain']:.2f}x; disarmed: no hooks at all")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ gradhealth said about it; the last one is a healthy run, which says nothing.
 from __future__ import annotations
 
 import argparse
+import re
 import textwrap
 import warnings
 from collections.abc import Callable
@@ -64,14 +65,16 @@ def _run(train_step: Callable, monitor_kw: dict, steps: int = 5, model_fn=Net, o
     return Outcome(said, report)
 
 
-def _step(model, opt, monitor, x, y, forward=None, loss_fn=None):
-    opt.zero_grad(set_to_none=True)
+def _step(model, opt, monitor, x, y, forward=None, loss_fn=None, zero_grad=True):
+    if zero_grad:
+        opt.zero_grad(set_to_none=True)
     out = (forward or model)(x)
     loss = (loss_fn or nn.functional.cross_entropy)(out, y)
     check_loss(loss, model)  # the loss-side check: names why backward() could not work
     loss.backward()
     report = monitor.check(loss=loss)
-    opt.step()
+    if report is None or report.grads_finite:  # never apply NaN/inf gradients
+        opt.step()
     return report
 
 
@@ -105,6 +108,70 @@ def scenario_division_by_zero(steps: int) -> Outcome:
     return _run(lambda m, o, mon, x, y: _step(m, o, mon, x, y, loss_fn=loss_fn), {}, steps)
 
 
+def scenario_missing_zero_grad(steps: int) -> Outcome:
+    # optimizer.zero_grad() forgotten: each backward adds onto the gradients already applied.
+    return _run(lambda m, o, mon, x, y: _step(m, o, mon, x, y, zero_grad=False), {}, steps)
+
+
+def scenario_lr_zero(steps: int) -> Outcome:
+    # A warm-up scheduler that starts at 0 and never leaves it (a typo in its length, say).
+    return _run(_step, {}, steps, opt_fn=lambda m: torch.optim.SGD(m.parameters(), lr=0.0))
+
+
+def scenario_all_masked(steps: int) -> Outcome:
+    # A padding mask that, for this batch, selects no position: the mean over nothing is NaN.
+    def loss_fn(out, y):
+        valid = torch.zeros(out.shape[0], dtype=torch.bool)  # every sample is padding
+        return nn.functional.cross_entropy(out[valid], y[valid])
+
+    return _run(lambda m, o, mon, x, y: _step(m, o, mon, x, y, loss_fn=loss_fn), {}, steps)
+
+
+class _Standardize(nn.Module):
+    """Divides each feature by its batch std, then masks the constant (std 0) features: after."""
+
+    def forward(self, h):
+        std = h.std(dim=0, keepdim=True)
+        z = (h - h.mean(dim=0, keepdim=True)) / std
+        return torch.where(std > 0, z, torch.zeros_like(z))
+
+
+class _MaskAfterDivideNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.norm = _Standardize()
+
+    def forward(self, x):
+        h = self.encoder(x)
+        h = h * (torch.arange(h.shape[1]) != 0)  # feature 0 is switched off: its std is 0
+        return self.head(self.norm(h))
+
+
+class _Softplus(nn.Module):
+    """log(1 + exp(x)), with torch.where replacing the overflowed values: after the fact."""
+
+    def forward(self, x):
+        e = x.exp()
+        return torch.where(torch.isinf(e), x, e.log1p())
+
+
+class _WhereOverflowNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.act = _Softplus()
+
+    def forward(self, x):
+        return self.head(self.act(self.encoder(x) * 100))  # large activations overflow exp
+
+
+def scenario_mask_after_divide(steps: int) -> Outcome:
+    return _run(_step, {}, steps, model_fn=_MaskAfterDivideNet)
+
+
+def scenario_where_overflow(steps: int) -> Outcome:
+    return _run(_step, {}, steps, model_fn=_WhereOverflowNet)
+
+
 def scenario_healthy(steps: int) -> Outcome:
     return _run(_step, {}, steps)
 
@@ -114,6 +181,11 @@ SCENARIOS: list[tuple[str, str, Callable[[int], Outcome]]] = [
     ("frozen layer", "encoder.0 left frozen (expect_frozen=[] says nothing should be)", scenario_frozen),
     ("layer missing from the optimizer", "SGD(model.encoder.parameters()) leaves out the head", scenario_not_in_optimizer),
     ("division by zero", "a per-sample weight of 0 divided by", scenario_division_by_zero),
+    ("missing zero_grad", "optimizer.zero_grad() left out of the loop", scenario_missing_zero_grad),
+    ("learning rate 0", "a scheduler stuck at lr=0", scenario_lr_zero),
+    ("all-masked batch", "a padding mask that selects nothing, mean over the empty set", scenario_all_masked),
+    ("mask after divide", "standardize by std, then mask the std=0 feature (the forward is clean)", scenario_mask_after_divide),
+    ("torch.where over an overflow", "log(1+exp(x)) with the infs replaced by torch.where", scenario_where_overflow),
     ("healthy run", "the same loop with no bug", scenario_healthy),
 ]
 
@@ -128,9 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         outcome = fn(args.steps)
         if not outcome.said:
             print("    gradhealth said nothing: every parameter trains normally.")
-        else:  # the same words come on every step: show the first, count the rest
-            print(textwrap.indent(outcome.said[0], "    "))
-            if len(outcome.said) > 1:
-                print(f"    (and {len(outcome.said) - 1} more warnings on the following steps)")
+        else:  # the same words come on many steps: show each different message once
+            distinct = list(dict.fromkeys(re.sub(r"step \d+", "step N", m) for m in outcome.said))
+            shown = []
+            for text in distinct:
+                first = next(m for m in outcome.said if re.sub(r"step \d+", "step N", m) == text)
+                shown.append(first)
+                print(textwrap.indent(first, "    "))
+            if len(outcome.said) > len(shown):
+                print(f"    (and {len(outcome.said) - len(shown)} more warnings like these on the following steps)")
         print()
     return 0

@@ -12,18 +12,21 @@ device-to-host transfer, when the block exits:
   and backward (unit upstream gradient, buffers restored, ``.grad`` untouched) with anomaly-mode
   stack recording on; the training step itself runs without anomaly mode.
 
-Unlike ``torch.autograd.detect_anomaly``, inf counts as well as NaN, and only Python-side hooks plus
-one ``isfinite`` reduction per hooked tensor run during the step. No hook exists outside the block.
+Unlike ``torch.autograd.detect_anomaly``, inf counts as well as NaN, and during the step the hooks
+only keep references (each module's inputs, outputs and their gradients, about one extra copy of
+the activations until the block exits); all are judged together at the end, one fused max-abs
+reduction per (device, dtype) and one transfer. No hook exists outside the block.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import sysconfig
 import traceback as _tb
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -45,6 +48,10 @@ REPAIRS = (
 
 
 def _tensors(obj, limit: int = 16) -> list[Tensor]:
+    if isinstance(obj, Tensor):
+        return [obj]
+    if type(obj) is tuple and all(isinstance(o, Tensor) for o in obj):
+        return list(obj[:limit])
     out: list[Tensor] = []
 
     def walk(o):
@@ -63,19 +70,46 @@ def _tensors(obj, limit: int = 16) -> list[Tensor]:
     return out
 
 
+def _bad_one(t: Tensor) -> Tensor:
+    # min and max in one reduction: NaN propagates into both, +inf into the max, -inf into the
+    # min, and finite values stay finite however large (a sum could overflow). Several times
+    # cheaper than isfinite(t).all(), which materialises a boolean tensor.
+    lo, hi = torch.aminmax(t.detach())
+    return ~torch.isfinite(torch.stack([lo, hi])).all()
+
+
 def _bad(tensors) -> Tensor | None:
     """A 0-d device bool: does any floating tensor hold a NaN or inf? (no host sync)"""
-    flags = [~torch.isfinite(t).all() for t in tensors if t is not None and t.is_floating_point() and t.numel()]
+    flags = [_bad_one(t) for t in tensors if t is not None and t.is_floating_point() and t.numel()]
     if not flags:
         return None
     return flags[0] if len(flags) == 1 else torch.stack(flags).any()
 
 
-@dataclass
-class _Event:
+class _Event(NamedTuple):
     module: str
-    kind: str  # "fwd" | "out" | "in" | "param"
-    flag: Tensor
+    kind: str  # "fwd" | "inp" | "out" | "in" | "param"
+    tensor: Tensor  # judged at resolve time, all together
+
+
+def _flags(tensors: list[Tensor]) -> list[bool]:
+    """Which tensors hold a NaN or inf, with one fused L2 reduction per (device, dtype) and one
+    transfer; a non-finite L2 norm can also be an overflow of finite values, so those few tensors
+    are looked at again exactly (min and max: NaN propagates, finite values stay finite)."""
+    if not tensors:
+        return []
+    from .stats import fetch, pack_norms
+
+    with torch.no_grad():
+        packed, perm, _ = pack_norms(tensors)
+    values = fetch([packed])
+    out = [False] * len(tensors)
+    suspects = [perm[k] for k, v in enumerate(values) if not math.isfinite(v)]
+    if suspects:
+        exact = fetch([_bad_one(tensors[i]).reshape(1) for i in suspects])
+        for i, v in zip(suspects, exact):
+            out[i] = bool(v)
+    return out
 
 
 class NonFiniteTracer:
@@ -87,11 +121,12 @@ class NonFiniteTracer:
         self.backward_origin: str | None = None
         self.backward_op: str | None = None
         self.op_source: str | None = None
-        #: modules whose own parameters were already NaN/inf when their forward ran
+        #: the forward origin, when its own parameters are already NaN/inf
         self.nonfinite_weights: tuple[str, ...] = ()
         self._handles: list = []
         self._events: list[_Event] = []
         self._inputs: dict[str, tuple] = {}
+        self._watched: dict[int, tuple] = {}
         self._armed = False
         self.resolved = False
 
@@ -105,58 +140,61 @@ class NonFiniteTracer:
         self._inputs.clear()
         for name, module in self.root.named_modules():
             name = name or ROOT
-            self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post(name)))
+            self._handles.append(module.register_forward_hook(self._post(name), with_kwargs=True))
             for p in module.parameters(recurse=False):
                 if p.requires_grad:
-                    self._handles.append(p.register_hook(self._grad_hook(name, "param")))
+                    self._handles.append(p.register_hook(self._grad_hook([(name, "param")])))
         return self
 
     def disarm(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._watched.clear()
         self._armed = False
 
     @property
     def armed(self) -> bool:
         return self._armed
 
-    def _grad_hook(self, name: str, kind: str):
+    def _grad_hook(self, pairs: list[tuple[str, str]]):
         def hook(grad):
-            flag = _bad([grad])
-            if flag is not None:
-                self._events.append(_Event(name, kind, flag))
+            if grad is not None and grad.is_floating_point() and grad.numel():
+                for name, kind in pairs:
+                    self._events.append(_Event(name, kind, grad))
 
         return hook
 
-    def _pre(self, name: str):
-        def hook(module, args, kwargs):
-            self._inputs[name] = (args, kwargs)
-            own = _bad(list(module.parameters(recurse=False)))
-            if own is not None:
-                self._events.append(_Event(name, "weights", own))
-            ins = _tensors((args, kwargs))
-            flag = _bad(ins)
-            if flag is not None:
-                self._events.append(_Event(name, "inp", flag))
-            if torch.is_grad_enabled():
-                for t in ins:
-                    if t.requires_grad:
-                        t.register_hook(self._grad_hook(name, "in"))
-
-        return hook
+    def _watch(self, t: Tensor, name: str, kind: str) -> None:
+        """Ask for ``t``'s gradient: one hook per tensor, however many modules it connects."""
+        entry = self._watched.get(id(t))
+        if entry is None or entry[0] is not t:
+            pairs: list[tuple[str, str]] = []
+            self._watched[id(t)] = (t, pairs)
+            t.register_hook(self._grad_hook(pairs))
+        else:
+            pairs = entry[1]
+        pairs.append((name, kind))
 
     def _post(self, name: str):
-        def hook(module, args, output):
-            outs = _tensors(output)
-            flag = _bad(outs)
-            if flag is not None:
-                self._events.append(_Event(name, "fwd", flag))
-            if torch.is_grad_enabled():
-                for t in outs:
-                    if t.requires_grad:
-                        t.register_hook(self._grad_hook(name, "out"))
+        # One hook per module, after its forward: it sees the inputs too, which halves the hook
+        # overhead of a pre-hook + post-hook pair.
+        def hook(module, args, kwargs, output):
+            self._inputs[name] = (args, kwargs)
+            grad_on = torch.is_grad_enabled()
+            events = self._events
+            for t in _tensors(args if not kwargs else (args, kwargs)):
+                if t.is_floating_point() and t.numel():
+                    events.append(_Event(name, "inp", t))
+                    if grad_on and t.requires_grad:
+                        self._watch(t, name, "in")
+            for t in _tensors(output):
+                if t.is_floating_point() and t.numel():
+                    events.append(_Event(name, "fwd", t))
+                    if grad_on and t.requires_grad:
+                        self._watch(t, name, "out")
+            if module is self.root:
+                self._watched.clear()  # the forward is over; the backward hooks keep what they need
 
         return hook
 
@@ -165,11 +203,21 @@ class NonFiniteTracer:
         """Read every recorded flag in one transfer and name the origins."""
         self.disarm()
         events = self._events
-        values = torch.stack([e.flag.to(events[0].flag.device) for e in events]).tolist() if events else []
+        unique: dict[int, int] = {}
+        tensors: list[Tensor] = []
+        for e in events:  # a tensor that is one module's output and the next one's input: once
+            if id(e.tensor) not in unique:
+                unique[id(e.tensor)] = len(tensors)
+                tensors.append(e.tensor)
+        flags = _flags(tensors)
+        values = [flags[unique[id(e.tensor)]] for e in events]
         fwd = [e.module for e, v in zip(events, values) if e.kind == "fwd" and v]
         self.forward_origin = fwd[0] if fwd else None
-        bad_weights = [e.module for e, v in zip(events, values) if e.kind == "weights" and v]
-        self.nonfinite_weights = tuple(dict.fromkeys(bad_weights))
+        self.nonfinite_weights = ()
+        if self.forward_origin is not None:
+            own = _bad(list(self._module(self.forward_origin).parameters(recurse=False)))
+            if own is not None and bool(own):
+                self.nonfinite_weights = (self.forward_origin,)
 
         # A module fed non-finite values in its forward passes them on in backward too: a
         # consequence of a forward origin, never a backward origin.
@@ -311,14 +359,15 @@ def _source(node) -> str | None:
     if not tb:
         return None
     lines = "".join(tb if isinstance(tb, list) else [str(tb)]).splitlines()
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), sysconfig.get_paths()["stdlib"])
+    skip = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"], "<frozen")
+    own = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "monitor.py")}
     frames = []
     for k, ln in enumerate(lines):
         m = re.match(r'\s*File "(.*)", line (\d+), in (.*)', ln)
         if m:
             code = lines[k + 1].strip() if k + 1 < len(lines) and not lines[k + 1].lstrip().startswith("File ") else ""
             frames.append((m.group(1), m.group(2), m.group(3), code))
-    user = [f for f in frames if not f[0].startswith(skip)]
+    user = [f for f in frames if not f[0].startswith(skip) and os.path.abspath(f[0]) not in own]
     pick = (user or frames)[-1] if frames else None
     if pick is None:
         return None

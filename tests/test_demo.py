@@ -49,3 +49,32 @@ def test_bench_command_runs_and_prints_ratios():
     assert res.returncode == 0, res.stderr
     for method in ("floor", "naive loop", "check()", "x floor"):
         assert method in res.stdout
+
+
+def test_missing_zero_grad_is_stale():
+    out = demo.scenario_missing_zero_grad(3)
+    assert any("STALE_GRAD" in m for m in out.said)
+    assert out.report.findings_of("STALE_GRAD")
+
+
+def test_lr_zero_is_not_updated():
+    out = demo.scenario_lr_zero(3)
+    assert out.report.findings_of("NOT_UPDATED")
+
+
+def test_all_masked_batch_is_empty_valid_set():
+    out = demo.scenario_all_masked(2)
+    assert out.report.findings_of("EMPTY_VALID_SET")
+
+
+def test_mask_after_divide_origin():
+    out = demo.scenario_mask_after_divide(3)
+    origin = [m for m in out.said if "NONFINITE_ORIGIN" in m]
+    assert origin and "module 'norm'" in origin[0] and "DivBackward0" in origin[0]
+    assert "z = (h - h.mean(dim=0, keepdim=True)) / std" in origin[0]
+
+
+def test_where_overflow_origin():
+    out = demo.scenario_where_overflow(3)
+    origin = [m for m in out.said if "NONFINITE_ORIGIN" in m]
+    assert origin and "module 'act'" in origin[0] and "ExpBackward0" in origin[0]
