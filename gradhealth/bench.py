@@ -84,6 +84,7 @@ def bench_shape(label: str, blocks: int, width: int, rounds: int, device: str) -
         opt.step()
 
     train_step()
+    step_t = interleaved({"step": train_step}, max(3, rounds // 2), 1)["step"]  # before any hook exists
     model(x).square().mean().backward()  # leave gradients in place for the checks
     monitor = GradHealth(model, opt, on_problem="ignore")
     fns: dict[str, Callable[[], object]] = {
@@ -99,7 +100,6 @@ def bench_shape(label: str, blocks: int, width: int, rounds: int, device: str) -
         pass
     inner = 20 if width <= 64 else 3
     out = interleaved(fns, rounds, inner)
-    step_t = interleaved({"step": train_step}, max(3, rounds // 2), 1)["step"]
     monitor.close()
     out["training step"] = step_t
     n_params = sum(p.numel() for p in model.parameters())
