@@ -162,14 +162,10 @@ def bench_step_overhead(blocks: int, width: int, rounds: int) -> None:
             model(x).square().mean().backward()
             mon = monitors.get(which)
             if mon is not None:
-                mon._tracker.armed_step = None
                 mon.check()
-                for other in monitors.values():  # only the timed monitor measures this step
-                    if other is not mon:
-                        other._tracker.armed_step = None
-            else:
-                for other in monitors.values():
-                    other._tracker.armed_step = None
+            for other in monitors.values():  # only the timed monitor measures this step
+                if other is not mon:
+                    other._tracker.disarm()
             opt.step()
         return run
 

@@ -190,27 +190,44 @@ class UpdateTracker:
         self._plans[id(opt)] = plan
         return plan
 
+    def arm(self, step: int, optimizers) -> None:
+        """Snapshot the parameters of ``optimizers`` for the step that follows check ``step``.
+
+        Taken at the check, not in the optimizer's pre-hook: trainers that run the forward and
+        backward inside ``optimizer.step(closure)`` (Lightning) call the pre-hook before the
+        check, and the parameters do not change between a check and its step.
+        """
+        self.armed_step = step
+        self.steps_since_check = 0
+        self._inflight.clear()
+        if self.mode == "off":
+            return
+        for opt in optimizers:
+            plan = self._plan(opt)
+            if plan is None:
+                continue
+            before = _norms(plan.params, plan.groups)  # whole tensors: ||θ|| and the change test
+            self._inflight[id(opt)] = (plan, before, _apply(torch._foreach_mul, plan.groups, plan.views, 1), step)
+
+    def disarm(self) -> None:
+        self.armed_step = None
+        self._inflight.clear()
+
     def _pre(self, opt, args, kwargs) -> None:
-        self.steps_since_check += 1
-        if self.armed_step is None or self.mode == "off":
-            return
-        plan = self._plan(opt)
-        if plan is None:
-            return
-        before = _norms(plan.params, plan.groups)  # whole tensors: ||θ|| and the change test
-        self._inflight[id(opt)] = (plan, before, _apply(torch._foreach_mul, plan.groups, plan.views, 1))
+        pass  # kept so that the step's hooks come in a pair; the snapshot is taken at the check
 
     def _post(self, opt, args, kwargs) -> None:
+        self.steps_since_check += 1
         state = self._inflight.pop(id(opt), None)
         if state is not None:
-            plan, before, snap = state
+            plan, before, snap, step = state
             diff = _apply(torch._foreach_sub, plan.groups, plan.views, snap)
             dnorm = _norms(diff, plan.groups)
             changed = dnorm > 0
             if self.mode != "exact":
                 changed = changed | (_norms(plan.params, plan.groups) != before)
             packed = torch.cat([dnorm, before, changed.to(torch.float64)])
-            self.pending.append(StepStats(self.armed_step, plan.idx, packed))
+            self.pending.append(StepStats(step, plan.idx, packed))
         if self.armed_step is not None:
             self._arm_stale(opt)
 

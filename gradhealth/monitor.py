@@ -17,12 +17,14 @@ policy acts on them at check N+1 at the latest.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import logging
 import math
 import warnings
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -149,10 +151,13 @@ class GradHealth:
         self._params = [p for _, p in self._entries]
         self._pids = [id(p) for p in self._params]
         self._meta = {n: ParamMeta(p.numel(), str(p.dtype).replace("torch.", ""), str(p.device)) for n, p in self._entries}
-        groups: dict[str, list[int]] = {}
-        for i, (n, _) in enumerate(self._entries):
-            groups.setdefault(module_of(n), []).append(i)
-        self._module_groups = list(groups.items())
+        everything = list(range(len(self._entries)))
+        self._all = _Selection(None, everything, self._names, self._group_modules(everything), None)
+        self._selections: dict[int, _Selection] = {}
+        self._histories: dict[int, NormHistory] = {}
+        self._history_template = copy.deepcopy(self.history)
+        #: False silences this monitor's warnings (not its raises): on ranks other than zero
+        self.emit_warnings = True
         self._calls = 0
         self._checks = 0
         self._closed = False
@@ -179,24 +184,37 @@ class GradHealth:
             self._hooks.append(model.register_forward_hook(self._on_forward))
 
     # ------------------------------------------------------------------ public
-    def check(self, loss: Tensor | None = None, *, step: int | None = None) -> Report | None:
+    def check(self, loss: Tensor | None = None, *, step: int | None = None, optimizer=None) -> Report | None:
         """Classify every parameter now (call after ``loss.backward()``).
 
         Returns the :class:`Report`, or None on a call that ``every_n_steps`` skips. ``loss``, when
         given, is judged too (can it produce gradients? is it finite?) in the same transfer.
         ``step`` overrides the monitor's own count of calls (e.g. a trainer's global step).
+        ``optimizer`` (one of the monitor's) judges only that optimizer's parameters: the check
+        before its step when several optimizers take turns (GANs, manual optimization).
+        """
+        report = self.measure(loss, step=step, optimizer=optimizer)
+        if report is not None:
+            self.publish(report, stacklevel=3)
+        return report
+
+    def measure(self, loss: Tensor | None = None, *, step: int | None = None, optimizer=None) -> Report | None:
+        """The first half of :meth:`check`: build the report, send it nowhere yet.
+
+        For integrations that add to a report before it is published (the Lightning callback's
+        replay of a failing batch); :meth:`publish` then sends it to the sinks and the policy.
         """
         if self._closed:
-            warnings.warn("gradhealth: check() on a closed monitor does nothing", GradHealthInternalWarning, stacklevel=2)
+            warnings.warn("gradhealth: check() on a closed monitor does nothing", GradHealthInternalWarning, stacklevel=3)
             return None
         s = self._calls if step is None else int(step)
         self._calls += 1
         if s % self.every_n_steps:
             if self._tracker is not None:
-                self._tracker.armed_step = None  # the step after a skipped call is not measured
+                self._tracker.disarm()  # the step after a skipped call is not measured
             return None
         try:
-            report = self._build(s, loss)
+            report = self._build(s, loss, optimizer)
         except Exception as exc:  # the monitor never breaks a training run unless asked to raise
             if self.on_problem == "raise":
                 raise
@@ -204,13 +222,16 @@ class GradHealth:
                 f"gradhealth: check at step {s} failed internally and was skipped ({type(exc).__name__}: {exc}); "
                 "training continues",
                 GradHealthInternalWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             return None
         self._checks += 1
         self.last_report = report
-        self._emit(report, stacklevel=3)
         return report
+
+    def publish(self, report: Report, stacklevel: int = 2) -> None:
+        """The second half of :meth:`check`: every sink gets the report, then the policy acts."""
+        self._emit(report, stacklevel=stacklevel)
 
     def track_valid(self, mask: Tensor, name: str = "valid") -> None:
         """Record how many elements ``mask`` selects in this step (a device sum, no host sync).
@@ -314,14 +335,45 @@ class GradHealth:
         self._eval_backward = record
 
     # ---------------------------------------------------------------- internal
-    def _build(self, step: int, loss) -> Report:
+    def _selection(self, optimizer) -> _Selection:
+        """Which parameters a check judges: all of them, or one optimizer's (cached)."""
+        if optimizer is None:
+            return self._all
+        ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        sel = self._selections.get(id(optimizer))
+        if sel is None or sel.ids != ids:
+            if not any(optimizer is o for o in self.optimizers):
+                raise ValueError("check(optimizer=...) must be one of the optimizers the monitor was given")
+            members = set(ids)
+            idx = [i for i, p in enumerate(self._params) if id(p) in members]
+            sel = _Selection(ids, idx, [self._names[i] for i in idx], self._group_modules(idx), set(ids))
+            self._selections[id(optimizer)] = sel
+        return sel
+
+    def _group_modules(self, idx: list[int]) -> list[tuple[str, list[int]]]:
+        groups: dict[str, list[int]] = {}
+        for i in idx:
+            groups.setdefault(module_of(self._names[i]), []).append(i)
+        return list(groups.items())
+
+    def _history_for(self, optimizer) -> NormHistory | None:
+        if self.history is None or optimizer is None:
+            return self.history
+        h = self._histories.get(id(optimizer))
+        if h is None:
+            h = self._histories[id(optimizer)] = copy.deepcopy(self._history_template)
+        return h
+
+    def _build(self, step: int, loss, optimizer=None) -> Report:
         entries = self._entries
         tracker = self._tracker
-        ids = optimizer_param_ids(self.optimizers) if self.optimizers else None
+        sel = self._selection(optimizer)
+        ids = sel.opt_ids if optimizer is not None else (optimizer_param_ids(self.optimizers) if self.optimizers else None)
         grads: list[Tensor] = []
         with_grad: list[int] = []
-        for i, (_, p) in enumerate(entries):
-            g = p.grad
+        params_all = self._params
+        for i in sel.idx:
+            g = params_all[i].grad
             if g is not None:
                 grads.append(g)
                 with_grad.append(i)
@@ -369,11 +421,12 @@ class GradHealth:
         for i, v in zip(with_grad, norms):
             norm_of[i] = v
         names, params, pids = self._names, self._params, self._pids
-        status: dict[str, Status] = dict.fromkeys(names, Status.OK)
-        in_opt: dict[str, bool] | None = dict.fromkeys(names, True) if ids is not None else None
+        status: dict[str, Status] = dict.fromkeys(sel.names, Status.OK)
+        in_opt: dict[str, bool] | None = dict.fromkeys(sel.names, True) if ids is not None else None
         inf = math.inf
         nonfinite = False
-        for i, p in enumerate(params):
+        for i in sel.idx:
+            p = params[i]
             v = norm_of[i]
             inside = ids is None or pids[i] in ids
             if inside and v is not None and 0.0 < v < inf and p.requires_grad:
@@ -414,13 +467,13 @@ class GradHealth:
         self._judge_stale(report, stale)
         self._judge_frozen(report)
         self._judge_trace(report, nonfinite)
-        if self.history is not None:
-            report.findings += self.history.update(step, total, self._module_norms(norm_of))
+        history = self._history_for(optimizer)
+        if history is not None:
+            report.findings += history.update(step, total, self._module_norms(norm_of, sel.modules))
 
         # arm the next optimizer step
         if tracker is not None:
-            tracker.armed_step = step
-            tracker.steps_since_check = 0
+            tracker.arm(step, [optimizer] if optimizer is not None else self.optimizers)
             self._armed_report = report
             # A few witnesses suffice: zero_grad resets every gradient of an optimizer at once.
             self._grad_refs = [(i, weakref.ref(entries[i][1].grad), entries[i][1].grad._version) for i in with_grad[:: max(1, len(with_grad) // 8)]]
@@ -441,9 +494,9 @@ class GradHealth:
             return norms
         return [v if id(self._entries[i][1]) in unscaled else v / scale for i, v in zip(with_grad, norms)]
 
-    def _module_norms(self, norm_of: list[float | None]) -> dict[str, float]:
+    def _module_norms(self, norm_of: list[float | None], groups) -> dict[str, float]:
         out = {}
-        for module, idx in self._module_groups:
+        for module, idx in groups:
             vs = [norm_of[i] for i in idx if norm_of[i] is not None]
             if vs:
                 out[module] = vs[0] if len(vs) == 1 else math.hypot(*vs)
@@ -698,7 +751,8 @@ class GradHealth:
         message = self.explain(report)
         if self.on_problem == "raise" and alarm:
             raise GradHealthError(message, report)
-        warnings.warn(message, GradHealthWarning, stacklevel=stacklevel + 1)
+        if self.emit_warnings:
+            warnings.warn(message, GradHealthWarning, stacklevel=stacklevel + 1)
 
     @staticmethod
     def explain(report: Report) -> str:
@@ -713,6 +767,15 @@ class GradHealth:
             if f.level != "info":
                 lines.append(f"  {f.kind}: {f.message}")
         return "\n".join(lines)
+
+
+@dataclass
+class _Selection:
+    ids: list[int] | None  # the optimizer's parameter ids, in order (None: every parameter)
+    idx: list[int]  # entry indices judged
+    names: list[str]
+    modules: list[tuple[str, list[int]]]
+    opt_ids: set[int] | None
 
 
 def _first_grad_tensor(output) -> list[Tensor]:
