@@ -224,4 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                 bench_deltas(label, blocks, width, opt_name)
     if args.device == "cpu":
         bench_tracer(args.rounds)
+        try:  # the integrations' own costs, when their frameworks are installed
+            from gradhealth.integrations.bench_lightning import main as bench_lightning
+        except ImportError:
+            bench_lightning = None
+        if bench_lightning is not None:
+            bench_lightning(rounds=max(3, args.rounds // 2))
     return 0

@@ -7,7 +7,8 @@ import sys
 USAGE = """usage: gradhealth COMMAND [options]
 
 commands:
-  demo    train a small model on synthetic data with planted bugs and show what gradhealth says
+  demo    Trainer.fit runs with planted bugs on synthetic data, and what gradhealth says
+          (--plain: the same in a plain PyTorch loop, without Lightning)
   bench   time a check against the naive per-parameter loop and a single fused norm pass
 """
 
@@ -19,7 +20,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
-        from .demo import main as run
+        if "--plain" in rest:
+            rest = [a for a in rest if a != "--plain"]
+            from .demo import main as run
+        else:
+            try:  # the Lightning demo when Lightning is installed; the plain-loop one otherwise
+                from gradhealth.integrations.demo import main as run
+            except ImportError:
+                from .demo import main as run
     elif cmd == "bench":
         from .bench import main as run
     else:

@@ -107,6 +107,7 @@ class UpdateTracker:
         self.stale: set[int] = set()
         self._inflight: dict[int, tuple] = {}
         self._plans: dict[int, _OptPlan] = {}
+        self._after: dict[int, tuple] = {}  # per optimizer: versions and norms after its last measured step
         self._handles = []
         self._grad_hooks: dict[int, list] = {}
         self._seed = seed
@@ -206,7 +207,15 @@ class UpdateTracker:
             plan = self._plan(opt)
             if plan is None:
                 continue
-            before = _norms(plan.params, plan.groups)  # whole tensors: ||θ|| and the change test
+            # Whole-tensor norms, ||θ|| and the change test. The previous measured step already
+            # read them after its update; when no parameter was modified in place since (same
+            # version counters), they are reused instead of read again.
+            versions = [p._version for p in plan.params]
+            cached = self._after.get(id(opt))
+            if cached is not None and cached[0] == versions:
+                before = cached[1]
+            else:
+                before = _norms(plan.params, plan.groups)
             self._inflight[id(opt)] = (plan, before, _apply(torch._foreach_mul, plan.groups, plan.views, 1), step)
 
     def disarm(self) -> None:
@@ -225,7 +234,9 @@ class UpdateTracker:
             dnorm = _norms(diff, plan.groups)
             changed = dnorm > 0
             if self.mode != "exact":
-                changed = changed | (_norms(plan.params, plan.groups) != before)
+                after = _norms(plan.params, plan.groups)
+                self._after[id(opt)] = ([p._version for p in plan.params], after)
+                changed = changed | (after != before)
             packed = torch.cat([dnorm, before, changed.to(torch.float64)])
             self.pending.append(StepStats(step, plan.idx, packed))
         if self.armed_step is not None:
@@ -289,3 +300,4 @@ class UpdateTracker:
         self.clear_grad_hooks()
         self._inflight.clear()
         self._plans.clear()
+        self._after.clear()

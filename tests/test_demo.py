@@ -1,5 +1,6 @@
 """The demo's planted bugs, each identified at the right stage; the healthy run silent."""
 
+import os
 import subprocess
 import sys
 
@@ -36,8 +37,22 @@ def test_healthy_run_is_silent():
     assert out.said == [] and out.report.ok
 
 
-def test_demo_command_runs():
-    res = subprocess.run([sys.executable, "-m", "gradhealth", "demo", "--steps", "2"], capture_output=True, text=True, timeout=300)
+def test_demo_command_runs_the_lightning_scenarios(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "gradhealth", "demo", "--steps", "4", "--logdir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    for words in ["GradModeError", "UNEXPECTED_FROZEN", "NOT_IN_OPTIMIZER", "STALE_GRAD", "NOT_UPDATED", "EMPTY_VALID_SET",
+                  "GRAD_MODE", "module 'norm', at DivBackward0", "module 'act', at ExpBackward0", "it reproduced",
+                  "gradhealth said nothing", f"tensorboard --logdir {tmp_path}"]:
+        assert words in out, words
+    assert "Epoch 0" in res.stderr  # Lightning's progress display is kept
+    runs = {d for d in os.listdir(tmp_path)}
+    assert {"none", "nan_batch", "frozen"} <= runs
+
+
+def test_plain_demo_command_runs():
+    res = subprocess.run([sys.executable, "-m", "gradhealth", "demo", "--plain", "--steps", "2"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "NOT_IN_OPTIMIZER" in res.stdout and "gradhealth said nothing" in res.stdout
 

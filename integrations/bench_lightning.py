@@ -1,0 +1,72 @@
+"""The callback's overhead on a real ``Trainer.fit``: interleaved runs with and without it."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import warnings
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from .lightning import GradHealthCallback
+
+
+class _Model(pl.LightningModule):
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.net = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())])
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.net(x).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class _Timer(pl.Callback):
+    def __init__(self):
+        self.times: list[float] = []
+        self._t = 0.0
+
+    def on_train_batch_start(self, *a):
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, *a):
+        self.times.append(time.perf_counter() - self._t)
+
+
+def _fit(steps: int, data, width: int, depth: int, callback) -> float:
+    torch.manual_seed(0)
+    timer = _Timer()
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[timer] + ([callback] if callback else []))
+    trainer.fit(_Model(width, depth), DataLoader(data, batch_size=data.tensors[0].shape[0] // steps))
+    return statistics.median(timer.times[2:])  # the first steps warm up allocators
+
+
+def main(rounds: int = 3, steps: int = 12, width: int = 1536, depth: int = 4, batch: int = 512) -> None:
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    data = TensorDataset(torch.randn(batch * steps, width))
+    n_params = depth * (width * width + width)
+    configs = {"without": None, "every step": 1, "every_n_steps=10": 10}
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(rounds):
+            for name, every in configs.items():
+                cb = None if every is None else GradHealthCallback(every_n_steps=every, log=False)
+                times[name].append(_fit(steps, data, width, depth, cb))
+    base = statistics.median(times["without"])
+    print(f"\nGradHealthCallback on Trainer.fit: {n_params / 1e6:.1f}M-parameter MLP, batch {batch}, AdamW, CPU, "
+          f"median step over {rounds} interleaved runs:")
+    print(f"  without the callback {base * 1e3:.1f} ms/step")
+    for name in ("every step", "every_n_steps=10"):
+        t = statistics.median(times[name])
+        print(f"  {name:<18} {t * 1e3:.1f} ms/step ({100 * (t / base - 1):+.1f}%)")
