@@ -10,6 +10,7 @@ commands:
   demo    Trainer.fit runs with planted bugs on synthetic data, and what gradhealth says
           (--plain: the same in a plain PyTorch loop, without Lightning)
   bench   time a check against the naive per-parameter loop and a single fused norm pass
+  report  LOGDIR [--format text|csv|json]: what gradhealth saw in a run, from its TensorBoard logs
 """
 
 
@@ -30,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
                 from .demo import main as run
     elif cmd == "bench":
         from .bench import main as run
+    elif cmd == "report":
+        try:
+            from gradhealth.integrations.tensorboard import main as run
+        except ImportError as exc:
+            print(f"gradhealth report needs tensorboard ({exc}); pip install 'gradhealth[tensorboard]'", file=sys.stderr)
+            return 2
     else:
         print(f"gradhealth: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
         return 2

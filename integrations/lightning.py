@@ -11,22 +11,19 @@ Where each check runs:
 * the optimizer's own step hooks measure the update, reported with the next check;
 * ``on_exception`` / ``teardown``: flush and close the sinks, remove every hook.
 
-Logged metric keys (public API), through every logger of the Trainer, at the optimizer step:
+Logged metric keys (public API): the scheme of :mod:`gradhealth.metrics`, through every logger of
+the Trainer, at the optimizer step, with ``grad_norm_preclip`` as the norm name and one key per
+module (``granularity="param"`` for one per parameter):
 
-====================================================  =========================================
-key                                                    value
-====================================================  =========================================
-``gradhealth/grad_norm_preclip/total``                 L2 norm of all gradients checked
-``gradhealth/grad_norm_preclip/<module>``              L2 norm of a module's own parameters' grads
-``gradhealth/params/<STATE>``                          parameters in each state (all six states)
-``gradhealth/update_ratio/<module>``                   ||Δθ|| / ||θ|| of the module's parameters
-``gradhealth/update_norm/total``                       ||Δθ|| of all parameters stepped
-``gradhealth/valid/<name>``                            valid count recorded with ``track_valid``
-``gradhealth/findings/<KIND>``                         1 at a step with that finding
-====================================================  =========================================
+``gradhealth/grad_norm_preclip/total`` and ``/<module>``, ``gradhealth/status/<STATE>``,
+``gradhealth/loss``, ``gradhealth/valid/<name>``, ``gradhealth/findings/<KIND>``, and once the
+step has run, ``gradhealth/update_norm/total``, ``gradhealth/update_norm/<module>`` and
+``gradhealth/update_ratio/<module>``. With several optimizers, totals, loss and counts get the
+optimizer's index: ``total_opt1``.
 
-With several optimizers, ``total`` keys get the optimizer's index: ``total_opt1``. Update keys are
-logged at the step they describe, once that step has run (the next check).
+With a ``TensorBoardLogger``, a :class:`gradhealth.integrations.tensorboard.TensorBoardSink` on
+its writer adds the dashboards (custom-scalars layout, gradient-flow heatmap, findings as text)
+to the same run.
 """
 
 from __future__ import annotations
@@ -43,7 +40,7 @@ from lightning.pytorch.callbacks import Callback
 
 from gradhealth import stats
 from gradhealth.errors import GradHealthInternalWarning, GradModeError
-from gradhealth.history import module_of
+from gradhealth.metrics import report_metrics, update_metrics
 from gradhealth.monitor import GradHealth
 from gradhealth.report import Finding, Report
 from gradhealth.status import Status
@@ -54,42 +51,14 @@ __all__ = ["GradHealthCallback", "metrics_of", "update_metrics_of"]
 PREFIX = "gradhealth"
 
 
-def metrics_of(report: Report, suffix: str = "") -> dict[str, float]:
-    """The metric dict logged for a report (see the module docstring for the keys)."""
-    out: dict[str, float] = {f"{PREFIX}/grad_norm_preclip/total{suffix}": report.total_grad_norm}
-    sq: dict[str, list[float]] = {}
-    for name, v in report.grad_norm.items():
-        sq.setdefault(module_of(name), []).append(v)
-    for module, vs in sq.items():
-        out[f"{PREFIX}/grad_norm_preclip/{module}"] = math.hypot(*vs) if not any(math.isnan(v) for v in vs) else math.nan
-    for state, n in report.counts().items():
-        out[f"{PREFIX}/params/{state.value}{suffix}"] = float(n)
-    for name, n in report.valid_counts.items():
-        out[f"{PREFIX}/valid/{name}"] = float(n)
-    for f in report.findings:
-        if f.step == report.step and f.level != "info":
-            out[f"{PREFIX}/findings/{f.kind}"] = 1.0
-    return out
+def metrics_of(report: Report, suffix: str = "", granularity: str = "module") -> dict[str, float]:
+    """The metric dict logged for a report."""
+    return report_metrics(report, granularity=granularity, norm="grad_norm_preclip", suffix=suffix)
 
 
-def update_metrics_of(report: Report, suffix: str = "") -> dict[str, float]:
+def update_metrics_of(report: Report, suffix: str = "", granularity: str = "module") -> dict[str, float]:
     """Update norms and ratios of a report whose step has run."""
-    if not report.update_norm:
-        return {}
-    upd: dict[str, list[float]] = {}
-    par: dict[str, list[float]] = {}
-    for name, u in report.update_norm.items():
-        r = report.update_ratio.get(name, math.nan)
-        upd.setdefault(module_of(name), []).append(u)
-        par.setdefault(module_of(name), []).append(u / r if r and math.isfinite(r) and r > 0 else 0.0)
-    out = {f"{PREFIX}/update_norm/total{suffix}": math.hypot(*(u for us in upd.values() for u in us))}
-    for module, us in upd.items():
-        theta = math.hypot(*par[module])
-        out[f"{PREFIX}/update_ratio/{module}"] = math.hypot(*us) / theta if theta > 0 else 0.0
-    for f in report.findings:
-        if f.kind in ("NOT_UPDATED", "FROZEN_BUT_CHANGED") and f.step == report.step:
-            out[f"{PREFIX}/findings/{f.kind}"] = 1.0
-    return out
+    return update_metrics(report, granularity=granularity, suffix=suffix)
 
 
 class _LoggerSink:
@@ -106,10 +75,10 @@ class _LoggerSink:
             logger.log_metrics(metrics, step=step)
 
     def write(self, report: Report) -> None:
-        self._log(metrics_of(report, self.callback._suffix(report)), report.step)
+        self._log(metrics_of(report, self.callback._suffix(report), self.callback.granularity), report.step)
 
     def write_update(self, report: Report) -> None:
-        self._log(update_metrics_of(report, self.callback._suffix(report)), report.step)
+        self._log(update_metrics_of(report, self.callback._suffix(report), self.callback.granularity), report.step)
 
 
 class GradHealthCallback(Callback):
@@ -127,6 +96,8 @@ class GradHealthCallback(Callback):
             gets a NONFINITE_ORIGIN finding saying where the NaN was born and whether it
             reproduced (yes: the data or the model; no: a numerical or hardware transient).
         check_loss: run the loss-side check before every backward.
+        granularity: "module" (default) or "param": one metric key per module or per parameter.
+        tensorboard: with a TensorBoardLogger, also write the dashboards into its run.
     """
 
     def __init__(
@@ -144,6 +115,8 @@ class GradHealthCallback(Callback):
         log: bool = True,
         replay_on_nonfinite: bool = True,
         check_loss: bool = True,
+        granularity: str = "module",
+        tensorboard: bool = True,
     ):
         super().__init__()
         self._options = dict(
@@ -153,6 +126,10 @@ class GradHealthCallback(Callback):
         )
         # validate now, where the options are given, with the core's own messages
         GradHealth(torch.nn.Linear(1, 1), **{**self._options, "sinks": self._options["sinks"]}).close()
+        if granularity not in ("module", "param"):
+            raise ValueError(f"granularity must be one of 'module', 'param'; got {granularity!r}")
+        self.granularity = granularity
+        self.tensorboard = bool(tensorboard)
         self.log = bool(log)
         self.replay_on_nonfinite = bool(replay_on_nonfinite)
         self.check_loss = bool(check_loss)
@@ -193,6 +170,8 @@ class GradHealthCallback(Callback):
         if self.monitor is not None:
             self.monitor.close()
         sinks = tuple(self._options["sinks"]) + ((_LoggerSink(self),) if self.log else ())
+        if self.tensorboard and self.log:
+            sinks += self._tensorboard_sinks(trainer)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.monitor = GradHealth(
             pl_module, [o for o in trainer.optimizers], **{**self._options, "sinks": sinks},
@@ -202,6 +181,21 @@ class GradHealthCallback(Callback):
         if self._pending_state is not None:
             self.monitor.load_state_dict(self._pending_state)
             self._pending_state = None
+
+    def _tensorboard_sinks(self, trainer) -> tuple:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        if not loggers or not trainer.is_global_zero:
+            return ()
+        try:
+            from .tensorboard import TensorBoardSink
+        except ImportError:  # tensorboard not installed: the logger's own scalars still flow
+            return ()
+        # Scalars reach TensorBoard through the logger already; the sink adds what a logger
+        # cannot: the custom-scalars layout, the gradient-flow heatmap, findings as text.
+        return tuple(TensorBoardSink(lg.experiment, scalars=False, norm="grad_norm_preclip",
+                                     granularity=self.granularity, close_writer=False) for lg in loggers)
 
     def _suffix(self, report: Report) -> str:
         opts = self.monitor.optimizers if self.monitor else []

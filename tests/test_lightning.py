@@ -140,7 +140,7 @@ def test_logged_values_equal_the_report(tmp_path):
         logged = by_step[r.step]
         for key, value in metrics_of(r).items():
             assert logged[key] == pytest.approx(value, rel=1e-6), key
-        assert logged["gradhealth/params/OK"] == 6.0
+        assert logged["gradhealth/status/OK"] == 6.0
         assert logged["gradhealth/grad_norm_preclip/head"] == pytest.approx(math.hypot(r.grad_norm["head.weight"], r.grad_norm["head.bias"]))
     assert sink.updates, "the update ratios of the steps that ran"
     first = sink.updates[0]

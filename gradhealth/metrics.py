@@ -1,0 +1,82 @@
+"""Flat ``{tag: value}`` dicts of a report: the public metric-key scheme every logger adapter uses.
+
+========================================  ==========================================================
+key                                       value
+========================================  ==========================================================
+``gradhealth/<norm>/total``               L2 norm of every gradient checked (``<norm>`` is
+                                          ``grad_norm``, or ``grad_norm_preclip`` from Lightning)
+``gradhealth/<norm>/<name>``              L2 norm of one parameter's gradient, or of a module's own
+                                          parameters' gradients (``granularity``)
+``gradhealth/status/<STATE>``             how many parameters are in each state (all six)
+``gradhealth/loss``                       the loss given to ``check(loss=...)``
+``gradhealth/valid/<name>``               the valid count recorded with ``track_valid``
+``gradhealth/findings/<KIND>``            1.0 at a step with that finding (warning or error level)
+``gradhealth/update_norm/total``          ||Δθ|| of every parameter the step updated
+``gradhealth/update_norm/<name>``         ||Δθ|| of a parameter or a module
+``gradhealth/update_ratio/<name>``        ||Δθ|| / ||θ|| of a parameter or a module
+========================================  ==========================================================
+
+Update keys come from :func:`update_metrics`, once the step has run; they carry the step they
+describe. ``suffix`` (``"_opt1"``) tells several optimizers' totals and counts apart.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .history import module_of
+from .report import Report
+
+__all__ = ["report_metrics", "update_metrics", "PREFIX", "group_name"]
+
+PREFIX = "gradhealth"
+
+
+def group_name(name: str, granularity: str) -> str:
+    return name if granularity == "param" else module_of(name)
+
+
+def _hypot(values: list[float]) -> float:
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return values[0] if len(values) == 1 else math.hypot(*values)
+
+
+def report_metrics(report: Report, granularity: str = "module", norm: str = "grad_norm", suffix: str = "") -> dict[str, float]:
+    out: dict[str, float] = {f"{PREFIX}/{norm}/total{suffix}": report.total_grad_norm}
+    groups: dict[str, list[float]] = {}
+    for name, v in report.grad_norm.items():
+        groups.setdefault(group_name(name, granularity), []).append(v)
+    for g, vs in groups.items():
+        out[f"{PREFIX}/{norm}/{g}"] = _hypot(vs)
+    for state, n in report.counts().items():
+        out[f"{PREFIX}/status/{state.value}{suffix}"] = float(n)
+    if report.loss is not None:
+        out[f"{PREFIX}/loss{suffix}"] = report.loss
+    for name, n in report.valid_counts.items():
+        out[f"{PREFIX}/valid/{name}"] = float(n)
+    for f in report.findings:
+        if f.step == report.step and f.level != "info":
+            out[f"{PREFIX}/findings/{f.kind}"] = 1.0
+    return out
+
+
+def update_metrics(report: Report, granularity: str = "module", suffix: str = "") -> dict[str, float]:
+    if not report.update_norm:
+        return {}
+    upd: dict[str, list[float]] = {}
+    par: dict[str, list[float]] = {}
+    for name, u in report.update_norm.items():
+        r = report.update_ratio.get(name, math.nan)
+        g = group_name(name, granularity)
+        upd.setdefault(g, []).append(u)
+        par.setdefault(g, []).append(u / r if r and math.isfinite(r) and r > 0 else 0.0)
+    out = {f"{PREFIX}/update_norm/total{suffix}": _hypot([u for us in upd.values() for u in us])}
+    for g, us in upd.items():
+        theta = _hypot(par[g])
+        out[f"{PREFIX}/update_norm/{g}"] = _hypot(us)
+        out[f"{PREFIX}/update_ratio/{g}"] = _hypot(us) / theta if theta > 0 else 0.0
+    for f in report.findings:
+        if f.kind in ("NOT_UPDATED", "FROZEN_BUT_CHANGED") and f.step == report.step:
+            out[f"{PREFIX}/findings/{f.kind}"] = 1.0
+    return out

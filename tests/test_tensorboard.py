@@ -1,0 +1,205 @@
+"""TensorBoardSink and read_run against real event files, a real tensorboard server on loopback,
+and `gradhealth report`."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import warnings
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+
+import gradhealth as gh
+from conftest import free_port
+from gradhealth.integrations.lightning import GradHealthCallback, metrics_of
+from gradhealth.integrations.lightning_demo import DemoModule, SyntheticData
+from gradhealth.integrations.tensorboard import TensorBoardSink, gradient_flow_image, read_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Keep:
+    def __init__(self):
+        self.reports = []
+
+    def write(self, report):
+        self.reports.append(report)
+
+
+def train(logdir, steps=5, model=None, opt_params=None, heatmap_every=2, lr=0.1, **kw):
+    torch.manual_seed(0)
+    model = model or nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(opt_params if opt_params is not None else model.parameters(), lr=lr)
+    keep = Keep()
+    sink = TensorBoardSink(logdir, heatmap_every=heatmap_every, **kw)
+    with gh.GradHealth(model, opt, sinks=[sink, keep], on_problem="ignore") as mon:
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = model(torch.randn(8, 4)).square().mean()
+            loss.backward()
+            mon.check(loss=loss)
+            opt.step()
+    return keep.reports, model
+
+
+def value(frame, tag, step):
+    rows = frame[(frame["tag"] == tag) & (frame["step"] == step)]
+    assert len(rows) == 1, (tag, step, len(rows))
+    return float(rows["value"].iloc[0])
+
+
+def test_values_read_back_equal_the_reports(tmp_path):
+    reports, model = train(tmp_path)
+    frame = read_run(tmp_path)
+    assert {"step", "tag", "value", "wall_time", "run"} <= set(frame.columns)
+    for r in reports:
+        assert value(frame, "gradhealth/grad_norm/total", r.step) == pytest.approx(r.total_grad_norm, rel=1e-6)
+        for name, v in r.grad_norm.items():  # per parameter: 4 tensors <= 100
+            assert value(frame, f"gradhealth/grad_norm/{name}", r.step) == pytest.approx(v, rel=1e-6)
+        assert value(frame, "gradhealth/status/OK", r.step) == 4
+        assert value(frame, "gradhealth/loss", r.step) == pytest.approx(r.loss, rel=1e-6)
+    for r in reports[:-1]:  # every step's updates, the last one at close()
+        for name, u in r.update_ratio.items():
+            assert value(frame, f"gradhealth/update_ratio/{name}", r.step) == pytest.approx(u, rel=1e-6)
+    assert value(frame, "gradhealth/update_ratio/0.weight", reports[-1].step) == pytest.approx(reports[-1].update_ratio["0.weight"], rel=1e-6)
+
+
+def test_per_module_above_100_tensors(tmp_path):
+    big = nn.Sequential(nn.Linear(4, 2), *[nn.Linear(2, 2) for _ in range(59)])  # 120 tensors
+    reports, _ = train(tmp_path, steps=2, model=big, heatmap_every=0)
+    tags = set(read_run(tmp_path)["tag"])
+    assert "gradhealth/grad_norm/0" in tags and "gradhealth/grad_norm/0.weight" not in tags
+    assert len([t for t in tags if t.startswith("gradhealth/grad_norm/")]) == 61  # 60 modules + total
+    r = reports[0]
+    assert value(read_run(tmp_path), "gradhealth/grad_norm/7", 0) == pytest.approx(math.hypot(r.grad_norm["7.weight"], r.grad_norm["7.bias"]), rel=1e-6)
+
+
+def test_findings_as_text_and_heatmap_colours(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    reports, _ = train(tmp_path, steps=4, model=model, opt_params=list(model[2].parameters()))
+    frame = read_run(tmp_path, text=True)
+    texts = frame[frame["tag"] == "gradhealth/findings_text"]
+    assert texts.empty  # frozen on purpose is not a finding
+    train(tmp_path / "lr0", steps=3, lr=0.0)
+    frame = read_run(tmp_path / "lr0", text=True)
+    texts = frame[frame["tag"] == "gradhealth/findings_text"]
+    assert list(texts["step"]) == [0, 1, 2] and texts["text"].str.contains("NOT_UPDATED").all()
+    assert value(frame, "gradhealth/findings/NOT_UPDATED", 1) == 1.0
+    img = gradient_flow_image(["0", "2"], [{"0": (0.0, gh.Status.FROZEN), "2": (1.0, gh.Status.OK)},
+                                          {"0": (0.0, gh.Status.FROZEN), "2": (float("nan"), gh.Status.NON_FINITE_GRAD)}], (4, 4))
+    assert tuple(img[0, 0]) == (60, 110, 200) and tuple(img[4, 4]) == (230, 20, 20)
+
+
+def test_crash_safety_failing_step_is_on_disk(tmp_path):
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD([model.weight], lr=0.1)  # the bias is left out
+    mon = gh.GradHealth(model, opt, sinks=[TensorBoardSink(tmp_path)], on_problem="raise")
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(gh.GradHealthError):
+        mon.check()
+    # no close(), no flush by the test: the sink flushed before the error propagated
+    frame = read_run(tmp_path, text=True)
+    assert value(frame, "gradhealth/status/NOT_IN_OPTIMIZER", 0) == 1
+    assert value(frame, "gradhealth/grad_norm/bias", 0) == pytest.approx(model.bias.grad.norm().item(), rel=1e-6)
+
+
+def test_empty_and_corrupt_logdirs(tmp_path):
+    with pytest.raises(ValueError, match="no TensorBoard event files"):
+        read_run(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_run(tmp_path / "nope")
+    (tmp_path / "events.out.tfevents.123.host").write_bytes(b"\x00garbage that is not a record" * 3)
+    with pytest.raises(ValueError, match="hold no scalars|cannot be read"):
+        read_run(tmp_path)
+    res = subprocess.run([sys.executable, "-m", "gradhealth", "report", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.startswith("gradhealth report:") and "Traceback" not in res.stderr
+
+
+def test_lightning_run_lands_in_one_tensorboard_run(tmp_path):
+    keep = Keep()
+    cb = GradHealthCallback(sinks=[keep])
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=TensorBoardLogger(str(tmp_path), name="run", version=0),
+                         callbacks=[cb], enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         log_every_n_steps=1, limit_val_batches=0)
+    trainer.fit(DemoModule(), SyntheticData(n_batches=4))
+    frame = read_run(tmp_path)
+    assert set(frame["run"]) == {os.path.join("run", "version_0")}
+    for r in keep.reports:
+        for tag, v in metrics_of(r).items():
+            assert value(frame, tag, r.step) == pytest.approx(v, rel=1e-6), tag
+
+
+def _get(port, path):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+        return resp.read()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_tensorboard_server_serves_scalars_layout_and_heatmap(tmp_path):
+    train(tmp_path / "plain", steps=4)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path), "--host", "127.0.0.1",
+                             "--port", str(port), "--load_fast=false", "--reload_interval=1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 90
+        tags = {}
+        while time.time() < deadline:
+            try:
+                tags = json.loads(_get(port, "/data/plugin/scalars/tags"))
+                if tags.get("plain"):
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        assert "gradhealth/grad_norm/total" in tags["plain"]
+        q = urllib.parse.urlencode({"run": "plain", "tag": "gradhealth/grad_norm/total"})
+        series = json.loads(_get(port, f"/data/plugin/scalars/scalars?{q}"))
+        assert [row[1] for row in series] == [0, 1, 2, 3]
+        layout = json.loads(_get(port, "/data/plugin/custom_scalars/layout"))
+        titles = {c["title"] for cat in layout["category"] for c in cat["chart"]}
+        assert {"gradient norm by module", "update ratio by module", "parameter states over time", "valid counts"} <= titles
+        images = json.loads(_get(port, "/data/plugin/images/tags"))
+        assert "gradhealth/gradient_flow" in images["plain"]
+        q = urllib.parse.urlencode({"run": "plain", "tag": "gradhealth/gradient_flow", "sample": 0})
+        entries = json.loads(_get(port, f"/data/plugin/images/images?{q}"))
+        png = _get(port, f"/data/plugin/images/individualImage?{entries[-1]['query']}")
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_report_on_the_demo_logs_names_the_planted_problems(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "gradhealth", "demo", "--steps", "4", "--no-progress", "--logdir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rep = subprocess.run([sys.executable, "-m", "gradhealth", "report", str(tmp_path), "--format", "json"],
+                         capture_output=True, text=True, timeout=120)
+    items = json.loads(rep.stdout)
+    kinds = {(i["run"].split(os.sep)[0], i["kind"]) for i in items}
+    for expected in [("not_in_optimizer", "NOT_IN_OPTIMIZER"), ("lr_zero", "NOT_UPDATED"), ("all_masked", "EMPTY_VALID_SET"),
+                     ("missing_zero_grad", "STALE_GRAD"), ("frozen", "UNEXPECTED_FROZEN"), ("eval_mode", "GRAD_MODE"),
+                     ("nan_batch", "NON_FINITE_GRAD"), ("division_by_zero", "NON_FINITE_GRAD")]:
+        assert expected in kinds, expected
+    assert not [i for i in items if i["run"].startswith("none")]
+    nan = next(i for i in items if i["run"].startswith("nan_batch") and i["kind"] == "NON_FINITE_GRAD")
+    assert nan["step"] == 2 and "reproduced" in nan["detail"]
+    where = next(i for i in items if i["run"].startswith("mask_after_divide") and i["kind"] == "NON_FINITE_GRAD")
+    assert "module 'norm', at DivBackward0" in where["detail"]
+    csv_out = subprocess.run([sys.executable, "-m", "gradhealth", "report", str(tmp_path), "--format", "csv"],
+                             capture_output=True, text=True, timeout=120).stdout
+    assert csv_out.splitlines()[0] == "run,kind,step,detail"
