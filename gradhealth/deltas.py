@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .distributed import to_local
+
 __all__ = ["UpdateTracker", "StepStats", "DELTA_MODES"]
 
 DELTA_MODES = ("sample", "exact", "off")
@@ -129,7 +131,9 @@ class UpdateTracker:
         coprime to the last dimension (so the blocks walk across columns instead of repeating the
         same ones) and a seeded random offset.
         """
-        sizes = [p.numel() for _, p in self.entries]
+        locals_ = [to_local(p.detach()) for _, p in self.entries]  # shards of sharded parameters
+        sizes = [t.numel() for t in locals_]
+        self._numel = sizes
         allowed = max(1, int(self.budget * sum(sizes)))
         lo, hi = 1, max(sizes) if sizes else 1
         while lo < hi:  # largest k with sum(min(n, k)) <= allowed
@@ -141,7 +145,7 @@ class UpdateTracker:
         self.per_tensor = lo
         gen = torch.Generator().manual_seed(self._seed)
         self._layout = []  # per entry: None (whole tensor) or (offset, blocks, period, block)
-        for (_, p), n in zip(self.entries, sizes):
+        for p, n in zip(locals_, sizes):
             k = max(1, min(n, lo))
             if k >= n:
                 self._layout.append(None)
@@ -158,12 +162,12 @@ class UpdateTracker:
 
     def _count(self, i: int) -> int:
         lay = self._layout[i]
-        return self.entries[i][1].numel() if lay is None else lay[1] * lay[3]
+        return self._numel[i] if lay is None else lay[1] * lay[3]
 
     def extra_elements(self) -> int:
         """Elements held across a step in this mode (what the memory bound counts)."""
         if self.mode == "exact":
-            return sum(p.numel() for _, p in self.entries)
+            return sum(self._numel)
         return sum(self._count(i) for i in range(len(self.entries)))
 
     def _sample_view(self, p: Tensor, i: int) -> Tensor:
@@ -185,7 +189,8 @@ class UpdateTracker:
         idx = [self.index[i] for i in ids if i in self.index]
         if not idx:
             return None
-        params = [self.entries[i][1].detach() for i in idx]
+        # local shards of DTensor parameters (FSDP2): a DTensor op here would hide a collective
+        params = [to_local(self.entries[i][1].detach()) for i in idx]
         views = params if self.mode == "exact" else [self._sample_view(p, i) for p, i in zip(params, idx)]
         plan = _OptPlan(ids, idx, params, views, [p.data_ptr() for p in params], _grouped(params))
         self._plans[id(opt)] = plan
@@ -291,7 +296,7 @@ class UpdateTracker:
         """sqrt(numel / sampled) per entry: scales a sample's norm to the tensor's."""
         if self.mode == "exact":
             return [1.0] * len(idx)
-        return [math.sqrt(self.entries[i][1].numel() / self._count(i)) for i in idx]
+        return [math.sqrt(self._numel[i] / self._count(i)) for i in idx]
 
     def close(self) -> None:
         for h in self._handles:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from . import distributed as _dist
 from . import stats
 from .classify import as_optimizers, decide, named_parameters, optimizer_param_ids, unwrap
 from .deltas import DELTA_MODES, UpdateTracker
@@ -108,6 +109,10 @@ class GradHealth:
             step, so the next report says where they were born (no hooks otherwise).
         watch_forward: observe the model's forward (Python state only) to report GRAD_MODE
             mistakes and name the exact cause of a loss that cannot produce gradients.
+        desync_every: under ``torch.distributed``, compare parameters across ranks every this
+            many checks (and at the first check, and whenever a gradient is non-finite); 0: only then.
+        rank_origin: for a DistributedDataParallel model, a communication hook notes each rank's
+            gradients before the all-reduce, so NaN/inf is traced to the rank that produced it.
     """
 
     def __init__(
@@ -126,6 +131,8 @@ class GradHealth:
         amp_scale_floor: float = 1.0,
         trace_on_nonfinite: bool = True,
         watch_forward: bool = True,
+        desync_every: int = 100,
+        rank_origin: bool = True,
     ):
         self.model = model
         self._entries = named_parameters(model)
@@ -175,6 +182,20 @@ class GradHealth:
         self._tracer: NonFiniteTracer | None = None
         self._trace_pending_from: int | None = None
 
+        self.desync_every = desync_every if isinstance(desync_every, int) and desync_every >= 0 else _bad_desync(desync_every)
+        self._distributed = _dist.active()
+        self._world = _dist.world_size()
+        self._coll_device = _dist.collective_device() if self._distributed else None
+        self._ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+        self._origin = None
+        if self._distributed and rank_origin and self._ddp is not None:
+            try:
+                self._origin = _dist.RankOrigin(self._ddp)
+            except Exception as exc:  # e.g. the model already has a comm hook
+                warnings.warn(f"gradhealth: no rank-origin hook on the DDP model ({exc}); NaN is not traced to a rank",
+                              GradHealthInternalWarning, stacklevel=2)
+        if self._distributed and _dist.rank() != 0:
+            self.emit_warnings = False  # the same verdict is on every rank; rank 0 says it
         self._plan = None
         self._tracker = UpdateTracker(self._entries, self.optimizers, mode=self.deltas) if self.optimizers else None
         self._hooks = []
@@ -207,6 +228,8 @@ class GradHealth:
         if self._closed:
             warnings.warn("gradhealth: check() on a closed monitor does nothing", GradHealthInternalWarning, stacklevel=3)
             return None
+        if self._ddp is not None and not self._ddp.require_backward_grad_sync:
+            return None  # inside no_sync(): gradients are local and partial; the synchronising step is checked
         s = self._calls if step is None else int(step)
         self._calls += 1
         if s % self.every_n_steps:
@@ -274,6 +297,8 @@ class GradHealth:
             self._tracker.close()
         if self._tracer is not None:
             self._tracer.disarm()
+        if self._origin is not None:
+            self._origin.enabled = False  # DDP cannot unregister a comm hook: it only forwards now
         for sink in self.sinks:
             for method in ("flush", "close"):
                 fn = getattr(sink, method, None)
@@ -377,6 +402,12 @@ class GradHealth:
             if g is not None:
                 grads.append(g)
                 with_grad.append(i)
+        sharded: set[int] = set()
+        if self._distributed:
+            for k, i in enumerate(with_grad):
+                if _dist.is_sharded(grads[k]):
+                    sharded.add(i)
+                grads[k] = _dist.to_local(grads[k])
 
         # the extras that ride along in the one transfer
         extras: list[Tensor] = []
@@ -420,6 +451,13 @@ class GradHealth:
         norm_of: list[float | None] = [None] * len(entries)
         for i, v in zip(with_grad, norms):
             norm_of[i] = v
+        local_flags = self._local_flags(loss, stale)
+        across = None
+        if self._distributed:
+            across = self._reduce(sel, norm_of, sharded, loss_value, valid_counts, pending, local_flags)
+            norm_of, loss_value, valid_counts = across["norm_of"], across["loss"], across["valid"]
+            with_grad = [i for i in sel.idx if norm_of[i] is not None]
+            norms = [norm_of[i] for i in with_grad]
         names, params, pids = self._names, self._params, self._pids
         status: dict[str, Status] = dict.fromkeys(sel.names, Status.OK)
         in_opt: dict[str, bool] | None = dict.fromkeys(sel.names, True) if ids is not None else None
@@ -460,13 +498,18 @@ class GradHealth:
         elif self._armed_report is not None and steps_ran == 0:
             self._judge_missing_step(report, scale)
         self._judge_amp(report, scale, nonfinite)
-        if loss is not None:
-            self._judge_loss(report, loss)
+        if across is not None:
+            self._judge_ranks(report, across, local_flags)
+        else:
+            if local_flags["loss_cause"] is not None:
+                self._judge_loss(report, local_flags["loss_cause"])
+            self._judge_forward(report, local_flags["eval"])
+            self._judge_stale(report, stale)
         self._judge_empty(report, valid_counts, norms)
-        self._judge_forward(report)
-        self._judge_stale(report, stale)
         self._judge_frozen(report)
         self._judge_trace(report, nonfinite)
+        if across is not None and self._desync_due(nonfinite):
+            self._judge_desync(report, sel)
         history = self._history_for(optimizer)
         if history is not None:
             report.findings += history.update(step, total, self._module_norms(norm_of, sel.modules))
@@ -551,6 +594,157 @@ class GradHealth:
             if callable(fn):
                 self._safe_sink_call(i, sink, fn, target)
 
+    # ------------------------------------------------------------ across ranks
+    def _local_flags(self, loss, stale: set[int]) -> dict:
+        """This rank's own observations that are not numbers of the parameters."""
+        rec, self._eval_backward = self._eval_backward, None
+        cause = diagnose_loss(loss, self.model, self._forward) if loss is not None else None
+        return {"loss_cause": cause, "eval": rec, "stale": stale}
+
+    def _reduce(self, sel, norm_of, sharded, loss_value, valid_counts, pending, flags) -> dict:
+        """Pack this rank's numbers, all_reduce(SUM) once, unpack the same verdict on every rank."""
+        world, me = self._world, _dist.rank()
+        b = _dist.bit(me)
+        inv = 1.0 / world
+        idx = sel.idx
+        vals: list[float] = []
+        for i in idx:  # squared norms: summed over shards, averaged over replicas
+            v = norm_of[i]
+            vals.append(0.0 if v is None else v * v * (1.0 if i in sharded else inv))
+        vals += [0.0 if norm_of[i] is None else 1.0 for i in idx]
+        vals += [0.0 if norm_of[i] is None or math.isfinite(norm_of[i]) else 1.0 for i in idx]
+        vals += [0.0 if norm_of[i] is None or norm_of[i] == 0.0 else 1.0 for i in idx]
+        pre = self._origin.take([self._params[i] for i in idx]) if self._origin is not None else None
+        has_pre = 1.0 if pre is not None else 0.0
+        pre_bad, pre_zero = pre if pre is not None else ([0.0] * len(idx), [0.0] * len(idx))
+        vals += [x * b for x in pre_bad] + [x * b for x in pre_zero] + [has_pre]
+        loss_ok = loss_value is not None
+        vals += [loss_value * inv if loss_ok and math.isfinite(loss_value) else 0.0,
+                 b if loss_ok and not math.isfinite(loss_value) else 0.0, 1.0 if loss_ok else 0.0]
+        names = sorted(valid_counts)
+        vals += [float(valid_counts[n]) for n in names] + [b if valid_counts[n] == 0 else 0.0 for n in names]
+        vals += [b if flags["loss_cause"] else 0.0, b if flags["eval"] is not None else 0.0, b if flags["stale"] else 0.0]
+        for p in pending:  # [update norm, param norm, changed] per parameter of the step
+            n = len(p.indices)
+            w = [1.0 if i in sharded else inv for i in p.indices]
+            v = p.values
+            vals += [v[k] * v[k] * w[k] for k in range(n)] + [v[n + k] * v[n + k] * w[k] for k in range(n)] + v[2 * n : 3 * n]
+        out = _dist.all_reduce_sum(vals, self._coll_device)
+
+        n = len(idx)
+        sq, has, bad, nz = out[:n], out[n : 2 * n], out[2 * n : 3 * n], out[3 * n : 4 * n]
+        pre_bad, pre_zero, has_pre = out[4 * n : 5 * n], out[5 * n : 6 * n], out[6 * n]
+        k = 6 * n + 1
+        loss_sum, loss_bad, loss_n = out[k : k + 3]
+        k += 3
+        valid = {name: int(round(out[k + j])) for j, name in enumerate(names)}
+        empty_masks = {name: out[k + len(names) + j] for j, name in enumerate(names)}
+        k += 2 * len(names)
+        cause_mask, eval_mask, stale_mask = out[k : k + 3]
+        k += 3
+        for p in pending:
+            n2 = len(p.indices)
+            seg = out[k : k + 3 * n2]
+            p.values = [math.sqrt(x) for x in seg[: 2 * n2]] + [1.0 if x > 0 else 0.0 for x in seg[2 * n2 :]]
+            k += 3 * n2
+        new_norm: list[float | None] = [None] * len(norm_of)
+        for j, i in enumerate(idx):
+            if has[j] == 0:
+                continue
+            if bad[j] > 0:
+                new_norm[i] = sq[j] if not math.isfinite(sq[j]) else math.inf
+            elif nz[j] == 0:
+                new_norm[i] = 0.0
+            else:
+                new_norm[i] = max(math.sqrt(sq[j]), 5e-324)  # non-zero somewhere, however small
+        loss = None
+        if loss_n > 0:
+            loss = math.nan if loss_bad > 0 else loss_sum * world / loss_n
+        return {"norm_of": new_norm, "loss": loss, "valid": valid, "empty_masks": empty_masks, "loss_bad": loss_bad,
+                "pre_bad": pre_bad, "pre_zero": pre_zero, "has_pre": has_pre, "masks": (cause_mask, eval_mask, stale_mask),
+                "idx": idx, "world": world}
+
+    def _judge_ranks(self, report: Report, across: dict, flags: dict) -> None:
+        """Findings from what single ranks saw, the same on every rank."""
+        world = across["world"]
+
+        def where(mask: float) -> str:
+            ranks = _dist.ranks_of(mask, world)
+            return f" (on rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))})" if ranks else " (on some ranks)"
+
+        cause_mask, eval_mask, stale_mask = across["masks"]
+        if cause_mask:
+            self._judge_loss(report, flags["loss_cause"] or "see that rank's warning", where(cause_mask))
+        if eval_mask:
+            rec = flags["eval"] or ForwardRecord(True, False, False, ())
+            self._judge_forward(report, rec, where(eval_mask))
+        if stale_mask:
+            stale = flags["stale"] or {i for i in across["idx"] if self._names[i] in report.status}
+            self._judge_stale(report, stale, where(stale_mask))
+        names = self._names
+        if across["has_pre"] > 0:
+            bad = {names[i]: m for i, m in zip(across["idx"], across["pre_bad"]) if m > 0}
+            if bad:
+                masks = set(bad.values())
+                ranks = sorted({r for m in masks for r in _dist.ranks_of(m, world)})
+                report.findings.append(Finding(
+                    "NONFINITE_RANK", f"the non-finite gradients were produced on rank{'s' if len(ranks) != 1 else ''} "
+                    f"{', '.join(map(str, ranks))} before DDP's all-reduce spread them to every rank "
+                    f"({describe_groups(group_by_module(report.status, lambda n, s: n in bad))}): look at that rank's batch",
+                    params=tuple(bad), step=report.step, data={"ranks": ranks}))
+            partly = {names[i]: m for i, m in zip(across["idx"], across["pre_zero"])
+                      if 0 < m and report.status.get(names[i]) not in (Status.NO_GRAD, Status.ZERO_GRAD, Status.FROZEN)}
+            if partly:
+                ranks = sorted({r for m in partly.values() for r in _dist.ranks_of(m, world)})
+                report.findings.append(Finding(
+                    "PARTIALLY_USED", f"{describe_groups(group_by_module(report.status, lambda n, s: n in partly))} got no "
+                    f"gradient on rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))} (DDP zero-filled "
+                    "their part before averaging): used by some ranks' batches only, not a dead layer",
+                    params=tuple(partly), level="info", step=report.step, data={"ranks_without": ranks}))
+            dead = {names[i] for i, m in zip(across["idx"], across["pre_zero"])
+                    if report.status.get(names[i]) is Status.ZERO_GRAD and len(_dist.ranks_of(m, world)) == world}
+            if dead:
+                report.findings.append(Finding(
+                    "PARTIALLY_USED", f"{describe_groups(group_by_module(report.status, lambda n, s: n in dead))}: zero on "
+                    "every rank before the all-reduce: DDP zero-filled them, no rank used them in this step",
+                    params=tuple(sorted(dead)), level="info", step=report.step))
+        empties = {n: m for n, m in across["empty_masks"].items() if m > 0 and across["valid"].get(n)}
+        for n, m in empties.items():  # empty on some ranks only: the global count hides it
+            report.findings.append(Finding(
+                "EMPTY_VALID_SET", f"the valid mask {n!r} selected nothing{where(m)} at step {report.step}: that rank's "
+                "mean over it is NaN or 0 and DDP averages it into every rank's gradients; skip such batches or use "
+                "gh.masked_mean(..., empty='zero')", step=report.step))
+
+    def _desync_due(self, nonfinite: bool) -> bool:
+        return self._checks == 0 or nonfinite or (self.desync_every > 0 and self._checks % self.desync_every == 0)
+
+    def _judge_desync(self, report: Report, sel) -> None:
+        """Compare a fingerprint of every replicated parameter across ranks (one all_gather)."""
+        idx = [i for i in sel.idx if not _dist.is_sharded(self._params[i])]
+        if not idx:
+            return
+        local = [_dist.to_local(self._params[i]).detach() for i in idx]
+        with torch.no_grad():
+            sums = torch.stack([t.sum(dtype=torch.float32) if t.numel() else torch.zeros((), device=t.device) for t in local])
+            norms = torch.stack(torch._foreach_norm(local)).to(sums.dtype)
+        fp = torch.cat([sums, norms]).double().tolist()
+        rows = _dist.all_gather(fp, self._coll_device)
+        n = len(idx)
+        differ: dict[str, list[int]] = {}
+        for j, i in enumerate(idx):
+            ref = (rows[0][j], rows[0][n + j])
+            odd = [r for r, row in enumerate(rows) if (row[j], row[n + j]) != ref and not (math.isnan(row[j]) and math.isnan(ref[0]))]
+            if odd:
+                differ[self._names[i]] = odd
+        if differ:
+            ranks = sorted({r for rs in differ.values() for r in rs})
+            report.findings.append(Finding(
+                "DESYNC", f"{describe_groups(group_by_module(report.status, lambda n_, s: n_ in differ))} differ between "
+                f"rank 0 and rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}: the replicas have drifted "
+                "apart (a parameter changed on one rank only, a different initialisation seed, a non-deterministic "
+                "update, or a skipped all-reduce); broadcast from rank 0 or fix the code that changes one rank",
+                params=tuple(differ), step=report.step, data={"ranks": differ}))
+
     def _judge_missing_step(self, report: Report, scale: float | None) -> None:
         """No optimizer step ran since the previous check. Fine while accumulating; a skipped
         step if that check's gradients were thrown away (zeroed or set to None) meanwhile."""
@@ -610,10 +804,8 @@ class GradHealth:
                                            f"{self.amp_scale_floor:g}): nearly every step overflows; the model produces "
                                            "non-finite gradients at any scale", step=report.step, data={"scale": scale}))
 
-    def _judge_loss(self, report: Report, loss) -> None:
-        cause = diagnose_loss(loss, self.model, self._forward)
-        if cause is not None:
-            report.findings.append(Finding("GRAD_MODE", f"loss cannot produce gradients: {cause}", step=report.step))
+    def _judge_loss(self, report: Report, cause: str, where: str = "") -> None:
+        report.findings.append(Finding("GRAD_MODE", f"loss cannot produce gradients{where}: {cause}", step=report.step))
 
     def _judge_empty(self, report: Report, valid_counts: dict[str, int], norms: list[float]) -> None:
         empty = [n for n, c in valid_counts.items() if c == 0]
@@ -642,8 +834,7 @@ class GradHealth:
                         "empty case explicit)", step=report.step)
             )
 
-    def _judge_forward(self, report: Report) -> None:
-        rec, self._eval_backward = self._eval_backward, None
+    def _judge_forward(self, report: Report, rec: ForwardRecord | None, where: str = "") -> None:
         if rec is None:
             return
         if not rec.training:
@@ -651,17 +842,17 @@ class GradHealth:
         else:
             what = f"submodules {', '.join(rec.eval_modules[:5])}{' ...' if len(rec.eval_modules) > 5 else ''} were in eval() mode during the training forward"
         report.findings.append(
-            Finding("GRAD_MODE", f"{what}: dropout is off and batch norm uses (and no longer updates) its running "
+            Finding("GRAD_MODE", f"{what}{where}: dropout is off and batch norm uses (and no longer updates) its running "
                     "statistics. Call model.train() after validation, before training resumes", step=report.step,
                     params=rec.eval_modules)
         )
 
-    def _judge_stale(self, report: Report, stale: set[int]) -> None:
+    def _judge_stale(self, report: Report, stale: set[int], where: str = "") -> None:
         if not stale:
             return
-        chosen = {self._entries[i][0] for i in stale}
+        chosen = {self._entries[i][0] for i in stale if self._entries[i][0] in report.status}
         report.findings.append(
-            Finding("STALE_GRAD", f"{describe_groups(group_by_module(report.status, lambda n, s: n in chosen))}: this "
+            Finding("STALE_GRAD", f"{describe_groups(group_by_module(report.status, lambda n, s: n in chosen))}{where}: this "
                     "backward added onto gradients that optimizer.step() had already used (no zero_grad in between), "
                     "so every step applies the sum of all past gradients. Call optimizer.zero_grad() before each "
                     "backward (or after each step)", params=tuple(n for n in report.status if n in chosen),
@@ -776,6 +967,10 @@ class _Selection:
     names: list[str]
     modules: list[tuple[str, list[int]]]
     opt_ids: set[int] | None
+
+
+def _bad_desync(value):
+    raise ValueError(f"desync_every must be an int >= 0; got {value!r}")
 
 
 def _first_grad_tensor(output) -> list[Tensor]:

@@ -1,0 +1,200 @@
+"""Worker functions for the multi-process tests (spawned: they must live in an importable module)."""
+
+import json
+import os
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradhealth as gh
+
+
+def _init(rank, world, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _dump(out, rank, payload):
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(payload, f)
+
+
+def _report(r):
+    return {"status": {k: v.value for k, v in r.status.items()}, "grad_norm": r.grad_norm, "total": r.total_grad_norm,
+            "findings": [[f.kind, list(f.params), f.level, f.data.get("ranks"), f.data.get("ranks_without")] for f in r.findings],
+            "ok": r.ok}
+
+
+class Partly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, use_b):
+        y = self.a(x)
+        if use_b:
+            y = y + self.b(x)
+        return y  # c is never used
+
+
+def run(rank, world, port, out, scenario):
+    try:
+        _init(rank, world, port)
+        warnings.simplefilter("ignore")
+        payload = SCENARIOS[scenario](rank, world)
+        _dump(out, rank, payload)
+    except BaseException:
+        _dump(out, rank, {"error": traceback.format_exc()})
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def s_verdict(rank, world):
+    torch.manual_seed(0)
+    model = Partly()
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    mon = gh.GradHealth(ddp, opt, on_problem="ignore")
+    torch.manual_seed(rank + 1)
+    reports = []
+    for _ in range(2):
+        opt.zero_grad()
+        ddp(torch.randn(3, 4), use_b=(rank == 0)).sum().backward()
+        reports.append(_report(mon.check()))
+        opt.step()
+    mon.close()
+    return {"reports": reports}
+
+
+def s_nan_rank1(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    mon = gh.GradHealth(ddp, opt, on_problem="ignore")
+    x = torch.randn(3, 4)
+    if rank == 1:
+        x[0, 0] = float("nan")
+    ddp(x).sum().backward()
+    r = mon.check()
+    return {"report": _report(r)}
+
+
+def s_desync(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gh.GradHealth(model, opt, on_problem="ignore", desync_every=3)
+    reports = []
+    for step in range(4):
+        if step == 2 and rank == 1:
+            with torch.no_grad():
+                model[1].bias += 1.0  # changed on one rank only
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        for p in model.parameters():  # a hand-made data-parallel all-reduce
+            dist.all_reduce(p.grad)
+        reports.append(_report(mon.check()))
+        opt.step()
+    return {"reports": reports}
+
+
+def s_raise(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), nn.Linear(4, 1))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    mon = gh.GradHealth(ddp, opt, on_problem="raise")
+    if rank == 1:
+        model[1].eval()  # a local mistake on one rank only
+    ddp(torch.randn(3, 4)).sum().backward()
+    try:
+        mon.check()
+    except gh.GradHealthError as exc:
+        return {"raised": True, "message": str(exc)}
+    return {"raised": False}
+
+
+def s_no_sync(rank, world):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    mon = gh.GradHealth(ddp, opt, on_problem="ignore")
+    got = []
+    opt.zero_grad()
+    with ddp.no_sync():
+        for _ in range(2):
+            ddp(torch.randn(2, 4)).sum().backward()
+            got.append(mon.check())
+    ddp(torch.randn(2, 4)).sum().backward()
+    got.append(mon.check())
+    opt.step()
+    return {"deferred": [g is None for g in got], "final_ok": got[-1].ok, "findings": [f.kind for f in got[-1].findings]}
+
+
+def s_sharded(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+
+    def batch(r):
+        g = torch.Generator().manual_seed(100 + r)
+        return torch.randn(5, 4, generator=g)
+
+    def loss_fn(m, x):
+        return m(x).square().mean()
+
+    # reference: the unsharded model, gradients averaged over the ranks' batches
+    ref = build()
+    for r in range(world):
+        (loss_fn(ref, batch(r)) / world).backward()
+    ref_norms = {n: p.grad.double().norm().item() for n, p in ref.named_parameters()}
+    ref_total = sum(v * v for v in ref_norms.values()) ** 0.5
+
+    model = build()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gh.GradHealth(model, opt, on_problem="ignore", deltas="exact")
+    loss_fn(model, batch(rank)).backward()
+    r = mon.check()
+    opt.step()
+    opt.zero_grad()
+    loss_fn(model, batch(rank)).backward()
+    r1 = mon.check()  # carries the first step's update norms, reduced over the shards
+    update = dict(r.update_norm)
+    # a gradient that is zero on rank 0's shard and not on rank 1's, and a NaN in one shard only
+    for p in model.parameters():
+        p.grad = None
+    w = model[2].weight  # 8 rows, 4 per rank
+    local = torch.zeros_like(w.to_local())
+    if rank == 1:
+        local[0, 0] = 1.0
+    from torch.distributed.tensor import DTensor
+
+    w.grad = DTensor.from_local(local, w.device_mesh, w.placements)
+    b = model[2].bias
+    lb = torch.zeros_like(b.to_local())
+    if rank == 0:
+        lb[0] = float("nan")
+    b.grad = DTensor.from_local(lb, b.device_mesh, b.placements)
+    r2 = mon.check()
+    mon.close()
+    return {"grad_norm": r.grad_norm, "total": r.total_grad_norm, "ref": ref_norms, "ref_total": ref_total, "update": update,
+            "lr_times_grad": {n: 0.1 * v for n, v in ref_norms.items()},
+            "status": {k: v.value for k, v in r.status.items()}, "status2": {k: v.value for k, v in r2.status.items()}}
+
+
+SCENARIOS = {"verdict": s_verdict, "nan_rank1": s_nan_rank1, "desync": s_desync, "raise": s_raise,
+             "no_sync": s_no_sync, "sharded": s_sharded}

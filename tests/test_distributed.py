@@ -1,0 +1,86 @@
+"""Real multi-process torch.distributed runs (spawn, gloo, a free port, a timeout on each test)."""
+
+import json
+import os
+import time
+
+import pytest
+import torch.multiprocessing as mp
+
+from conftest import free_port
+import dist_workers
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def spawn(scenario, tmp_path, world=2, limit=180):
+    ctx = mp.start_processes(dist_workers.run, args=(world, free_port(), str(tmp_path), scenario), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.time() + limit
+    while not ctx.join(timeout=1):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{scenario}: the ranks did not finish in {limit}s (a hang)")
+    out = []
+    for r in range(world):
+        data = json.load(open(os.path.join(str(tmp_path), f"{r}.json")))
+        assert "error" not in data, data.get("error")
+        out.append(data)
+    return out
+
+
+def test_same_verdict_unused_and_partly_used(tmp_path):
+    ranks = spawn("verdict", tmp_path)
+    assert ranks[0]["reports"] == ranks[1]["reports"]  # statuses, norms, findings: identical
+    r = ranks[0]["reports"][0]
+    assert r["status"]["c.weight"] == "NO_GRAD" and r["status"]["c.bias"] == "NO_GRAD"  # unused everywhere
+    assert r["status"]["b.weight"] == "OK"
+    partly = [f for f in r["findings"] if f[0] == "PARTIALLY_USED"]
+    assert partly and set(partly[0][1]) == {"b.weight", "b.bias"} and partly[0][4] == [1] and partly[0][2] == "info"
+
+
+def test_nan_traced_to_the_rank_that_produced_it(tmp_path):
+    ranks = spawn("nan_rank1", tmp_path)
+    assert ranks[0]["report"] == ranks[1]["report"]
+    r = ranks[0]["report"]
+    assert r["status"]["0.weight"] == "NON_FINITE_GRAD" and r["status"]["2.bias"] == "OK"  # d(sum)/d(bias) stays finite
+    origin = [f for f in r["findings"] if f[0] == "NONFINITE_RANK"]
+    assert origin and origin[0][3] == [1]
+
+
+def test_desync_names_parameter_and_rank(tmp_path):
+    ranks = spawn("desync", tmp_path)
+    kinds = [[f[0] for f in rep["findings"]] for rep in ranks[0]["reports"]]
+    assert "DESYNC" not in kinds[0]  # first check: in sync
+    assert "DESYNC" in kinds[3]  # check 3 (every 3 checks) after rank 1 changed 1.bias at step 2
+    f = next(f for f in ranks[0]["reports"][3]["findings"] if f[0] == "DESYNC")
+    assert f[1] == ["1.bias"] and f[3] == {"1.bias": [1]}
+    assert ranks[0]["reports"][3]["findings"] == ranks[1]["reports"][3]["findings"]
+
+
+def test_raise_on_all_ranks_together(tmp_path):
+    ranks = spawn("raise", tmp_path)
+    assert ranks[0]["raised"] and ranks[1]["raised"]
+    assert "GRAD_MODE" in ranks[0]["message"] and "rank 1" in ranks[0]["message"]
+
+
+def test_no_sync_checks_are_deferred(tmp_path):
+    ranks = spawn("no_sync", tmp_path)
+    for r in ranks:
+        assert r["deferred"] == [True, True, False] and r["final_ok"]
+
+
+def test_sharded_norms_equal_the_unsharded_model(tmp_path):
+    ranks = spawn("sharded", tmp_path)
+    for r in ranks:
+        assert set(r["grad_norm"]) == set(r["ref"])
+        for name, ref in r["ref"].items():
+            assert abs(r["grad_norm"][name] - ref) <= 1e-5 * max(ref, 1e-12), (name, r["grad_norm"][name], ref)
+        assert abs(r["total"] - r["ref_total"]) <= 1e-5 * r["ref_total"]
+        for name, expected in r["lr_times_grad"].items():  # SGD: ||Δθ|| = lr * ||g||, over all shards
+            assert abs(r["update"][name] - expected) <= 1e-4 * expected, (name, r["update"][name], expected)
+    assert ranks[0]["status2"] == ranks[1]["status2"]
+    assert ranks[0]["status2"]["2.weight"] == "OK"  # zero on rank 0's shard only: not ZERO_GRAD
+    assert ranks[0]["status2"]["2.bias"] == "NON_FINITE_GRAD"  # NaN in one shard: non-finite everywhere
+    assert ranks[0]["status2"]["0.weight"] == "NO_GRAD"
