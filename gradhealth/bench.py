@@ -206,6 +206,59 @@ def bench_tracer(rounds: int) -> None:
               f"torch.autograd.detect_anomaly {t['anomaly'] / t['plain']:.2f}x; disarmed: no hooks at all")
 
 
+def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = build_model(100, 64)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        model(torch.randn(32, 64)).square().mean().backward()
+        mon = GradHealth(model, opt, on_problem="ignore", deltas="off", desync_every=0)
+        mon._checks = 1  # past the first check: no DESYNC fingerprint in the timed loop
+        res = interleaved({"check()": lambda: mon.check()}, rounds, 20)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(res, f)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def bench_distributed(rounds: int) -> None:
+    """The check's collective at world size 2 (gloo, CPU), next to the same check in one process."""
+    import json
+    import os
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = os.path.join(tempfile.mkdtemp(), "dist.json")
+    mp.spawn(_dist_worker, args=(2, port, out, rounds), nprocs=2, join=True)
+    with open(out) as f:
+        dist_t = json.load(f)["check()"]
+    torch.manual_seed(0)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same thread budget as each rank
+    model = build_model(100, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model(torch.randn(32, 64)).square().mean().backward()
+    mon = GradHealth(model, opt, on_problem="ignore", deltas="off")
+    local_t = interleaved({"check()": lambda: mon.check()}, rounds, 20)["check()"]
+    torch.set_num_threads(saved)
+    print("\ntorch.distributed, 400 small tensors, one thread per process:")
+    print(f"  check() in one process {local_t * 1e3:.3f} ms; at world size 2 (gloo, one all_reduce per check) "
+          f"{dist_t * 1e3:.3f} ms: the collective adds {1e3 * (dist_t - local_t):.3f} ms ({dist_t / local_t:.2f}x)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gradhealth bench", description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds per shape (median)")
@@ -224,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 bench_deltas(label, blocks, width, opt_name)
     if args.device == "cpu":
         bench_tracer(args.rounds)
+        bench_distributed(args.rounds)
         try:  # the integrations' own costs, when their frameworks are installed
             from gradhealth.integrations.bench_lightning import main as bench_lightning
         except ImportError:

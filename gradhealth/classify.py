@@ -29,6 +29,10 @@ def unwrap(model: nn.Module) -> nn.Module:
         if isinstance(inner, nn.Module):
             model = inner
             continue
+        inner = getattr(model, "_forward_module", None)  # Lightning's wrapper inside its DDP
+        if isinstance(inner, nn.Module) and type(model).__name__.endswith("WrapperBase"):
+            model = inner
+            continue
         break
     return model
 

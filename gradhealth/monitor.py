@@ -113,6 +113,8 @@ class GradHealth:
             many checks (and at the first check, and whenever a gradient is non-finite); 0: only then.
         rank_origin: for a DistributedDataParallel model, a communication hook notes each rank's
             gradients before the all-reduce, so NaN/inf is traced to the rank that produced it.
+        ddp_model: the DistributedDataParallel wrapper, when ``model`` is the module inside it
+            (as in Lightning), for the rank-origin hook and ``no_sync`` deferral.
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class GradHealth:
         watch_forward: bool = True,
         desync_every: int = 100,
         rank_origin: bool = True,
+        ddp_model=None,
     ):
         self.model = model
         self._entries = named_parameters(model)
@@ -186,7 +189,9 @@ class GradHealth:
         self._distributed = _dist.active()
         self._world = _dist.world_size()
         self._coll_device = _dist.collective_device() if self._distributed else None
-        self._ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+        if ddp_model is not None and not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
+            raise TypeError(f"ddp_model must be a torch.nn.parallel.DistributedDataParallel; got {type(ddp_model).__name__}")
+        self._ddp = ddp_model if ddp_model is not None else (model if isinstance(model, nn.parallel.DistributedDataParallel) else None)
         self._origin = None
         if self._distributed and rank_origin and self._ddp is not None:
             try:

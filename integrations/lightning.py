@@ -173,9 +173,11 @@ class GradHealthCallback(Callback):
         if self.tensorboard and self.log:
             sinks += self._tensorboard_sinks(trainer)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        wrapper = getattr(trainer.strategy, "model", None)
+        ddp = wrapper if isinstance(wrapper, torch.nn.parallel.DistributedDataParallel) else None
         self.monitor = GradHealth(
             pl_module, [o for o in trainer.optimizers], **{**self._options, "sinks": sinks},
-            scaler=scaler, trace_on_nonfinite=not self.replay_on_nonfinite,
+            scaler=scaler, trace_on_nonfinite=not self.replay_on_nonfinite, ddp_model=ddp,
         )
         self.monitor.emit_warnings = trainer.is_global_zero
         if self._pending_state is not None:

@@ -1,0 +1,126 @@
+"""The GPU check, for a session lent an accelerator: one command, well under 5 minutes.
+
+    python scripts/gpu_check.py
+
+1. The hot path under torch.cuda.set_sync_debug_mode("error"), allowed to synchronise only in its
+   one device-to-host transfer (gradhealth.stats.fetch): a healthy check must not sync elsewhere.
+2. The core benchmark's three shapes with absolute times (gradhealth bench --device cuda).
+3. fp16 AMP with a GradScaler: unscaled norms, an injected overflow reported as AMP_SKIPPED
+   (info, no alarm), and the alarm after repeated skips.
+4. Lightning precision="16-mixed" with the callback: a planted bug found, a healthy run silent.
+Exits non-zero on the first failed check.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+from torch import nn
+
+import gradhealth as gh
+from gradhealth import stats
+
+
+def sync_free_hot_path() -> None:
+    dev = torch.device("cuda")
+    model = nn.Sequential(*[m for _ in range(50) for m in (nn.Linear(256, 256), nn.LayerNorm(256))]).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = gh.GradHealth(model, opt, on_problem="raise")
+    original = stats.fetch
+
+    def fetch(parts):  # the one transfer a check is allowed
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return original(parts)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    stats.fetch = fetch
+    try:
+        for _ in range(5):
+            opt.zero_grad(set_to_none=True)
+            loss = model(torch.randn(64, 256, device=dev)).square().mean()
+            loss.backward()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                report = mon.check()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            assert report.ok, str(report)
+            opt.step()
+    finally:
+        stats.fetch = original
+        mon.close()
+    print("1. hot path: no host sync outside the one transfer (5 checks, 200 tensors, AdamW deltas on)")
+
+
+def amp_fp16() -> None:
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**14)
+    mon = gh.GradHealth(model, opt, scaler=scaler, on_problem="ignore", amp_skip_alarm=3)
+    said = []
+    for step in range(8):
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(torch.randn(32, 64, device=dev)).square().mean()
+        scaler.scale(loss).backward()
+        if step in (3, 5, 6, 7):
+            model[2].weight.grad[0, 0] = math.inf  # what an fp16 overflow leaves behind
+        report = mon.check()
+        if step == 0:
+            ref = math.sqrt(sum((p.grad.float() / scaler.get_scale()).norm().item() ** 2 for p in model.parameters()))
+            assert abs(report.total_grad_norm - ref) <= 1e-3 * ref, (report.total_grad_norm, ref)
+        said.append([(f.kind, f.level) for f in report.findings if f.kind == "AMP_SKIPPED"])
+        scaler.step(opt)
+        scaler.update()
+    assert said[3] == [("AMP_SKIPPED", "info")], said
+    assert ("AMP_SKIPPED", "error") in said[7], said
+    print("3. fp16 AMP: unscaled norms, one skip = info, three in a row = alarm")
+
+
+def lightning_16_mixed() -> None:
+    import lightning.pytorch as pl
+
+    from gradhealth.integrations.lightning import GradHealthCallback
+    from gradhealth.integrations.lightning_demo import DemoModule, SyntheticData
+
+    for bug, expect in [("not_in_optimizer", "NOT_IN_OPTIMIZER"), ("none", None)]:
+        cb = GradHealthCallback(on_problem="ignore")
+        trainer = pl.Trainer(max_steps=5, accelerator="gpu", devices=1, precision="16-mixed", callbacks=[cb], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(DemoModule(bug=bug), SyntheticData(n_batches=8))
+        r = cb.last_report
+        if expect:
+            assert expect in r.headline(), str(r)
+        else:
+            assert r.ok, str(r)
+    print("4. Lightning 16-mixed: the planted bug found, the healthy run clean")
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    print(f"gpu_check on {torch.cuda.get_device_name()} (torch {torch.__version__})")
+    warnings.simplefilter("ignore")
+    sync_free_hot_path()
+    print("2. core benchmark, absolute times:", flush=True)
+    subprocess.run([sys.executable, "-m", "gradhealth", "bench", "--device", "cuda", "--rounds", "5"], check=True)
+    amp_fp16()
+    lightning_16_mixed()
+    print(f"gpu_check passed in {time.time() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

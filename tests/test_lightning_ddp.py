@@ -1,0 +1,40 @@
+"""Lightning with strategy="ddp_spawn" on 2 CPU processes: one verdict, logs from rank zero, and a
+raise that stops every rank."""
+
+import csv
+import glob
+import os
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+
+import gradhealth as gh
+from gradhealth.integrations.lightning import GradHealthCallback
+from gradhealth.integrations.lightning_demo import DemoModule, SyntheticData
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def trainer(tmp_path, cb, steps=4):
+    return pl.Trainer(max_steps=steps, accelerator="cpu", devices=2, strategy="ddp_spawn", callbacks=[cb],
+                      logger=CSVLogger(str(tmp_path), name="ddp"), enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, log_every_n_steps=1, limit_val_batches=0)
+
+
+def test_ddp_spawn_logs_from_rank_zero(tmp_path):
+    t = trainer(tmp_path, GradHealthCallback(), steps=4)
+    t.fit(DemoModule(bug="not_in_optimizer"), SyntheticData(n_batches=8))
+    files = glob.glob(os.path.join(str(tmp_path), "ddp", "*", "metrics.csv"))
+    assert len(files) == 1  # one run, written by rank zero
+    rows = [r for r in csv.DictReader(open(files[0])) if r.get("gradhealth/status/NOT_IN_OPTIMIZER")]
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    assert all(float(r["gradhealth/status/NOT_IN_OPTIMIZER"]) == 2.0 for r in rows)
+
+
+def test_ddp_spawn_raise_stops_every_rank(tmp_path):
+    t = trainer(tmp_path, GradHealthCallback(on_problem="raise", expect_frozen=[]), steps=4)
+    with pytest.raises(Exception) as err:  # re-raised in the launching process; no rank is left hanging
+        t.fit(DemoModule(bug="frozen"), SyntheticData(n_batches=8))
+    assert "GradHealthError" in repr(err.value) or isinstance(err.value, gh.GradHealthError)
+    assert "UNEXPECTED_FROZEN" in str(err.value)
