@@ -264,20 +264,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds per shape (median)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shapes", default="all", help="comma-separated shape indexes (0,1,2) or 'all'")
+    ap.add_argument("--sections", default="all",
+                    help="comma-separated: checks,deltas,tracer,distributed,lightning (default: all)")
     args = ap.parse_args(argv)
     print(f"gradhealth bench: torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
     chosen = list(SHAPES.items())
     if args.shapes != "all":
         chosen = [chosen[int(i)] for i in args.shapes.split(",")]
+    sections = {"checks", "deltas", "tracer", "distributed", "lightning"} if args.sections == "all" else set(args.sections.split(","))
     for label, (blocks, width) in chosen:
-        bench_shape(label, blocks, width, args.rounds, args.device)
-        if args.device == "cpu":
+        if "checks" in sections:
+            bench_shape(label, blocks, width, args.rounds, args.device)
+        if "deltas" in sections and args.device == "cpu":
+            print(f"\nupdate norms on {label}:")
             bench_step_overhead(blocks, width, max(3, args.rounds // 2))
             for opt_name in ("SGD", "AdamW"):
                 bench_deltas(label, blocks, width, opt_name)
-    if args.device == "cpu":
+    if "tracer" in sections:
         bench_tracer(args.rounds)
+    if "distributed" in sections and args.device == "cpu":
         bench_distributed(args.rounds)
+    if "lightning" in sections and args.device == "cpu":
         try:  # the integrations' own costs, when their frameworks are installed
             from gradhealth.integrations.bench_lightning import main as bench_lightning
         except ImportError:

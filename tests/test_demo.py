@@ -2,6 +2,8 @@
 
 import os
 import subprocess
+
+import pytest
 import sys
 
 from gradhealth import demo
@@ -59,7 +61,8 @@ def test_plain_demo_command_runs():
 
 def test_bench_command_runs_and_prints_ratios():
     res = subprocess.run(
-        [sys.executable, "-m", "gradhealth", "bench", "--shapes", "0", "--rounds", "1"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "gradhealth", "bench", "--shapes", "0", "--rounds", "1", "--sections", "checks,deltas,tracer"],
+        capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 0, res.stderr
     for method in ("floor", "naive loop", "check()", "x floor"):
@@ -93,3 +96,11 @@ def test_where_overflow_origin():
     out = demo.scenario_where_overflow(3)
     origin = [m for m in out.said if "NONFINITE_ORIGIN" in m]
     assert origin and "module 'act'" in origin[0] and "ExpBackward0" in origin[0]
+
+
+@pytest.mark.slow
+def test_bench_distributed_section_runs():
+    res = subprocess.run([sys.executable, "-m", "gradhealth", "bench", "--rounds", "1", "--sections", "distributed"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "at world size 2" in res.stdout and "the collective adds" in res.stdout
