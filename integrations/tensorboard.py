@@ -93,7 +93,7 @@ def _label(img: np.ndarray, rows: list[str], steps: list[int], cell: tuple[int, 
         return img
     cw, ch = cell
     left = 8 + 6 * max((len(r) for r in rows), default=4)
-    canvas = Image.new("RGB", (left + img.shape[1] + 8, img.shape[0] + 36), "white")
+    canvas = Image.new("RGB", (max(left + img.shape[1] + 8, 560), img.shape[0] + 36), "white")
     canvas.paste(Image.fromarray(img), (left, 4))
     draw = ImageDraw.Draw(canvas)
     for i, r in enumerate(rows):
@@ -218,7 +218,7 @@ class TensorBoardSink:
         if not self._columns:
             return
         rows = list(self._modules)
-        cell = (max(2, min(8, 800 // max(1, len(self._columns)))), max(3, min(12, 600 // max(1, len(rows)))))
+        cell = (max(2, min(12, 800 // max(1, len(self._columns)))), max(3, min(24, 480 // max(1, len(rows)))))
         img = _label(gradient_flow_image(rows, self._columns, cell), rows, self._steps, cell)
         self.writer.add_image(f"{PREFIX}/gradient_flow", img, self._steps[-1] if step is None else step, dataformats="HWC")
 
