@@ -109,7 +109,8 @@ class UpdateTracker:
         self.stale: set[int] = set()
         self._inflight: dict[int, tuple] = {}
         self._plans: dict[int, _OptPlan] = {}
-        self._after: dict[int, tuple] = {}  # per optimizer: versions and norms after its last measured step
+        self._after: dict[int, tuple] = {}  # per optimizer: versions and whole-tensor norms last read
+        self._snaps: dict[int, tuple] = {}  # per optimizer: versions and the sample last copied
         self._handles = []
         self._grad_hooks: dict[int, list] = {}
         self._seed = seed
@@ -184,7 +185,9 @@ class UpdateTracker:
         cached while its param_groups and the parameters' storage stay the same."""
         ids = [id(p) for g in opt.param_groups for p in g["params"]]
         plan = self._plans.get(id(opt))
-        if plan is not None and plan.ids == ids and plan.ptrs == [p.data_ptr() for p in plan.params]:
+        if plan is not None and plan.ids == ids and all(
+            plan.params[k].data_ptr() == plan.ptrs[k] for k in {0, len(plan.params) // 2, len(plan.params) - 1}
+        ):  # spot check: model.to()/half() replace every parameter's storage at once
             return plan
         idx = [self.index[i] for i in ids if i in self.index]
         if not idx:
@@ -212,16 +215,25 @@ class UpdateTracker:
             plan = self._plan(opt)
             if plan is None:
                 continue
-            # Whole-tensor norms, ||θ|| and the change test. The previous measured step already
-            # read them after its update; when no parameter was modified in place since (same
-            # version counters), they are reused instead of read again.
+            # Whole-tensor norms (||θ|| and the change test) and the sample. Parameters carry a
+            # version counter that every in-place change bumps: while the versions are those of
+            # the last read (the previous step's post-hook, or an earlier check with no step in
+            # between), the numbers are reused instead of read again.
             versions = [p._version for p in plan.params]
             cached = self._after.get(id(opt))
             if cached is not None and cached[0] == versions:
                 before = cached[1]
             else:
                 before = _norms(plan.params, plan.groups)
-            self._inflight[id(opt)] = (plan, before, _apply(torch._foreach_mul, plan.groups, plan.views, 1), step)
+                self._after[id(opt)] = (versions, before)
+            kept = self._snaps.get(id(opt)) if self.mode == "sample" else None
+            if kept is not None and kept[0] == versions:
+                snap = kept[1]
+            else:
+                snap = _apply(torch._foreach_mul, plan.groups, plan.views, 1)
+                if self.mode == "sample":  # (never the exact mode's full copy: it lives only across a step)
+                    self._snaps[id(opt)] = (versions, snap)
+            self._inflight[id(opt)] = (plan, before, snap, step)
 
     def disarm(self) -> None:
         self.armed_step = None
@@ -241,6 +253,7 @@ class UpdateTracker:
             if self.mode != "exact":
                 after = _norms(plan.params, plan.groups)
                 self._after[id(opt)] = ([p._version for p in plan.params], after)
+                self._snaps.pop(id(opt), None)
                 changed = changed | (after != before)
             packed = torch.cat([dnorm, before, changed.to(torch.float64)])
             self.pending.append(StepStats(step, plan.idx, packed))
@@ -306,3 +319,4 @@ class UpdateTracker:
         self._inflight.clear()
         self._plans.clear()
         self._after.clear()
+        self._snaps.clear()

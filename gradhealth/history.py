@@ -15,6 +15,8 @@ import math
 import statistics
 from collections import deque
 
+import torch
+
 from .report import Finding
 
 __all__ = ["NormHistory", "module_of"]
@@ -70,12 +72,14 @@ class NormHistory:
     def _module_medians(self) -> list[float]:
         if self._medians_at < 0 or self.seen - self._medians_at >= self.refresh:
             width = len(self.modules)
-            meds = []
-            for c in range(width):
-                col = sorted(r[c] for r in self._rows if c < len(r) and r[c] == r[c])
-                n = len(col)
-                meds.append(math.nan if n < self.warmup else (col[n // 2] if n % 2 else 0.5 * (col[n // 2 - 1] + col[n // 2])))
-            self._medians, self._medians_at = meds, self.seen
+            if not self._rows or not width:
+                self._medians, self._medians_at = [math.nan] * width, self.seen
+                return self._medians
+            table = torch.tensor([r + [math.nan] * (width - len(r)) for r in self._rows], dtype=torch.float64)
+            counts = (~torch.isnan(table)).sum(0)
+            meds = table.nanmedian(dim=0).values
+            meds[counts < self.warmup] = math.nan  # not enough history for that module yet
+            self._medians, self._medians_at = meds.tolist(), self.seen
         return self._medians
 
     # --------------------------------------------------------------- judging

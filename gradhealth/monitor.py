@@ -36,7 +36,7 @@ from .deltas import DELTA_MODES, UpdateTracker
 from .errors import GradHealthError, GradHealthInternalWarning, GradHealthWarning
 from .guards import ForwardRecord, diagnose_loss
 from .history import NormHistory, module_of
-from .report import Finding, ParamMeta, Report, describe_groups, group_by_module, is_problem
+from .report import Finding, ParamMeta, Report, describe_groups, describe_names, group_by_module, is_problem
 from .sinks import check_sinks
 from .status import HINTS, Status
 from .trace import NonFiniteTracer
@@ -164,6 +164,8 @@ class GradHealth:
         everything = list(range(len(self._entries)))
         self._all = _Selection(None, everything, self._names, self._group_modules(everything), None)
         self._selections: dict[int, _Selection] = {}
+        self._ids_key: tuple | None = None
+        self._ids: set[int] | None = None
         self._histories: dict[int, NormHistory] = {}
         self._history_template = copy.deepcopy(self.history)
         #: False silences this monitor's warnings (not its raises): on ranks other than zero
@@ -380,6 +382,15 @@ class GradHealth:
             self._selections[id(optimizer)] = sel
         return sel
 
+    def _optimizer_ids(self) -> set[int] | None:
+        """ids of every parameter in the optimizers, recomputed only when their groups change."""
+        if not self.optimizers:
+            return None
+        key = tuple((id(g["params"]), len(g["params"])) for o in self.optimizers for g in o.param_groups)
+        if key != self._ids_key:
+            self._ids_key, self._ids = key, optimizer_param_ids(self.optimizers)
+        return self._ids
+
     def _group_modules(self, idx: list[int]) -> list[tuple[str, list[int]]]:
         groups: dict[str, list[int]] = {}
         for i in idx:
@@ -398,7 +409,7 @@ class GradHealth:
         entries = self._entries
         tracker = self._tracker
         sel = self._selection(optimizer)
-        ids = sel.opt_ids if optimizer is not None else (optimizer_param_ids(self.optimizers) if self.optimizers else None)
+        ids = sel.opt_ids if optimizer is not None else self._optimizer_ids()
         grads: list[Tensor] = []
         with_grad: list[int] = []
         params_all = self._params
@@ -468,6 +479,7 @@ class GradHealth:
         in_opt: dict[str, bool] | None = dict.fromkeys(sel.names, True) if ids is not None else None
         inf = math.inf
         nonfinite = False
+        not_ok: list[str] = []
         for i in sel.idx:
             p = params[i]
             v = norm_of[i]
@@ -477,7 +489,9 @@ class GradHealth:
             if not inside:
                 in_opt[names[i]] = False
             state = decide(p.requires_grad, v, inside)
-            status[names[i]] = state
+            if state is not Status.OK:
+                status[names[i]] = state
+                not_ok.append(names[i])
             nonfinite = nonfinite or state is Status.NON_FINITE_GRAD
         grad_norm = {names[i]: v for i, v in zip(with_grad, norms)}
         total = math.hypot(*norms) if norms else 0.0
@@ -493,6 +507,7 @@ class GradHealth:
             in_optimizer=in_opt,
             loss=loss_value,
             valid_counts=valid_counts,
+            not_ok=not_ok,
         )
 
         # the previous step: its updates, or why it did not run
@@ -573,7 +588,7 @@ class GradHealth:
         if changed_ok_missing:
             chosen = set(changed_ok_missing)
             new.append(
-                Finding("NOT_UPDATED", f"{describe_groups(group_by_module(target.status, lambda n, s: n in chosen))} had "
+                Finding("NOT_UPDATED", f"{describe_names(target.status, chosen)} had "
                         f"finite, non-zero gradients at step {target.step} yet optimizer.step() left them unchanged: "
                         "a learning rate of 0 (check the scheduler), an update rule that does nothing, or a step "
                         "that was skipped", params=tuple(changed_ok_missing), step=target.step)
@@ -581,7 +596,7 @@ class GradHealth:
         if frozen_moved:
             chosen = set(frozen_moved)
             new.append(
-                Finding("FROZEN_BUT_CHANGED", f"{describe_groups(group_by_module(target.status, lambda n, s: n in chosen))} "
+                Finding("FROZEN_BUT_CHANGED", f"{describe_names(target.status, chosen)} "
                         f"are frozen but optimizer.step() moved them at step {target.step}: weight decay or momentum "
                         "still acts on frozen parameters left in the optimizer; build the optimizer from the "
                         "trainable parameters only ([p for p in model.parameters() if p.requires_grad])",
@@ -695,14 +710,14 @@ class GradHealth:
                 report.findings.append(Finding(
                     "NONFINITE_RANK", f"the non-finite gradients were produced on rank{'s' if len(ranks) != 1 else ''} "
                     f"{', '.join(map(str, ranks))} before DDP's all-reduce spread them to every rank "
-                    f"({describe_groups(group_by_module(report.status, lambda n, s: n in bad))}): look at that rank's batch",
+                    f"({describe_names(report.status, bad)}): look at that rank's batch",
                     params=tuple(bad), step=report.step, data={"ranks": ranks}))
             partly = {names[i]: m for i, m in zip(across["idx"], across["pre_zero"])
                       if 0 < m and report.status.get(names[i]) not in (Status.NO_GRAD, Status.ZERO_GRAD, Status.FROZEN)}
             if partly:
                 ranks = sorted({r for m in partly.values() for r in _dist.ranks_of(m, world)})
                 report.findings.append(Finding(
-                    "PARTIALLY_USED", f"{describe_groups(group_by_module(report.status, lambda n, s: n in partly))} got no "
+                    "PARTIALLY_USED", f"{describe_names(report.status, partly)} got no "
                     f"gradient on rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))} (DDP zero-filled "
                     "their part before averaging): used by some ranks' batches only, not a dead layer",
                     params=tuple(partly), level="info", step=report.step, data={"ranks_without": ranks}))
@@ -710,7 +725,7 @@ class GradHealth:
                     if report.status.get(names[i]) is Status.ZERO_GRAD and len(_dist.ranks_of(m, world)) == world}
             if dead:
                 report.findings.append(Finding(
-                    "PARTIALLY_USED", f"{describe_groups(group_by_module(report.status, lambda n, s: n in dead))}: zero on "
+                    "PARTIALLY_USED", f"{describe_names(report.status, dead)}: zero on "
                     "every rank before the all-reduce: DDP zero-filled them, no rank used them in this step",
                     params=tuple(sorted(dead)), level="info", step=report.step))
         empties = {n: m for n, m in across["empty_masks"].items() if m > 0 and across["valid"].get(n)}
@@ -744,7 +759,7 @@ class GradHealth:
         if differ:
             ranks = sorted({r for rs in differ.values() for r in rs})
             report.findings.append(Finding(
-                "DESYNC", f"{describe_groups(group_by_module(report.status, lambda n_, s: n_ in differ))} differ between "
+                "DESYNC", f"{describe_names(report.status, differ)} differ between "
                 f"rank 0 and rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}: the replicas have drifted "
                 "apart (a parameter changed on one rank only, a different initialisation seed, a non-deterministic "
                 "update, or a skipped all-reduce); broadcast from rank 0 or fix the code that changes one rank",
@@ -780,7 +795,7 @@ class GradHealth:
             return
         if ok and any(prev.in_optimizer.get(n) for n in ok):
             chosen = {n for n in ok if prev.in_optimizer.get(n)}
-            f = Finding("NOT_UPDATED", f"{describe_groups(group_by_module(prev.status, lambda n, s: n in chosen))} had "
+            f = Finding("NOT_UPDATED", f"{describe_names(prev.status, chosen)} had "
                         f"gradients at step {prev.step} but no optimizer.step() ran before they were zeroed: the "
                         "step was skipped (a condition around optimizer.step(), or an exception swallowed)",
                         params=tuple(sorted(chosen, key=list(prev.status).index)), step=prev.step)
@@ -857,7 +872,7 @@ class GradHealth:
             return
         chosen = {self._entries[i][0] for i in stale if self._entries[i][0] in report.status}
         report.findings.append(
-            Finding("STALE_GRAD", f"{describe_groups(group_by_module(report.status, lambda n, s: n in chosen))}{where}: this "
+            Finding("STALE_GRAD", f"{describe_names(report.status, chosen)}{where}: this "
                     "backward added onto gradients that optimizer.step() had already used (no zero_grad in between), "
                     "so every step applies the sum of all past gradients. Call optimizer.zero_grad() before each "
                     "backward (or after each step)", params=tuple(n for n in report.status if n in chosen),
@@ -882,7 +897,7 @@ class GradHealth:
             self._trace_pending_from = report.step
 
     def _judge_frozen(self, report: Report) -> None:
-        frozen = [n for n, s in report.status.items() if s is Status.FROZEN]
+        frozen = [n for n, s in report._odd() if s is Status.FROZEN]
         if self._checks == 0 and frozen:
             rows = group_by_module(report.status, lambda n, s: s is Status.FROZEN)
             trainable = len(report.status) - len(frozen)
@@ -899,14 +914,14 @@ class GradHealth:
         if wrong_frozen:
             chosen = set(wrong_frozen)
             report.findings.append(
-                Finding("UNEXPECTED_FROZEN", f"{describe_groups(group_by_module(report.status, lambda n, s: n in chosen))} "
+                Finding("UNEXPECTED_FROZEN", f"{describe_names(report.status, chosen)} "
                         f"frozen but not matched by expect_frozen={list(pats)}: unfreeze them (requires_grad_(True)) "
                         "or add them to expect_frozen", params=wrong_frozen, step=report.step)
             )
         if wrong_trainable:
             chosen = set(wrong_trainable)
             report.findings.append(
-                Finding("UNEXPECTED_TRAINABLE", f"{describe_groups(group_by_module(report.status, lambda n, s: n in chosen))} "
+                Finding("UNEXPECTED_TRAINABLE", f"{describe_names(report.status, chosen)} "
                         f"match expect_frozen={list(pats)} but are trainable: freeze them (requires_grad_(False)) or "
                         "change expect_frozen", params=wrong_trainable, step=report.step)
             )

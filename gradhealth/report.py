@@ -9,7 +9,7 @@ from typing import Any
 
 from .status import Status
 
-__all__ = ["Finding", "Report", "group_by_module", "describe_groups", "is_problem"]
+__all__ = ["Finding", "Report", "group_by_module", "describe_groups", "describe_names", "is_problem"]
 
 LEVELS = ("info", "warning", "error")
 
@@ -105,6 +105,12 @@ def describe_groups(rows) -> str:
     return ", ".join(parts)
 
 
+def describe_names(status: dict[str, Status], names) -> str:
+    """``enc.* (24 params), head.weight``: ``names`` grouped by the modules they fill."""
+    chosen = set(names)
+    return describe_groups(group_by_module(status, lambda n, s: n in chosen))
+
+
 def is_problem(_name: str, state: Status) -> bool:
     return state is not Status.OK and state is not Status.FROZEN
 
@@ -135,16 +141,23 @@ class Report:
     loss: float | None = None
     meta: dict[str, ParamMeta] = field(default_factory=dict, repr=False)
     in_optimizer: dict[str, bool] | None = field(default=None, repr=False)
+    #: names whose state is not OK, when the builder knows them (saves scanning every parameter)
+    not_ok: list[str] | None = field(default=None, repr=False, compare=False)
+
+    def _odd(self):
+        if self.not_ok is not None:
+            return ((n, self.status[n]) for n in self.not_ok)
+        return ((n, s) for n, s in self.status.items() if s is not Status.OK)
 
     @property
     def problems(self) -> dict[str, Status]:
         """Every parameter whose state is neither OK nor FROZEN."""
-        return {n: s for n, s in self.status.items() if s is not Status.OK and s is not Status.FROZEN}
+        return {n: s for n, s in self._odd() if s is not Status.FROZEN}
 
     @property
     def grads_finite(self) -> bool:
         """No gradient holds a NaN or inf: safe to apply (``if report.grads_finite: opt.step()``)."""
-        return all(s is not Status.NON_FINITE_GRAD for s in self.status.values())
+        return all(s is not Status.NON_FINITE_GRAD for _, s in self._odd())
 
     @property
     def ok(self) -> bool:
