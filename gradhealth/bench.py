@@ -290,5 +290,5 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             bench_lightning = None
         if bench_lightning is not None:
-            bench_lightning(rounds=max(3, args.rounds // 2))
+            bench_lightning(rounds=max(5, args.rounds))
     return 0
