@@ -221,6 +221,22 @@ def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> Non
         mon = GradHealth(model, opt, on_problem="ignore", deltas="off", desync_every=0)
         mon._checks = 1  # past the first check: no DESYNC fingerprint in the timed loop
         res = interleaved({"check()": lambda: mon.check()}, rounds, 20)
+        mon.close()
+        # the rank-origin comm hook: a DDP training step with and without it
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from .distributed import RankOrigin
+
+        torch.manual_seed(0)
+        plain, hooked = DDP(build_model(100, 64)), DDP(build_model(100, 64))
+        RankOrigin(hooked)
+        x = torch.randn(32, 64)
+
+        def step(m):
+            m.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+
+        res.update(interleaved({"ddp step": lambda: step(plain), "ddp step + hook": lambda: step(hooked)}, rounds, 5))
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(res, f)
@@ -244,7 +260,8 @@ def bench_distributed(rounds: int) -> None:
     out = os.path.join(tempfile.mkdtemp(), "dist.json")
     mp.spawn(_dist_worker, args=(2, port, out, rounds), nprocs=2, join=True)
     with open(out) as f:
-        dist_t = json.load(f)["check()"]
+        res = json.load(f)
+    dist_t = res["check()"]
     torch.manual_seed(0)
     saved = torch.get_num_threads()
     torch.set_num_threads(1)  # the same thread budget as each rank
@@ -257,6 +274,8 @@ def bench_distributed(rounds: int) -> None:
     print("\ntorch.distributed, 400 small tensors, one thread per process:")
     print(f"  check() in one process {local_t * 1e3:.3f} ms; at world size 2 (gloo, one all_reduce per check) "
           f"{dist_t * 1e3:.3f} ms: the collective adds {1e3 * (dist_t - local_t):.3f} ms ({dist_t / local_t:.2f}x)")
+    a, b = res["ddp step"], res["ddp step + hook"]
+    print(f"  DDP forward+backward {a * 1e3:.2f} ms; with the rank-origin comm hook {b * 1e3:.2f} ms ({100 * (b / a - 1):+.1f}%)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,13 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shapes", default="all", help="comma-separated shape indexes (0,1,2) or 'all'")
     ap.add_argument("--sections", default="all",
-                    help="comma-separated: checks,deltas,tracer,distributed,lightning (default: all)")
+                    help="comma-separated: checks,deltas,tracer,distributed,lightning,tensorboard (default: all)")
     args = ap.parse_args(argv)
     print(f"gradhealth bench: torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
     chosen = list(SHAPES.items())
     if args.shapes != "all":
         chosen = [chosen[int(i)] for i in args.shapes.split(",")]
-    sections = {"checks", "deltas", "tracer", "distributed", "lightning"} if args.sections == "all" else set(args.sections.split(","))
+    sections = ({"checks", "deltas", "tracer", "distributed", "lightning", "tensorboard"} if args.sections == "all"
+                else set(args.sections.split(",")))
     for label, (blocks, width) in chosen:
         if "checks" in sections:
             bench_shape(label, blocks, width, args.rounds, args.device)
@@ -284,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
         bench_tracer(args.rounds)
     if "distributed" in sections and args.device == "cpu":
         bench_distributed(args.rounds)
+    if "tensorboard" in sections:
+        try:
+            from gradhealth.integrations.bench_tensorboard import main as bench_tensorboard
+        except ImportError:
+            bench_tensorboard = None
+        if bench_tensorboard is not None:
+            bench_tensorboard(args.rounds)
     if "lightning" in sections and args.device == "cpu":
         try:  # the integrations' own costs, when their frameworks are installed
             from gradhealth.integrations.bench_lightning import main as bench_lightning

@@ -11,6 +11,7 @@ would cost more than the check itself.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections import deque
@@ -22,7 +23,9 @@ from .report import Finding
 __all__ = ["NormHistory", "module_of"]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def module_of(name: str) -> str:
+    """The module a parameter belongs to: ``encoder.0`` for ``encoder.0.weight``."""
     return name.rpartition(".")[0] or "(root)"
 
 

@@ -44,11 +44,15 @@ def _hypot(values: list[float]) -> float:
 
 def report_metrics(report: Report, granularity: str = "module", norm: str = "grad_norm", suffix: str = "") -> dict[str, float]:
     out: dict[str, float] = {f"{PREFIX}/{norm}/total{suffix}": report.total_grad_norm}
-    groups: dict[str, list[float]] = {}
-    for name, v in report.grad_norm.items():
-        groups.setdefault(group_name(name, granularity), []).append(v)
-    for g, vs in groups.items():
-        out[f"{PREFIX}/{norm}/{g}"] = _hypot(vs)
+    if granularity == "module" and report.module_grad_norm:  # the monitor computed them already
+        for g, v in report.module_grad_norm.items():
+            out[f"{PREFIX}/{norm}/{g}"] = v
+    else:
+        groups: dict[str, list[float]] = {}
+        for name, v in report.grad_norm.items():
+            groups.setdefault(group_name(name, granularity), []).append(v)
+        for g, vs in groups.items():
+            out[f"{PREFIX}/{norm}/{g}"] = _hypot(vs)
     for state, n in report.counts().items():
         out[f"{PREFIX}/status/{state.value}{suffix}"] = float(n)
     if report.loss is not None:

@@ -530,9 +530,10 @@ class GradHealth:
         self._judge_trace(report, nonfinite)
         if across is not None and self._desync_due(nonfinite):
             self._judge_desync(report, sel)
+        report.module_grad_norm = self._module_norms(norm_of, sel.modules)
         history = self._history_for(optimizer)
         if history is not None:
-            report.findings += history.update(step, total, self._module_norms(norm_of, sel.modules))
+            report.findings += history.update(step, total, report.module_grad_norm)
 
         # arm the next optimizer step
         if tracker is not None:
@@ -562,7 +563,10 @@ class GradHealth:
         for module, idx in groups:
             vs = [norm_of[i] for i in idx if norm_of[i] is not None]
             if vs:
-                out[module] = vs[0] if len(vs) == 1 else math.hypot(*vs)
+                h = vs[0] if len(vs) == 1 else math.hypot(*vs)
+                if h == math.inf and any(math.isnan(v) for v in vs):
+                    h = math.nan  # hypot says inf when an inf and a NaN meet
+                out[module] = h
         return out
 
     def _apply_updates(self, pending, carry_to: Report | None) -> None:

@@ -136,6 +136,8 @@ class Report:
     #: filled in once the step has run (empty before, or without an optimizer).
     update_norm: dict[str, float] = field(default_factory=dict)
     update_ratio: dict[str, float] = field(default_factory=dict)
+    #: L2 norm of each module's own parameters' gradients (the module of ``a.b.weight`` is ``a.b``).
+    module_grad_norm: dict[str, float] = field(default_factory=dict)
     #: valid-element counts recorded with ``track_valid`` for this step, by name.
     valid_counts: dict[str, int] = field(default_factory=dict)
     loss: float | None = None

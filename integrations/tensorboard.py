@@ -24,6 +24,7 @@ import re
 import sys
 
 import numpy as np
+from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 
 from gradhealth.history import module_of
@@ -58,31 +59,43 @@ _COLOURS = {
 }
 
 
+_CODES = {s: k for k, s in enumerate(Status)}
+
+
 def gradient_flow_image(rows: list[str], columns: list[dict[str, tuple[float, Status]]], cell: tuple[int, int] = (8, 10)) -> np.ndarray:
     """An HxWx3 uint8 image: one row per module, one column per check, coloured by log10 norm.
 
     ``columns[j][module] = (norm, state)``; a module's state is the worst of its parameters'.
     """
-    logs = [math.log10(v) for col in columns for v, s in col.values() if s in (Status.OK, Status.ZERO_GRAD, Status.NOT_IN_OPTIMIZER) and v > 0 and math.isfinite(v)]
-    lo, hi = (min(logs), max(logs)) if logs else (0.0, 1.0)
-    span = max(hi - lo, 1e-12)
-    cw, ch = cell
-    img = np.full((len(rows) * ch, len(columns) * cw, 3), 255, dtype=np.uint8)
+    index = {m: i for i, m in enumerate(rows)}
+    value = np.full((len(rows), len(columns)), np.nan)
+    state = np.full((len(rows), len(columns)), -1, dtype=np.int64)  # -1: no entry (white)
     for j, col in enumerate(columns):
-        for i, m in enumerate(rows):
-            if m not in col:
-                continue
-            v, s = col[m]
-            if s in _COLOURS:
-                rgb = _COLOURS[s]
-            elif v <= 0 or not math.isfinite(v):
-                rgb = (0, 0, 0)
-            else:
-                t = (math.log10(v) - lo) / span * (len(_RAMP) - 1)
-                k = min(int(t), len(_RAMP) - 2)
-                rgb = tuple((_RAMP[k] + (t - k) * (_RAMP[k + 1] - _RAMP[k])).astype(int))
-            img[i * ch : (i + 1) * ch, j * cw : (j + 1) * cw] = rgb
-    return img
+        for m, (v, s) in col.items():
+            i = index.get(m)
+            if i is not None:
+                value[i, j] = v
+                state[i, j] = _CODES[s]
+    return _image(value, state, cell)
+
+
+def _image(value: np.ndarray, state: np.ndarray, cell: tuple[int, int]) -> np.ndarray:
+    rgb = np.full(value.shape + (3,), 255.0)
+    plain = (state >= 0) & np.isin(state, [_CODES[s] for s in _COLOURS], invert=True)
+    positive = plain & np.isfinite(value) & (value > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.where(positive, np.log10(np.where(positive, value, 1.0)), np.nan)
+    if positive.any():
+        lo, hi = np.nanmin(logs), np.nanmax(logs)
+        t = np.nan_to_num((logs - lo) / max(hi - lo, 1e-12) * (len(_RAMP) - 1))
+        k = np.clip(np.floor(t), 0, len(_RAMP) - 2).astype(np.int64)
+        ramp = _RAMP[k] + (t - k)[..., None] * (_RAMP[k + 1] - _RAMP[k])
+        rgb[positive] = ramp[positive]
+    rgb[plain & ~positive] = 0.0  # zero gradients: black
+    for s, colour in _COLOURS.items():
+        rgb[state == _CODES[s]] = colour
+    cw, ch = cell
+    return np.repeat(np.repeat(rgb.astype(np.uint8), ch, axis=0), cw, axis=1)
 
 
 def _label(img: np.ndarray, rows: list[str], steps: list[int], cell: tuple[int, int]) -> np.ndarray:
@@ -125,7 +138,8 @@ class TensorBoardSink:
                  heatmap_every: int = 50, heatmap_window: int = 200, scalars: bool = True, norm: str = "grad_norm",
                  close_writer: bool | None = None):
         if isinstance(logdir_or_writer, (str, os.PathLike)):
-            self.writer = SummaryWriter(str(logdir_or_writer))
+            # a deep queue: the writer thread serialises events while training runs
+            self.writer = SummaryWriter(str(logdir_or_writer), max_queue=256)
             owned = True
         elif hasattr(logdir_or_writer, "add_scalar"):
             self.writer = logdir_or_writer
@@ -149,6 +163,8 @@ class TensorBoardSink:
         self._modules: dict[str, None] = {}
         self._writes = 0
         self._texts: dict[int, set[int]] = {}
+        self._module_of: dict[str, str] = {}
+        self._row: dict[str, int] = {}
 
     def _granularity(self, report: Report) -> str:
         if self.granularity is not None:
@@ -160,15 +176,19 @@ class TensorBoardSink:
         if not self._layout_written:
             w.add_custom_scalars(layout(self.norm))
             self._layout_written = True
+        granularity = self._granularity(report)
+        metrics = report_metrics(report, granularity, self.norm)
         if self.scalars:
-            for tag, value in report_metrics(report, self._granularity(report), self.norm).items():
-                w.add_scalar(tag, value, report.step)
+            self._scalars(metrics, report.step)
         if self.histograms and report.grad_norm:
             logs = np.array([math.log10(v) for v in report.grad_norm.values() if v > 0 and math.isfinite(v)])
             if logs.size:
                 w.add_histogram(f"{PREFIX}/{self.norm}_hist", logs, report.step)
         self._write_text(report)
-        self._remember(report)
+        prefix = f"{PREFIX}/{self.norm}/"
+        module_norms = ({k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix) and not k.startswith(prefix + "total")}
+                        if granularity == "module" else None)
+        self._remember(report, module_norms)
         self._writes += 1
         if self.heatmap_every and self._writes % self.heatmap_every == 0:
             self.write_heatmap(report.step)
@@ -190,24 +210,51 @@ class TensorBoardSink:
         self._write_text(report)
         if not self.scalars:
             return
-        for tag, value in update_metrics(report, self._granularity(report)).items():
-            self.writer.add_scalar(tag, value, report.step)
+        self._scalars(update_metrics(report, self._granularity(report)), report.step)
 
-    def _remember(self, report: Report) -> None:
-        col: dict[str, tuple[float, Status]] = {}
-        order = [Status.OK, Status.ZERO_GRAD, Status.NOT_IN_OPTIMIZER, Status.FROZEN, Status.NO_GRAD, Status.NON_FINITE_GRAD]
-        sq: dict[str, list[float]] = {}
-        for name, state in report.status.items():
-            m = module_of(name)
-            self._modules.setdefault(m)
-            v = report.grad_norm.get(name)
-            if v is not None and math.isfinite(v):
-                sq.setdefault(m, []).append(v)
-            prev = col.get(m, (0.0, Status.OK))[1]
-            col[m] = (0.0, state if order.index(state) > order.index(prev) else prev)
-        for m, (_, state) in col.items():
-            col[m] = (math.hypot(*sq[m]) if m in sq else 0.0, state)
-        self._columns.append(col)
+    def _scalars(self, metrics: dict[str, float], step: int) -> None:
+        """All of a step's scalars in ONE event (one protobuf, one record): a SummaryWriter's
+        add_scalar writes one event per value, which costs more than the check itself."""
+        file_writer = getattr(self.writer, "_get_file_writer", None)
+        if file_writer is None:  # another writer type: the portable, slower path
+            for tag, value in metrics.items():
+                self.writer.add_scalar(tag, value, step)
+            return
+        summary = Summary(value=[Summary.Value(tag=t, simple_value=float(v)) for t, v in metrics.items()])
+        file_writer().add_summary(summary, step)
+
+    _WORST = {s: k for k, s in enumerate([Status.OK, Status.ZERO_GRAD, Status.NOT_IN_OPTIMIZER, Status.FROZEN,
+                                           Status.NO_GRAD, Status.NON_FINITE_GRAD])}
+
+    def _remember(self, report: Report, module_norms: dict[str, float] | None) -> None:
+        """One heatmap column: each module's gradient norm and its worst parameter state, as lists
+        aligned with ``self._modules`` (modules are only ever appended)."""
+        modules = self._module_of
+        if len(modules) != len(report.status):
+            for name in report.status:
+                if name not in modules:
+                    modules[name] = module_of(name)
+                    if modules[name] not in self._row:
+                        self._row[modules[name]] = len(self._row)
+                        self._modules.setdefault(modules[name])
+        if module_norms is None:  # per-parameter tags: sum the squares here
+            sq: dict[str, list[float]] = {}
+            for name, v in report.grad_norm.items():
+                sq.setdefault(modules[name], []).append(v)
+            module_norms = {m: math.hypot(*vs) for m, vs in sq.items()}
+        row = self._row
+        values = [0.0] * len(row)
+        states = [_CODES[Status.OK]] * len(row)
+        for m, v in module_norms.items():
+            i = row.get(m)
+            if i is not None:
+                values[i] = v
+        worst = self._WORST
+        for name, state in report._odd():  # only the parameters that are not OK
+            i = row[modules[name]]
+            if worst[state] > worst[list(Status)[states[i]]]:
+                states[i] = _CODES[state]
+        self._columns.append((values, states))
         self._steps.append(report.step)
         if len(self._columns) > self.heatmap_window:
             self._columns.pop(0)
@@ -218,8 +265,11 @@ class TensorBoardSink:
         if not self._columns:
             return
         rows = list(self._modules)
-        cell = (max(2, min(12, 800 // max(1, len(self._columns)))), max(3, min(24, 480 // max(1, len(rows)))))
-        img = _label(gradient_flow_image(rows, self._columns, cell), rows, self._steps, cell)
+        n = len(rows)
+        value = np.array([v + [np.nan] * (n - len(v)) for v, _ in self._columns], dtype=np.float64).T
+        state = np.array([s + [-1] * (n - len(s)) for _, s in self._columns], dtype=np.int64).T
+        cell = (max(2, min(12, 800 // max(1, len(self._columns)))), max(3, min(24, 480 // max(1, n))))
+        img = _label(_image(value, state, cell), rows, self._steps, cell)
         self.writer.add_image(f"{PREFIX}/gradient_flow", img, self._steps[-1] if step is None else step, dataformats="HWC")
 
     def flush(self) -> None:

@@ -233,3 +233,22 @@ def test_replay_names_the_origin_and_leaves_training_unchanged():
     f = r.findings_of("NONFINITE_ORIGIN")
     assert f and f[0].data["reproduced"] is True and f[0].data["batch_idx"] == 2
     assert "reproduced" in f[0].message
+
+
+def test_grads_are_unscaled_when_classified():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    seen = []
+
+    class Spy(pl.Callback):  # runs after gradhealth's hook, on the same gradients
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append(math.sqrt(sum(p.grad.double().norm().item() ** 2 for p in pl_module.parameters())))
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    sink = Reports()
+    cb = GradHealthCallback(sinks=[sink])
+    fit(DemoModule(), [cb, Spy()], steps=3, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert cb.monitor is None and len(sink.reports) == 3
+    for r, ref in zip(sink.reports, seen):
+        assert r.total_grad_norm == pytest.approx(ref, rel=1e-5)  # unscaled, and not divided a second time
+        assert r.total_grad_norm < 100  # the scaled gradients would be ~65536x larger
