@@ -92,11 +92,11 @@ def bench_shape(label: str, blocks: int, width: int, rounds: int, device: str) -
         "naive loop": lambda: naive_check(model, opt),
         "check()": lambda: monitor.check(),
     }
-    try:
-        from lightning.pytorch.utilities import grad_norm
+    try:  # Lightning's grad_norm utility, when Lightning is installed (through the adapter package)
+        from gradhealth.integrations.bench_lightning import lightning_grad_norm
 
-        fns["lightning grad_norm"] = lambda: {k: float(v) for k, v in grad_norm(model, 2).items()}
-    except Exception:
+        fns["lightning grad_norm"] = lambda: lightning_grad_norm(model)
+    except ImportError:
         pass
     inner = 20 if width <= 64 else 3
     out = interleaved(fns, rounds, inner)

@@ -15,6 +15,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from .lightning import GradHealthCallback
 
 
+def lightning_grad_norm(model: nn.Module) -> dict[str, float]:
+    """Lightning's own per-parameter grad-norm utility, read to the host as a user would."""
+    from lightning.pytorch.utilities import grad_norm
+
+    return {k: float(v) for k, v in grad_norm(model, 2).items()}
+
+
 class _Model(pl.LightningModule):
     def __init__(self, width: int, depth: int):
         super().__init__()
