@@ -59,6 +59,18 @@ def is_sharded(t: Tensor) -> bool:
     return any(p.is_shard() for p in t.placements)
 
 
+def fsdp1_sharded(model) -> bool:
+    """Is ``model`` (or a submodule) wrapped in FSDP1 with a sharding strategy that shards?"""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    except ImportError:
+        return False
+    for m in model.modules():
+        if isinstance(m, FullyShardedDataParallel):
+            return getattr(m, "sharding_strategy", None) != ShardingStrategy.NO_SHARD
+    return False
+
+
 def to_local(t: Tensor) -> Tensor:
     """A DTensor's local shard (its local computation must not hide a collective); else ``t``."""
     DTensor = _dtensor_type()

@@ -189,6 +189,9 @@ class GradHealth:
 
         self.desync_every = desync_every if isinstance(desync_every, int) and desync_every >= 0 else _bad_desync(desync_every)
         self._distributed = _dist.active()
+        # FSDP1 (FullyShardedDataParallel, use_orig_params=True) hands each rank a flat slice of
+        # every gradient, whatever its shape: all of them count as shards
+        self._all_sharded = self._distributed and _dist.fsdp1_sharded(model)
         self._world = _dist.world_size()
         self._coll_device = _dist.collective_device() if self._distributed else None
         if ddp_model is not None and not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
@@ -421,7 +424,7 @@ class GradHealth:
         sharded: set[int] = set()
         if self._distributed:
             for k, i in enumerate(with_grad):
-                if _dist.is_sharded(grads[k]):
+                if self._all_sharded or _dist.is_sharded(grads[k]):
                     sharded.add(i)
                 grads[k] = _dist.to_local(grads[k])
 

@@ -196,5 +196,23 @@ def s_sharded(rank, world):
             "status": {k: v.value for k, v in r.status.items()}, "status2": {k: v.value for k, v in r2.status.items()}}
 
 
-SCENARIOS = {"verdict": s_verdict, "nan_rank1": s_nan_rank1, "desync": s_desync, "raise": s_raise,
+def s_fsdp1(rank, world):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    import copy
+
+    ref = copy.deepcopy(model)
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    for x in xs:
+        (ref(x).square().mean() / world).backward()
+    fsdp = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    fsdp(xs[rank]).square().mean().backward()
+    r = gh.GradHealth(fsdp, on_problem="ignore").check()
+    return {"grad_norm": r.grad_norm, "ref": {n: p.grad.double().norm().item() for n, p in ref.named_parameters()},
+            "status": {k: v.value for k, v in r.status.items()}}
+
+
+SCENARIOS = {"fsdp1": s_fsdp1, "verdict": s_verdict, "nan_rank1": s_nan_rank1, "desync": s_desync, "raise": s_raise,
              "no_sync": s_no_sync, "sharded": s_sharded}

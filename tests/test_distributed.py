@@ -84,3 +84,12 @@ def test_sharded_norms_equal_the_unsharded_model(tmp_path):
     assert ranks[0]["status2"]["2.weight"] == "OK"  # zero on rank 0's shard only: not ZERO_GRAD
     assert ranks[0]["status2"]["2.bias"] == "NON_FINITE_GRAD"  # NaN in one shard: non-finite everywhere
     assert ranks[0]["status2"]["0.weight"] == "NO_GRAD"
+
+
+def test_fsdp1_flat_shards_reduce_to_the_unsharded_norms(tmp_path):
+    ranks = spawn("fsdp1", tmp_path)
+    for r in ranks:
+        assert set(r["status"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # the wrapped module's names
+        assert set(r["status"].values()) == {"OK"}
+        for name, ref in r["ref"].items():
+            assert abs(r["grad_norm"][name] - ref) <= 1e-5 * ref, (name, r["grad_norm"][name], ref)
