@@ -48,7 +48,9 @@ def test_strict_config_raises(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_multiprocess_config(tmp_path):
-    cli, _ = run("multiprocess.yaml", tmp_path, f"--trainer.logger.init_args.save_dir={tmp_path}")
+    from conftest import run_spawned
+
+    cli, _ = run_spawned(lambda: run("multiprocess.yaml", tmp_path, f"--trainer.logger.init_args.save_dir={tmp_path}"))
     assert cli.trainer.world_size == 2
     metrics = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "metrics.csv"]
     assert metrics and "gradhealth/grad_norm_preclip/total" in open(metrics[0]).read()

@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 import gradhealth as gh
 from gradhealth.integrations.lightning import GradHealthCallback
 from gradhealth.integrations.lightning_demo import DemoModule, SyntheticData
+from conftest import run_spawned
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -23,8 +24,8 @@ def trainer(tmp_path, cb, steps=4):
 
 
 def test_ddp_spawn_logs_from_rank_zero(tmp_path):
-    t = trainer(tmp_path, GradHealthCallback(), steps=4)
-    t.fit(DemoModule(bug="not_in_optimizer"), SyntheticData(n_batches=8))
+    run_spawned(lambda: trainer(tmp_path, GradHealthCallback(), steps=4).fit(DemoModule(bug="not_in_optimizer"),
+                                                                              SyntheticData(n_batches=8)))
     files = glob.glob(os.path.join(str(tmp_path), "ddp", "*", "metrics.csv"))
     assert len(files) == 1  # one run, written by rank zero
     rows = [r for r in csv.DictReader(open(files[0])) if r.get("gradhealth/status/NOT_IN_OPTIMIZER")]
@@ -33,8 +34,8 @@ def test_ddp_spawn_logs_from_rank_zero(tmp_path):
 
 
 def test_ddp_spawn_raise_stops_every_rank(tmp_path):
-    t = trainer(tmp_path, GradHealthCallback(on_problem="raise", expect_frozen=[]), steps=4)
     with pytest.raises(Exception) as err:  # re-raised in the launching process; no rank is left hanging
-        t.fit(DemoModule(bug="frozen"), SyntheticData(n_batches=8))
+        run_spawned(lambda: trainer(tmp_path, GradHealthCallback(on_problem="raise", expect_frozen=[]), steps=4).fit(
+            DemoModule(bug="frozen"), SyntheticData(n_batches=8)))
     assert "GradHealthError" in repr(err.value) or isinstance(err.value, gh.GradHealthError)
     assert "UNEXPECTED_FROZEN" in str(err.value)
