@@ -208,6 +208,7 @@ def bench_tracer(rounds: int) -> None:
 
 def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
     import json
+    import os
 
     import torch.distributed as dist
 
@@ -243,6 +244,7 @@ def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> Non
     finally:
         dist.barrier()
         dist.destroy_process_group()
+    os._exit(0)  # skip the interpreter's teardown, which can abort while gloo's threads stop
 
 
 def bench_distributed(rounds: int) -> None:
