@@ -1,14 +1,17 @@
 """Parameter updates measured through the optimizer's own step hooks, and stale-gradient detection.
 
-Around each ``optimizer.step()`` that follows a check, a pre-hook snapshots the parameters and a
-post-hook measures ||Δθ|| per parameter, entirely on the device: nothing is read back until the
-monitor's next check, whose single transfer carries these numbers too (or ``monitor.flush()``).
+Each check snapshots the parameters of the optimizers it judged, and the optimizer's own step
+post-hook measures ||Δθ|| per parameter after the step, entirely on the device: nothing is read
+back until the monitor's next check, whose single transfer carries these numbers too (or
+``monitor.flush()``). The snapshot is taken at the check rather than in a step pre-hook because
+trainers that run forward and backward inside ``optimizer.step(closure)`` (Lightning) call the
+pre-hook before the check; between a check and its step the parameters do not change.
 
 Two modes:
 
 * ``"exact"`` keeps a copy of every parameter across the step (1x parameter memory, during the
   step only) and measures ||θ_after - θ_before|| exactly.
-* ``"sample"`` (default) keeps a fixed, evenly strided sample of each tensor: extra memory is at
+* ``"sample"`` (default) keeps a fixed sample of each tensor (evenly spaced blocks): extra memory is at
   most ``budget`` (2%) of parameter memory. The update norm (and the parameter norm of the
   ratio) is the sample's, scaled by sqrt(numel / samples). Whether a parameter changed at all is
   tested exactly on the sampled elements and, for the rest, by comparing the whole tensor's L1
@@ -116,8 +119,7 @@ class UpdateTracker:
         self._seed = seed
         self.witnesses = 8
         self._plan_samples()
-        for opt in optimizers:
-            self._handles.append(opt.register_step_pre_hook(self._pre))
+        for opt in optimizers:  # the snapshot is taken at the check (see arm), the measurement after the step
             self._handles.append(opt.register_step_post_hook(self._post))
 
     # ---------------------------------------------------------------- sampling
@@ -238,9 +240,6 @@ class UpdateTracker:
     def disarm(self) -> None:
         self.armed_step = None
         self._inflight.clear()
-
-    def _pre(self, opt, args, kwargs) -> None:
-        pass  # kept so that the step's hooks come in a pair; the snapshot is taken at the check
 
     def _post(self, opt, args, kwargs) -> None:
         self.steps_since_check += 1

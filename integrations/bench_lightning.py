@@ -80,10 +80,8 @@ class _Instrument(pl.Callback):
         if tracker is not None:  # re-register the optimizer step hooks through the clock
             for h in tracker._handles:
                 h.remove()
-            self.clock.wrap(tracker, "_pre")
             self.clock.wrap(tracker, "_post")
-            tracker._handles = [h for o in mon.optimizers for h in (o.register_step_pre_hook(tracker._pre),
-                                                                      o.register_step_post_hook(tracker._post))]
+            tracker._handles = [o.register_step_post_hook(tracker._post) for o in mon.optimizers]
 
 
 def _fit(steps: int, data, width: int, depth: int, callback, clock: _Clock | None = None) -> float:
