@@ -449,31 +449,51 @@ class GradHealth:
             scale_t = self.scaler._scale
             extras.append(scale_t.reshape(1))
 
-        norms, extra, self._plan = stats.grad_norms(grads, extras, self._plan)
+        local_error: BaseException | None = None
+        try:
+            norms, extra, self._plan = stats.grad_norms(grads, extras, self._plan)
 
-        k = 0
-        loss_value = None
-        if loss_t is not None:
-            loss_value, k = extra[0], 1
-        valid_counts = {n: int(extra[k + j]) for j, n in enumerate(valid_names)}
-        k += len(valid_names)
-        self._valid = {}
-        for p in pending:
-            n = p.packed.numel()
-            p.values = extra[k : k + n]
-            k += n
-        scale = extra[k] if scale_t is not None else None
+            k = 0
+            loss_value = None
+            if loss_t is not None:
+                loss_value, k = extra[0], 1
+            valid_counts = {n: int(extra[k + j]) for j, n in enumerate(valid_names)}
+            k += len(valid_names)
+            for p in pending:
+                n = p.packed.numel()
+                p.values = extra[k : k + n]
+                k += n
+            scale = extra[k] if scale_t is not None else None
 
-        if scale is not None:
-            norms = self._unscale(norms, with_grad, scale)
+            if scale is not None:
+                norms = self._unscale(norms, with_grad, scale)
 
-        norm_of: list[float | None] = [None] * len(entries)
-        for i, v in zip(with_grad, norms):
-            norm_of[i] = v
-        local_flags = self._local_flags(loss, stale)
+            norm_of: list[float | None] = [None] * len(entries)
+            for i, v in zip(with_grad, norms):
+                norm_of[i] = v
+            local_flags = self._local_flags(loss, stale)
+        except Exception as exc:
+            if not self._distributed:
+                raise
+            # Never leave the other ranks waiting in the collective: join it with an empty
+            # contribution and a failure flag, so every rank gives up on this check together.
+            local_error = exc
+            norms, loss_value, scale = [], None, None
+            valid_counts = {n: 0 for n in valid_names}
+            for p in pending:
+                p.values = [0.0] * (3 * len(p.indices))
+            norm_of = [None] * len(entries)
+            local_flags = {"loss_cause": None, "eval": None, "stale": set()}
+        finally:
+            self._valid = {}
         across = None
         if self._distributed:
-            across = self._reduce(sel, norm_of, sharded, loss_value, valid_counts, pending, local_flags)
+            across = self._reduce(sel, norm_of, sharded, loss_value, valid_counts, pending, local_flags,
+                                  failed=local_error is not None)
+            if across["failed"]:
+                ranks = _dist.ranks_of(across["failed"], self._world)
+                here = f": {type(local_error).__name__}: {local_error}" if local_error is not None else ""
+                raise RuntimeError(f"the check failed on rank(s) {ranks or 'some'}{here}; every rank skips it")
             norm_of, loss_value, valid_counts = across["norm_of"], across["loss"], across["valid"]
             with_grad = [i for i in sel.idx if norm_of[i] is not None]
             norms = [norm_of[i] for i in with_grad]
@@ -628,7 +648,7 @@ class GradHealth:
         cause = diagnose_loss(loss, self.model, self._forward) if loss is not None else None
         return {"loss_cause": cause, "eval": rec, "stale": stale}
 
-    def _reduce(self, sel, norm_of, sharded, loss_value, valid_counts, pending, flags) -> dict:
+    def _reduce(self, sel, norm_of, sharded, loss_value, valid_counts, pending, flags, failed: bool = False) -> dict:
         """Pack this rank's numbers, all_reduce(SUM) once, unpack the same verdict on every rank."""
         world, me = self._world, _dist.rank()
         b = _dist.bit(me)
@@ -656,7 +676,10 @@ class GradHealth:
             w = [1.0 if i in sharded else inv for i in p.indices]
             v = p.values
             vals += [v[k] * v[k] * w[k] for k in range(n)] + [v[n + k] * v[n + k] * w[k] for k in range(n)] + v[2 * n : 3 * n]
+        vals.append(b if failed else 0.0)
         out = _dist.all_reduce_sum(vals, self._coll_device)
+        if out[-1] > 0:
+            return {"failed": out[-1]}
 
         n = len(idx)
         sq, has, bad, nz = out[:n], out[n : 2 * n], out[2 * n : 3 * n], out[3 * n : 4 * n]
@@ -687,7 +710,7 @@ class GradHealth:
         loss = None
         if loss_n > 0:
             loss = math.nan if loss_bad > 0 else loss_sum * world / loss_n
-        return {"norm_of": new_norm, "loss": loss, "valid": valid, "empty_masks": empty_masks, "loss_bad": loss_bad,
+        return {"failed": 0.0, "norm_of": new_norm, "loss": loss, "valid": valid, "empty_masks": empty_masks, "loss_bad": loss_bad,
                 "pre_bad": pre_bad, "pre_zero": pre_zero, "has_pre": has_pre, "masks": (cause_mask, eval_mask, stale_mask),
                 "idx": idx, "world": world}
 

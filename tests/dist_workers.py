@@ -217,5 +217,26 @@ def s_fsdp1(rank, world):
             "status": {k: v.value for k, v in r.status.items()}}
 
 
-SCENARIOS = {"fsdp1": s_fsdp1, "verdict": s_verdict, "nan_rank1": s_nan_rank1, "desync": s_desync, "raise": s_raise,
+def s_local_failure(rank, world):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    mon = gh.GradHealth(ddp, on_problem="warn")
+    if rank == 1:
+        from gradhealth import stats
+
+        def broken(*a, **k):
+            raise RuntimeError("planted failure")
+
+        stats.grad_norms = broken  # this rank's check breaks before the collective
+    ddp(torch.randn(2, 4)).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = mon.check()
+    said = [str(w.message) for w in caught]
+    ddp(torch.randn(2, 4)).sum().backward()  # training goes on: the next collective is DDP's own
+    return {"report": r is not None, "said": said}
+
+
+SCENARIOS = {"local_failure": s_local_failure, "fsdp1": s_fsdp1, "verdict": s_verdict, "nan_rank1": s_nan_rank1, "desync": s_desync, "raise": s_raise,
              "no_sync": s_no_sync, "sharded": s_sharded}

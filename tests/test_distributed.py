@@ -93,3 +93,11 @@ def test_fsdp1_flat_shards_reduce_to_the_unsharded_norms(tmp_path):
         assert set(r["status"].values()) == {"OK"}
         for name, ref in r["ref"].items():
             assert abs(r["grad_norm"][name] - ref) <= 1e-5 * ref, (name, r["grad_norm"][name], ref)
+
+
+def test_a_check_that_fails_on_one_rank_does_not_hang_the_others(tmp_path):
+    ranks = spawn("local_failure", tmp_path, limit=120)
+    for r in ranks:
+        assert r["report"] is False  # every rank skipped this check, none is stuck in the collective
+        assert any("failed on rank(s) [1]" in s for s in r["said"]) or r is ranks[1]
+    assert any("planted failure" in s for s in ranks[1]["said"])
