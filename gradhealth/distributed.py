@@ -91,11 +91,11 @@ def ranks_of(mask: float, world: int) -> list[int]:
     return [r for r in range(world) if m >> r & 1]
 
 
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """THE collective of a check: one all_reduce(SUM) of a small float64 vector."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+def all_reduce_tensor(t: Tensor, device: torch.device) -> Tensor:
+    """THE collective of a check, on an already packed float64 CPU tensor; the result on the CPU."""
+    t = t.to(device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
-    return t.tolist()
+    return t.cpu()
 
 
 def all_gather(values: list[float], device: torch.device) -> list[list[float]]:

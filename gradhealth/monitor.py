@@ -654,17 +654,19 @@ class GradHealth:
         b = _dist.bit(me)
         inv = 1.0 / world
         idx = sel.idx
+        # per parameter, vectorised: squared norms (summed over shards, averaged over replicas),
+        # has-a-gradient, non-finite here, non-zero here
+        raw = [norm_of[i] for i in idx]
+        v = torch.tensor([0.0 if x is None else x for x in raw], dtype=torch.float64)
+        has = torch.tensor([0.0 if x is None else 1.0 for x in raw], dtype=torch.float64)
+        weight = torch.tensor([1.0 if i in sharded else inv for i in idx], dtype=torch.float64)
+        per_param = [v * v * weight, has, (~torch.isfinite(v)).to(torch.float64), (v != 0).to(torch.float64)]
         vals: list[float] = []
-        for i in idx:  # squared norms: summed over shards, averaged over replicas
-            v = norm_of[i]
-            vals.append(0.0 if v is None else v * v * (1.0 if i in sharded else inv))
-        vals += [0.0 if norm_of[i] is None else 1.0 for i in idx]
-        vals += [0.0 if norm_of[i] is None or math.isfinite(norm_of[i]) else 1.0 for i in idx]
-        vals += [0.0 if norm_of[i] is None or norm_of[i] == 0.0 else 1.0 for i in idx]
         pre = self._origin.take([self._params[i] for i in idx]) if self._origin is not None else None
         has_pre = 1.0 if pre is not None else 0.0
         pre_bad, pre_zero = pre if pre is not None else ([0.0] * len(idx), [0.0] * len(idx))
-        vals += [x * b for x in pre_bad] + [x * b for x in pre_zero] + [has_pre]
+        per_param += [torch.tensor(pre_bad, dtype=torch.float64) * b, torch.tensor(pre_zero, dtype=torch.float64) * b]
+        vals.append(has_pre)
         loss_ok = loss_value is not None
         vals += [loss_value * inv if loss_ok and math.isfinite(loss_value) else 0.0,
                  b if loss_ok and not math.isfinite(loss_value) else 0.0, 1.0 if loss_ok else 0.0]
@@ -677,14 +679,18 @@ class GradHealth:
             v = p.values
             vals += [v[k] * v[k] * w[k] for k in range(n)] + [v[n + k] * v[n + k] * w[k] for k in range(n)] + v[2 * n : 3 * n]
         vals.append(b if failed else 0.0)
-        out = _dist.all_reduce_sum(vals, self._coll_device)
-        if out[-1] > 0:
-            return {"failed": out[-1]}
-
+        packed = torch.cat(per_param + [torch.tensor(vals, dtype=torch.float64)])
+        reduced = _dist.all_reduce_tensor(packed, self._coll_device)
         n = len(idx)
-        sq, has, bad, nz = out[:n], out[n : 2 * n], out[2 * n : 3 * n], out[3 * n : 4 * n]
-        pre_bad, pre_zero, has_pre = out[4 * n : 5 * n], out[5 * n : 6 * n], out[6 * n]
-        k = 6 * n + 1
+        if float(reduced[-1]) > 0:
+            return {"failed": float(reduced[-1])}
+        sq, has_r, bad, nz = reduced[:n], reduced[n : 2 * n], reduced[2 * n : 3 * n], reduced[3 * n : 4 * n]
+        norm = torch.where(bad > 0, torch.where(torch.isfinite(sq), torch.full_like(sq, math.inf), sq),
+                           torch.where(nz == 0, torch.zeros_like(sq), sq.sqrt().clamp(min=5e-324)))
+        norm_list, has_list = norm.tolist(), has_r.tolist()
+        out = reduced[4 * n :].tolist()
+        pre_bad, pre_zero, has_pre = out[:n], out[n : 2 * n], out[2 * n]
+        k = 2 * n + 1
         loss_sum, loss_bad, loss_n = out[k : k + 3]
         k += 3
         valid = {name: int(round(out[k + j])) for j, name in enumerate(names)}
@@ -699,14 +705,8 @@ class GradHealth:
             k += 3 * n2
         new_norm: list[float | None] = [None] * len(norm_of)
         for j, i in enumerate(idx):
-            if has[j] == 0:
-                continue
-            if bad[j] > 0:
-                new_norm[i] = sq[j] if not math.isfinite(sq[j]) else math.inf
-            elif nz[j] == 0:
-                new_norm[i] = 0.0
-            else:
-                new_norm[i] = max(math.sqrt(sq[j]), 5e-324)  # non-zero somewhere, however small
+            if has_list[j] > 0:
+                new_norm[i] = norm_list[j]
         loss = None
         if loss_n > 0:
             loss = math.nan if loss_bad > 0 else loss_sum * world / loss_n
