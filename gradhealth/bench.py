@@ -154,7 +154,6 @@ def bench_step_overhead(blocks: int, width: int, rounds: int) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(32, width)
     monitors = {"sample": GradHealth(model, opt, on_problem="ignore"), "exact": GradHealth(model, opt, on_problem="ignore", deltas="exact")}
-    active = {"which": None}
 
     def step(which):
         def run():

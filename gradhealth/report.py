@@ -213,7 +213,6 @@ class Report:
     def __str__(self) -> str:
         head = f"gradhealth step {self.step}: "
         problems = self.problems
-        errors = [f for f in self.findings if f.level == "error"]
         if not problems and not self.findings:
             return head + "healthy (" + self.summary_line() + ")"
         lines = [head + self.headline(), "  " + self.summary_line()]

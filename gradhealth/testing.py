@@ -11,22 +11,10 @@ from torch import nn
 
 from .classify import as_optimizers, classify, named_parameters
 from .guards import diagnose_loss
+from .snapshot import ModuleState, rng_state, set_rng_state
 from .status import HINTS, Status
 
 __all__ = ["assert_trains"]
-
-
-def _rng_state():
-    state = {"cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state) -> None:
-    torch.random.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def assert_trains(
@@ -55,11 +43,9 @@ def assert_trains(
         raise TypeError(f"loss_fn must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
     pats = None if expect_frozen is None else ((expect_frozen,) if isinstance(expect_frozen, str) else tuple(expect_frozen))
 
-    saved_params = [p.detach().clone() for _, p in entries]
-    saved_grads = [None if p.grad is None else p.grad.detach().clone() for _, p in entries]
-    saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    saved_model = ModuleState(model)
     saved_opt = [copy.deepcopy(o.state_dict()) for o in optimizers]
-    saved_rng = _rng_state()
+    saved_rng = rng_state()
     failures: list[str] = []
     status: dict[str, Status] = {}
     try:
@@ -93,15 +79,10 @@ def assert_trains(
                     )
     finally:
         if restore:
-            with torch.no_grad():
-                for (_, p), v, g in zip(entries, saved_params, saved_grads):
-                    p.copy_(v)
-                    p.grad = g
-                for b, v in saved_buffers:
-                    b.copy_(v)
+            saved_model.restore()
             for o, s in zip(optimizers, saved_opt):
                 o.load_state_dict(s)
-            _set_rng_state(saved_rng)
+            set_rng_state(saved_rng)
     if failures:
         n = len(entries)
         raise AssertionError(

@@ -25,7 +25,6 @@ import math
 import os
 import re
 import sysconfig
-import traceback as _tb
 from typing import NamedTuple
 
 import torch

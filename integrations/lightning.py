@@ -28,9 +28,7 @@ to the same run.
 
 from __future__ import annotations
 
-import copy
 import math
-import random
 import warnings
 from typing import Any
 
@@ -43,7 +41,7 @@ from gradhealth.errors import GradHealthInternalWarning, GradModeError
 from gradhealth.metrics import report_metrics, update_metrics
 from gradhealth.monitor import GradHealth
 from gradhealth.report import Finding, Report
-from gradhealth.status import Status
+from gradhealth.snapshot import ModuleState, rng_state, set_rng_state
 from gradhealth.trace import NonFiniteTracer
 
 __all__ = ["GradHealthCallback", "metrics_of", "update_metrics_of"]
@@ -210,7 +208,7 @@ class GradHealthCallback(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._batch, self._batch_idx = batch, batch_idx
         if self.replay_on_nonfinite:
-            self._rng = _get_rng()
+            self._rng = rng_state()
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
         self._loss = loss
@@ -256,16 +254,14 @@ class GradHealthCallback(Callback):
         """Run the failing batch again with the tracer armed; leave training exactly as it was."""
         if self._batch is None or self._rng is None:
             return None
-        params = [p for p in pl_module.parameters()]
-        saved_data = [p.detach().clone() for p in params]
-        saved_grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
-        saved_buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
-        now = _get_rng()
+        params = list(pl_module.parameters())
+        saved = ModuleState(pl_module)
+        now = rng_state()
         log, log_dict = pl_module.log, pl_module.log_dict
         tracer = NonFiniteTracer(pl_module)
         reproduced = None
         try:
-            _set_rng(self._rng)  # the same dropout masks and random draws as the failing step
+            set_rng_state(self._rng)  # the same dropout masks and random draws as the failing step
             for p in params:
                 p.grad = None
             pl_module.log = lambda *a, **k: None  # the replay must not log twice
@@ -287,13 +283,8 @@ class GradHealthCallback(Callback):
         finally:
             tracer.disarm()
             pl_module.log, pl_module.log_dict = log, log_dict
-            with torch.no_grad():
-                for p, d, g in zip(params, saved_data, saved_grads):
-                    p.copy_(d)
-                    p.grad = g
-                for b, v in saved_buffers:
-                    b.copy_(v)
-            _set_rng(now)
+            saved.restore()
+            set_rng_state(now)
         if reproduced:
             verdict = ("it reproduced on a replay of the same batch with the same random state: the cause is "
                        "deterministic, in this batch's data or in the model")
@@ -307,27 +298,3 @@ class GradHealthCallback(Callback):
                   "op": tracer.backward_op, "source": tracer.op_source, "reproduced": reproduced,
                   "batch_idx": self._batch_idx},
         )
-
-
-def _get_rng() -> dict:
-    state = {"torch": torch.random.get_rng_state(), "python": random.getstate()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng(state: dict) -> None:
-    torch.random.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])

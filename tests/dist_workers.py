@@ -175,7 +175,7 @@ def s_sharded(rank, world):
     opt.step()
     opt.zero_grad()
     loss_fn(model, batch(rank)).backward()
-    r1 = mon.check()  # carries the first step's update norms, reduced over the shards
+    mon.check()  # carries the first step's update norms, reduced over the shards
     update = dict(r.update_norm)
     # a gradient that is zero on rank 0's shard and not on rank 1's, and a NaN in one shard only
     for p in model.parameters():

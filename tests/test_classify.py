@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradhealth as gh
-from conftest import MLP, naive_classify, reference_norm, same_float
+from conftest import naive_classify, reference_norm, same_float
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SITUATIONS = ["none", "normal", "zeros", "negzeros", "huge", "tiny", "nan", "inf", "neginf", "huge_and_inf", "one_nonzero"]

@@ -2,7 +2,6 @@
 FROZEN_BUT_CHANGED and skipped steps."""
 
 import math
-import warnings
 
 import pytest
 import torch

@@ -18,4 +18,10 @@ def test_integrations_package_maps_to_top_level_folder():
 
     import gradhealth.integrations as gi
 
-    assert os.path.basename(os.path.dirname(list(gi.__path__)[0].rstrip(os.sep) + os.sep)) == "integrations"
+    import gradhealth
+
+    where = os.path.realpath(list(gi.__path__)[0])
+    core = os.path.realpath(os.path.dirname(gradhealth.__file__))
+    # the top-level integrations/ folder beside gradhealth/, not a folder inside the core
+    assert os.path.basename(where) == "integrations"
+    assert os.path.dirname(where) == os.path.dirname(core) and not where.startswith(core + os.sep)

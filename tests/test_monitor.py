@@ -6,10 +6,9 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 import gradhealth as gh
-from conftest import MLP, naive_classify
+from conftest import naive_classify
 
 
 class ListSink:

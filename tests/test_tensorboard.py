@@ -9,10 +9,8 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-import warnings
 
 import lightning.pytorch as pl
-import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
