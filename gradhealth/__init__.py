@@ -17,9 +17,12 @@ from .errors import (
 )
 from .guards import check_loss
 from .history import NormHistory
+from .findings import Finding, FindingKind
 from .masking import masked_mean, safe_div, safe_log, safe_sqrt, safe_where
 from .monitor import GradHealth
-from .report import Finding, Report
+from .options import Options
+from .replay import replay_nonfinite
+from .report import Report
 from .sinks import LoggingSink, Sink
 from .status import Status
 from .testing import assert_trains
@@ -33,6 +36,9 @@ __all__ = [
     "GradHealth",
     "Report",
     "Finding",
+    "FindingKind",
+    "Options",
+    "replay_nonfinite",
     "Sink",
     "LoggingSink",
     "check_loss",

@@ -133,12 +133,12 @@ def bench_deltas(label: str, blocks: int, width: int, opt_name: str, steps: int 
         mon.flush()
         exact = [(p.detach() - b).double().norm().item() for p, b in zip(model.parameters(), before)]
         est = list(r.update_norm.values())
-        sampled = [mon._tracker._layout[i] is not None for i in range(len(exact))]
+        sampled = [mon.tracker._layout[i] is not None for i in range(len(exact))]
         errs += [abs(e - t) / t for e, t, s in zip(est, exact, sampled) if t > 0 and s]
         tot_t, tot_e = math.hypot(*exact), math.hypot(*est)
         total_errs.append(abs(tot_e - tot_t) / tot_t)
     elems = sum(p.numel() for p in model.parameters())
-    extra = mon._tracker.extra_elements()
+    extra = mon.tracker.extra_elements()
     errs.sort()
     q = lambda f: 100 * errs[min(len(errs) - 1, int(f * len(errs)))]
     print(f"  {opt_name:<6} sample mode: extra memory {100 * extra / elems:5.2f}% of parameters "
@@ -164,7 +164,7 @@ def bench_step_overhead(blocks: int, width: int, rounds: int) -> None:
                 mon.check()
             for other in monitors.values():  # only the timed monitor measures this step
                 if other is not mon:
-                    other._tracker.disarm()
+                    other.tracker.disarm()
             opt.step()
         return run
 
@@ -219,7 +219,7 @@ def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> Non
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         model(torch.randn(32, 64)).square().mean().backward()
         mon = GradHealth(model, opt, on_problem="ignore", deltas="off", desync_every=0)
-        mon._checks = 1  # past the first check: no DESYNC fingerprint in the timed loop
+        mon.carry.checks = 1  # past the first check: no DESYNC fingerprint in the timed loop
         res = interleaved({"check()": lambda: mon.check()}, rounds, 20)
         mon.close()
         # the rank-origin comm hook: a DDP training step with and without it

@@ -11,7 +11,7 @@ from torch import nn
 from . import stats
 from .status import Status
 
-__all__ = ["classify", "decide", "named_parameters", "unwrap", "as_optimizers", "optimizer_param_ids"]
+__all__ = ["classify", "classify_selection", "decide", "named_parameters", "unwrap", "as_optimizers", "optimizer_param_ids"]
 
 # Infixes that wrappers put into parameter names; the user knows the wrapped module's names.
 _WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -128,3 +128,31 @@ def classify(model: nn.Module, optimizer=None) -> dict[str, Status]:
         name: decide(p.requires_grad, norm_of.get(i), ids is None or id(p) in ids)
         for i, (name, p) in enumerate(entries)
     }
+
+
+def classify_selection(names: list[str], params: list, pids: list[int], idx: list[int], norm_of: list,
+                       ids: set[int] | None):
+    """The decision tree over a check's judged entries, from their exact norms.
+
+    Returns ``(status, in_optimizer, not_ok)``: every judged name's state (OK first, the common
+    case, without walking the full tree), whether each is in an optimizer (None without one), and
+    the names whose state is not OK.
+    """
+    sel_names = [names[i] for i in idx]
+    status: dict[str, Status] = dict.fromkeys(sel_names, Status.OK)
+    in_opt: dict[str, bool] | None = dict.fromkeys(sel_names, True) if ids is not None else None
+    inf = math.inf
+    not_ok: list[str] = []
+    for i in idx:
+        p = params[i]
+        v = norm_of[i]
+        inside = ids is None or pids[i] in ids
+        if inside and v is not None and 0.0 < v < inf and p.requires_grad:
+            continue
+        if not inside:
+            in_opt[names[i]] = False
+        state = decide(p.requires_grad, v, inside)
+        if state is not Status.OK:
+            status[names[i]] = state
+            not_ok.append(names[i])
+    return status, in_opt, not_ok

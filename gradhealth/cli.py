@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as run
     elif cmd == "report":
         try:
-            from gradhealth.integrations.tensorboard import main as run
+            from gradhealth.integrations.tbreport import main as run
         except ImportError as exc:
             print(f"gradhealth report needs tensorboard ({exc}); pip install 'gradhealth[tensorboard]'", file=sys.stderr)
             return 2

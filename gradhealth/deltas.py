@@ -29,17 +29,18 @@ import torch
 from torch import Tensor
 
 from .distributed import to_local
+from .naming import spread
+from .stats import foreach_norms, plan_groups
 
-__all__ = ["UpdateTracker", "StepStats", "DELTA_MODES"]
+__all__ = ["UpdateTracker", "StepStats", "WITNESSES"]
 
-DELTA_MODES = ("sample", "exact", "off")
+#: gradients watched per optimizer for STALE_GRAD and skipped steps: zero_grad clears all of an
+#: optimizer's gradients together, so a few, spread over the parameter list, tell the same as all
+WITNESSES = 8
 
 
 def _grouped(tensors: list[Tensor]) -> list[list[int]]:
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    return list(groups.values())
+    return [idx for _, _, idx in plan_groups(tensors)]
 
 
 def _apply(op, groups: list[list[int]], tensors: list[Tensor], other=None) -> list[Tensor]:
@@ -54,17 +55,10 @@ def _apply(op, groups: list[list[int]], tensors: list[Tensor], other=None) -> li
 
 
 def _norms(tensors: list[Tensor], groups: list[list[int]]) -> Tensor:
-    """L2 norms as one 1-d float64 tensor; one foreach kernel per group, accumulating in float32
-    (float64 for float64 tensors: CPU float64 reductions of float32 data are ~15x slower)."""
+    """L2 norms as one 1-d float64 tensor, one foreach kernel per (device, dtype) group."""
     out: list = [None] * len(tensors)
     for idx in groups:
-        members = [tensors[i] for i in idx]
-        acc = torch.float64 if members[0].dtype == torch.float64 else torch.float32
-        try:
-            res = torch._foreach_norm(members, 2, dtype=acc)
-        except (RuntimeError, NotImplementedError, TypeError):
-            res = [torch.linalg.vector_norm(m, dtype=acc) for m in members]
-        for i, r in zip(idx, res):
+        for i, r in zip(idx, foreach_norms([tensors[i] for i in idx])):
             out[i] = r
     device = tensors[0].device
     return torch.stack([o.to(device=device, dtype=torch.float64) for o in out])
@@ -84,7 +78,6 @@ class _OptPlan:
 class StepStats:
     """One measured optimizer step, still on the device until the monitor fetches it."""
 
-    check_step: int  # the check whose step this was
     indices: list[int]  # entry indices of the parameters this optimizer stepped
     packed: Tensor  # [update norm of the sample (n), param norm before (n), changed flag (n)], float64
     values: list[float] = field(default_factory=list)
@@ -117,7 +110,6 @@ class UpdateTracker:
         self._handles = []
         self._grad_hooks: dict[int, list] = {}
         self._seed = seed
-        self.witnesses = 8
         self._plan_samples()
         for opt in optimizers:  # the snapshot is taken at the check (see arm), the measurement after the step
             self._handles.append(opt.register_step_post_hook(self._post))
@@ -255,7 +247,7 @@ class UpdateTracker:
                 self._snaps.pop(id(opt), None)
                 changed = changed | (after != before)
             packed = torch.cat([dnorm, before, changed.to(torch.float64)])
-            self.pending.append(StepStats(step, plan.idx, packed))
+            self.pending.append(StepStats(plan.idx, packed))
         if self.armed_step is not None:
             self._arm_stale(opt)
 
@@ -271,9 +263,7 @@ class UpdateTracker:
         handles = []
         plan = self._plan(opt)
         idx = [i for i in (plan.idx if plan else []) if self.entries[i][1].grad is not None and self.entries[i][1].requires_grad]
-        # zero_grad clears all of an optimizer's gradients together: a few witnesses, spread over
-        # the parameter list, tell the same as hooking every parameter, at a fraction of the cost
-        for i in idx[:: max(1, len(idx) // self.witnesses)]:
+        for i in spread(idx, WITNESSES):
             p = self.entries[i][1]
             grad = p.grad
             fired = [False]

@@ -1,20 +1,6 @@
-"""One verdict across ranks: the per-rank numbers of a check reduced with a single collective.
-
-Every rank packs the same layout of float64 numbers and calls ``all_reduce(SUM)`` once per check,
-in the same place, whatever its local verdict; so every rank reaches the same statuses, norms and
-policy decision. What the layout holds, per judged parameter:
-
-* the squared gradient norm, divided by the world size for replicated gradients (DDP: equal on
-  every rank) and as is for sharded ones (FSDP2/DTensor: squares summed over the shards);
-* has-a-gradient, non-finite-here and non-zero-here flags, summed: a gradient is non-finite if it
-  is anywhere, zero only if it is zero everywhere;
-* with the DDP communication hook, which ranks held non-finite or all-zero local gradients
-  *before* the all-reduce (bit ``2**rank`` set; exact up to 52 ranks);
-
-then the loss, valid counts, local findings (which ranks), and the update norms of the last step.
-The DESYNC check (a per-parameter fingerprint, all-gathered) runs at the first check, whenever a
-gradient is non-finite, and every ``desync_every`` checks: decided from already-reduced numbers,
-so every rank runs it or none does.
+"""torch.distributed plumbing: is it on, shards and DTensors, rank bit masks, the collectives, and the
+DDP communication hook that notes each rank's gradients before the all-reduce. What a check packs
+and reduces is :mod:`gradhealth.crossrank`.
 """
 
 from __future__ import annotations
@@ -24,7 +10,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["active", "world_size", "rank", "to_local", "is_sharded", "RankOrigin", "ranks_of", "MASK_LIMIT"]
+__all__ = ["active", "world_size", "rank", "to_local", "is_sharded", "RankOrigin", "Ranks", "ranks_of", "bit", "MASK_LIMIT"]
 
 MASK_LIMIT = 52  # float64 holds 2**rank bit sums exactly below this
 
@@ -152,3 +138,42 @@ class RankOrigin:
             zero.append(1.0 if x == 0.0 else 0.0)
         self.local = {}
         return bad, zero
+
+
+class Ranks:
+    """The monitor's view of ``torch.distributed``: whether it is on, who we are, the collective's
+    device, whether every gradient is a shard (FSDP1), and the DDP wrapper with its hook."""
+
+    def __init__(self, model, ddp_model=None, rank_origin: bool = True):
+        import warnings
+
+        from torch import nn
+
+        from .errors import GradHealthInternalWarning
+
+        self.active = active()
+        self.world = world_size()
+        self.rank = rank()
+        # FSDP1 (FullyShardedDataParallel, use_orig_params=True) hands each rank a flat slice of
+        # every gradient, whatever its shape: all of them count as shards
+        self.all_sharded = self.active and fsdp1_sharded(model)
+        self.device = collective_device() if self.active else None
+        if ddp_model is not None and not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
+            raise TypeError(f"ddp_model must be a torch.nn.parallel.DistributedDataParallel; got {type(ddp_model).__name__}")
+        is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        self.ddp = ddp_model if ddp_model is not None else (model if is_ddp else None)
+        self.origin = None
+        if self.active and rank_origin and self.ddp is not None:
+            try:
+                self.origin = RankOrigin(self.ddp)
+            except Exception as exc:  # e.g. the model already has a comm hook
+                warnings.warn(f"gradhealth: no rank-origin hook on the DDP model ({exc}); NaN is not traced to a rank",
+                              GradHealthInternalWarning, stacklevel=3)
+
+    def in_no_sync(self) -> bool:
+        """Inside DDP's ``no_sync()``: gradients are local and partial; the synchronising step is checked."""
+        return self.ddp is not None and not self.ddp.require_backward_grad_sync
+
+    def close(self) -> None:
+        if self.origin is not None:
+            self.origin.enabled = False  # DDP cannot unregister a comm hook: it only forwards now

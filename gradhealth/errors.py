@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+__all__ = ["GradHealthError", "GradModeError", "EmptyValidSetError", "GradHealthWarning", "GradHealthInternalWarning"]
+
 
 class GradHealthError(RuntimeError):
-    """A check found a problem and the monitor was asked to raise (``on_problem="raise"``)."""
+    """Base of everything gradhealth raises; raised itself when a check found a problem and the
+    monitor was asked to raise (``on_problem="raise"``): ``.report`` is that check's report."""
 
-    def __init__(self, message: str, report=None):
+    def __init__(self, message: str = "", report=None):
         super().__init__(message)
         self.report = report
 
 
-class GradModeError(RuntimeError):
+class GradModeError(GradHealthError):
     """The loss cannot produce gradients; the message names the cause and the fix."""
 
 
-class EmptyValidSetError(ValueError):
+class EmptyValidSetError(GradHealthError, ValueError):
     """A masked reduction selected nothing and the caller asked for ``empty="raise"``."""
 
 

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .errors import GradModeError
 
-__all__ = ["ForwardRecord", "diagnose_loss", "check_loss"]
+__all__ = ["ForwardRecord", "ForwardWatch", "diagnose_loss", "check_loss"]
 
 _CUT_HINT = (
     "the graph was cut between the model and the loss: look for .detach(), .data, .item(), "
@@ -95,3 +95,41 @@ def check_loss(loss, model: nn.Module | None = None) -> None:
     cause = diagnose_loss(loss, model)
     if cause is not None:
         raise GradModeError(f"gradhealth: loss cannot produce gradients: {cause}")
+
+
+_DROPOUT_OR_NORM = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm, nn.AlphaDropout)
+
+
+def _first_grad_tensor(output) -> list[Tensor]:
+    if isinstance(output, Tensor):
+        return [output] if output.requires_grad else []
+    items = output.values() if isinstance(output, dict) else output if isinstance(output, (list, tuple)) else ()
+    for o in items:
+        found = _first_grad_tensor(o)
+        if found:
+            return found
+    return []
+
+
+class ForwardWatch:
+    """A forward hook on the model that records its grad mode and train/eval state (Python state
+    only, no sync) in ``carry.forward``; a training forward in eval() mode lands in
+    ``carry.eval_backward`` only when a backward really goes through it (a hook on its output
+    fires then, and never for validation forwards)."""
+
+    def __init__(self, model: nn.Module, module: nn.Module, carry):
+        self.carry = carry
+        self._dropout_like = [(n, m) for n, m in module.named_modules() if isinstance(m, _DROPOUT_OR_NORM)]
+        self.handle = model.register_forward_hook(self._on_forward)
+
+    def _on_forward(self, module, args, output) -> None:
+        grad_on = torch.is_grad_enabled()
+        evals = tuple(n for n, m in self._dropout_like if not m.training)
+        record = ForwardRecord(grad_on, torch.is_inference_mode_enabled(), module.training, evals)
+        self.carry.forward = record
+        if grad_on and (not module.training or evals):
+            for t in _first_grad_tensor(output):
+                t.register_hook(lambda g, record=record: setattr(self.carry, "eval_backward", record))
+
+    def remove(self) -> None:
+        self.handle.remove()

@@ -11,22 +11,18 @@ would cost more than the check itself.
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 from collections import deque
 
 import torch
 
-from .report import Finding
+from .findings import Finding, FindingKind
 
-__all__ = ["NormHistory", "module_of"]
+__all__ = ["NormHistory", "MAD_TO_SIGMA"]
 
-
-@functools.lru_cache(maxsize=1 << 16)
-def module_of(name: str) -> str:
-    """The module a parameter belongs to: ``encoder.0`` for ``encoder.0.weight``."""
-    return name.rpartition(".")[0] or "(root)"
+#: the MAD times this estimates the standard deviation of normally distributed values
+MAD_TO_SIGMA = 1.4826
 
 
 class NormHistory:
@@ -95,20 +91,20 @@ class NormHistory:
         judged = self.seen >= self.warmup
         if self.ceiling is not None and total > self.ceiling:
             findings.append(
-                Finding("EXPLODING_GRAD", f"total grad norm {total:.3g} is above the ceiling {self.ceiling:.3g}: lower "
+                Finding(FindingKind.EXPLODING_GRAD, f"total grad norm {total:.3g} is above the ceiling {self.ceiling:.3g}: lower "
                         "the learning rate, clip gradients (clip_grad_norm_), or look for a bad batch",
                         step=step, data={"total": total, "ceiling": self.ceiling})
             )
         elif judged:
             med = statistics.median(self.total)
-            mad = statistics.median(abs(v - med) for v in self.total) * 1.4826
+            mad = statistics.median(abs(v - med) for v in self.total) * MAD_TO_SIGMA
             if total > self.spike_factor * med and total > med + self.spike_mads * mad:
                 meds = self._module_medians()
                 jumps = [(v / m, c) for c, (v, m) in enumerate(zip(row, meds)) if m > 0 and v > self.spike_factor * m]
                 names = tuple(self.modules[c] for _, c in sorted(jumps, reverse=True)[:5])
                 where = f"; largest jumps in {', '.join(names)}" if names else ""
                 findings.append(
-                    Finding("EXPLODING_GRAD", f"total grad norm {total:.3g} is {total / med:.3g}x its running median "
+                    Finding(FindingKind.EXPLODING_GRAD, f"total grad norm {total:.3g} is {total / med:.3g}x its running median "
                             f"{med:.3g}{where}: a bad batch (look at its inputs and targets), a learning rate too high, "
                             "or an fp16 overflow; clip gradients (clip_grad_norm_) to contain it",
                             params=names, step=step, data={"total": total, "median": med})
@@ -121,7 +117,7 @@ class NormHistory:
                 desc = ", ".join(f"{self.modules[c]} ({row[c]:.3g} vs median {meds[c]:.3g})" for c in low[:5])
                 more = f" and {len(low) - 5} more" if len(low) > 5 else ""
                 findings.append(
-                    Finding("VANISHING_GRAD", f"gradients collapsed below {f:g}x their running median in "
+                    Finding(FindingKind.VANISHING_GRAD, f"gradients collapsed below {f:g}x their running median in "
                             f"{desc}{more}: saturated activations, dead ReLUs, a learning rate that blew the weights up, "
                             "or a mask that cut the path", params=tuple(self.modules[c] for c in low), level="warning",
                             step=step)

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import math
 
-from .history import module_of
+from .findings import FindingKind
+from .naming import module_of
 from .report import Report
+from .stats import combine_norms
 
-__all__ = ["report_metrics", "update_metrics", "PREFIX", "group_name"]
+__all__ = ["report_metrics", "update_metrics", "suffix", "PREFIX", "group_name"]
 
 PREFIX = "gradhealth"
 
@@ -36,10 +38,11 @@ def group_name(name: str, granularity: str) -> str:
     return name if granularity == "param" else module_of(name)
 
 
-def _hypot(values: list[float]) -> float:
-    if any(math.isnan(v) for v in values):
-        return math.nan
-    return values[0] if len(values) == 1 else math.hypot(*values)
+def suffix(report: Report, n_optimizers: int) -> str:
+    """``"_opt1"`` for a check of optimizer 1 when there are several, else ``""``."""
+    if n_optimizers <= 1 or report.optimizer_index is None:
+        return ""
+    return f"_opt{report.optimizer_index}"
 
 
 def report_metrics(report: Report, granularity: str = "module", norm: str = "grad_norm", suffix: str = "") -> dict[str, float]:
@@ -52,7 +55,7 @@ def report_metrics(report: Report, granularity: str = "module", norm: str = "gra
         for name, v in report.grad_norm.items():
             groups.setdefault(group_name(name, granularity), []).append(v)
         for g, vs in groups.items():
-            out[f"{PREFIX}/{norm}/{g}"] = _hypot(vs)
+            out[f"{PREFIX}/{norm}/{g}"] = combine_norms(vs)
     for state, n in report.counts().items():
         out[f"{PREFIX}/status/{state.value}{suffix}"] = float(n)
     if report.loss is not None:
@@ -75,12 +78,12 @@ def update_metrics(report: Report, granularity: str = "module", suffix: str = ""
         g = group_name(name, granularity)
         upd.setdefault(g, []).append(u)
         par.setdefault(g, []).append(u / r if r and math.isfinite(r) and r > 0 else 0.0)
-    out = {f"{PREFIX}/update_norm/total{suffix}": _hypot([u for us in upd.values() for u in us])}
+    out = {f"{PREFIX}/update_norm/total{suffix}": combine_norms([u for us in upd.values() for u in us])}
     for g, us in upd.items():
-        theta = _hypot(par[g])
-        out[f"{PREFIX}/update_norm/{g}"] = _hypot(us)
-        out[f"{PREFIX}/update_ratio/{g}"] = _hypot(us) / theta if theta > 0 else 0.0
+        theta = combine_norms(par[g])
+        out[f"{PREFIX}/update_norm/{g}"] = combine_norms(us)
+        out[f"{PREFIX}/update_ratio/{g}"] = combine_norms(us) / theta if theta > 0 else 0.0
     for f in report.findings:
-        if f.kind in ("NOT_UPDATED", "FROZEN_BUT_CHANGED") and f.step == report.step:
+        if f.kind in (FindingKind.NOT_UPDATED, FindingKind.FROZEN_BUT_CHANGED) and f.step == report.step:
             out[f"{PREFIX}/findings/{f.kind}"] = 1.0
     return out

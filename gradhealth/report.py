@@ -5,32 +5,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
+from .findings import Finding
+from .stats import combine_norms
 from .status import Status
 
-__all__ = ["Finding", "Report", "group_by_module", "describe_groups", "describe_names", "is_problem"]
-
-LEVELS = ("info", "warning", "error")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """A problem that is not a parameter state (a stale gradient, a grad-mode mistake, ...).
-
-    ``level`` is "info", "warning" (expected now and then) or "error" (``report.ok`` is False).
-    """
-
-    kind: str
-    message: str
-    params: tuple[str, ...] = ()
-    level: str = "error"
-    step: int | None = None
-    data: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    def __str__(self) -> str:
-        return f"{self.kind}: {self.message}"
-
+__all__ = ["Finding", "Report", "ParamMeta", "group_by_module", "describe_groups", "describe_names", "is_problem"]
 
 @dataclass(frozen=True)
 class ParamMeta:
@@ -145,6 +125,9 @@ class Report:
     in_optimizer: dict[str, bool] | None = field(default=None, repr=False)
     #: names whose state is not OK, when the builder knows them (saves scanning every parameter)
     not_ok: list[str] | None = field(default=None, repr=False, compare=False)
+    #: with several optimizers, the index of the one whose parameters this check judged
+    #: (``check(optimizer=...)``); None when the check judged every parameter
+    optimizer_index: int | None = None
 
     def _odd(self):
         if self.not_ok is not None:
@@ -171,7 +154,7 @@ class Report:
         c = Counter(self.status.values())
         return {s: c.get(s, 0) for s in Status}
 
-    def findings_of(self, kind: str) -> list[Finding]:
+    def findings_of(self, kind) -> list[Finding]:
         return [f for f in self.findings if f.kind == kind]
 
     def to_frame(self):
@@ -222,7 +205,7 @@ class Report:
             lines.append(f"  {'where':<{width}}  {'params':>6}  {'state':<16}  grad norm")
             for label, names, state in rows:
                 norms = [self.grad_norm[n] for n in names if n in self.grad_norm]
-                norm = math.hypot(*norms) if norms else None
+                norm = combine_norms(norms) if norms else None
                 lines.append(f"  {label:<{width}}  {len(names):>6}  {state.value:<16}  {_fmt(norm)}")
         if self.findings:
             lines.append("  findings:")

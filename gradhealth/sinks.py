@@ -7,7 +7,7 @@ from typing import Protocol, runtime_checkable
 
 from .report import Report
 
-__all__ = ["Sink", "LoggingSink", "check_sinks"]
+__all__ = ["Sink", "LoggingSink"]
 
 
 @runtime_checkable
@@ -15,20 +15,6 @@ class Sink(Protocol):
     """Anything with ``write(report)``; ``flush()`` and ``close()`` are called when present."""
 
     def write(self, report: Report) -> None: ...
-
-
-def check_sinks(sinks) -> tuple:
-    if sinks is None:
-        return ()
-    if not isinstance(sinks, (list, tuple)):
-        sinks = (sinks,)
-    for i, s in enumerate(sinks):
-        if not callable(getattr(s, "write", None)):
-            raise TypeError(
-                f"sinks[{i}] must have a write(report) method (e.g. gh.LoggingSink() or "
-                f"gradhealth.integrations.tensorboard.TensorBoardSink(logdir)); got {type(s).__name__}"
-            )
-    return tuple(sinks)
 
 
 class LoggingSink:

@@ -17,7 +17,23 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["dense_view", "pack_norms", "fetch", "exact_norms", "grad_norms"]
+__all__ = ["dense_view", "plan_groups", "foreach_norms", "pack_norms", "fetch", "exact_norms", "grad_norms",
+           "combine_norms", "module_norms", "SMALLEST_SUBNORMAL"]
+
+#: the smallest positive float64: a norm that is not zero is at least this (sqrt of a tiny sum of
+#: squares can round to 0 in float64; a gradient with a non-zero element must not read as zero)
+SMALLEST_SUBNORMAL = 5e-324
+
+
+def combine_norms(values) -> float:
+    """The L2 norm of several norms: ``hypot``, but NaN when any is NaN (``hypot`` says inf when an
+    inf and a NaN meet). Used by reports, metrics and sinks alike, so they agree on nan vs inf."""
+    values = list(values)
+    if not values:
+        return 0.0
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return values[0] if len(values) == 1 else math.hypot(*values)
 
 
 def dense_view(grad: Tensor) -> Tensor:
@@ -55,6 +71,17 @@ def _plan_fits(plan, tensors: Sequence[Tensor]) -> bool:
     return True
 
 
+def foreach_norms(members: Sequence[Tensor]) -> list[Tensor]:
+    """L2 norms of tensors of one device and dtype, one fused kernel, accumulating in float32
+    (float64 for float64 tensors: CPU float64 reductions of float32 data are ~15x slower)."""
+    acc = _acc_dtype(members[0].dtype)
+    try:
+        return list(torch._foreach_norm(members, 2, dtype=acc))
+    except (RuntimeError, NotImplementedError, TypeError):
+        # Devices or dtypes without a foreach kernel: same result, one kernel per tensor.
+        return [torch.linalg.vector_norm(m, dtype=acc) for m in members]
+
+
 def pack_norms(tensors: Sequence[Tensor], plan=None):
     """Norms of ``tensors`` as one float64 device tensor, the permutation it is in, and the plan.
 
@@ -69,14 +96,7 @@ def pack_norms(tensors: Sequence[Tensor], plan=None):
     perm: list[int] = []
     target = None
     for device, dtype, idx in plan:
-        members = [tensors[i] for i in idx]
-        acc = _acc_dtype(dtype)
-        try:
-            norms = torch._foreach_norm(members, 2, dtype=acc)
-        except (RuntimeError, NotImplementedError, TypeError):
-            # Devices or dtypes without a foreach kernel: same result, one kernel per tensor.
-            norms = [torch.linalg.vector_norm(m, dtype=acc) for m in members]
-        piece = torch.stack(norms).to(torch.float64)
+        piece = torch.stack(foreach_norms([tensors[i] for i in idx])).to(torch.float64)
         if target is None:
             target = device
         elif device != target:
@@ -141,3 +161,13 @@ def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None
         for i, v in zip(suspects, exact_norms([views[i] for i in suspects])):
             norms[i] = v
     return norms, values[n:], plan
+
+
+def module_norms(norm_of: Sequence[float | None], groups) -> dict[str, float]:
+    """Each module's own gradient norm from its parameters' (``groups``: (module, entry indices))."""
+    out = {}
+    for module, idx in groups:
+        vs = [norm_of[i] for i in idx if norm_of[i] is not None]
+        if vs:
+            out[module] = combine_norms(vs)
+    return out

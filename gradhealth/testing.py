@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import fnmatch
 from collections.abc import Callable
 
 import torch
@@ -11,6 +10,8 @@ from torch import nn
 
 from .classify import as_optimizers, classify, named_parameters
 from .guards import diagnose_loss
+from .naming import matches
+from .options import check_patterns
 from .snapshot import ModuleState, rng_state, set_rng_state
 from .status import HINTS, Status
 
@@ -41,7 +42,7 @@ def assert_trains(
         raise TypeError("assert_trains needs an optimizer (or a list of them) to take the step with")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
-    pats = None if expect_frozen is None else ((expect_frozen,) if isinstance(expect_frozen, str) else tuple(expect_frozen))
+    pats = check_patterns(expect_frozen)
 
     saved_model = ModuleState(model)
     saved_opt = [copy.deepcopy(o.state_dict()) for o in optimizers]
@@ -63,7 +64,7 @@ def assert_trains(
                 o.step()
             for (name, p), b in zip(entries, before):
                 state = status[name]
-                expected_frozen = pats is not None and any(fnmatch.fnmatchcase(name, pat) for pat in pats)
+                expected_frozen = matches(name, pats)
                 if state is Status.FROZEN:
                     if pats is not None and not expected_frozen:
                         failures.append(f"{name}: FROZEN (requires_grad=False) but not in expect_frozen")

@@ -31,10 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from .classify import unwrap
+from .naming import ROOT
 
 __all__ = ["NonFiniteTracer", "trace_nonfinite", "REPAIRS"]
-
-ROOT = "(root)"
 
 REPAIRS = (
     "mask or clamp *before* the dangerous operation (gh.safe_div, gh.safe_log, gh.safe_sqrt, "
@@ -127,14 +126,12 @@ class NonFiniteTracer:
         self._inputs: dict[str, tuple] = {}
         self._watched: dict[int, tuple] = {}
         self._armed = False
-        self.resolved = False
 
     # ----------------------------------------------------------------- arming
     def arm(self) -> NonFiniteTracer:
         if self._armed:
             return self
         self._armed = True
-        self.resolved = False
         self._events.clear()
         self._inputs.clear()
         for name, module in self.root.named_modules():
@@ -242,7 +239,6 @@ class NonFiniteTracer:
             self._find_op(self.backward_origin)
         self._inputs.clear()
         self._events = []
-        self.resolved = True
         return self
 
     def _module(self, name: str) -> nn.Module:

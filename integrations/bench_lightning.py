@@ -76,7 +76,7 @@ class _Instrument(pl.Callback):
         mon = self.target.monitor
         for name in ("measure", "publish", "diagnose_loss"):
             self.clock.wrap(mon, name)
-        tracker = mon._tracker
+        tracker = mon.tracker
         if tracker is not None:  # re-register the optimizer step hooks through the clock
             for h in tracker._handles:
                 h.remove()

@@ -84,7 +84,7 @@ def test_sample_mode_error_and_memory(name, make_opt):
     opt = make_opt(model.parameters())
     mon = gh.GradHealth(model, opt, on_problem="ignore")  # default: deltas="sample"
     total = sum(p.numel() for p in model.parameters())
-    assert mon._tracker.extra_elements() <= 0.02 * total
+    assert mon.tracker.extra_elements() <= 0.02 * total
     x, y = torch.randn(64, 256), torch.randn(64, 64)
     errors = []
     for _ in range(4):

@@ -207,8 +207,8 @@ def test_two_optimizers_classified_per_step():
     cb = GradHealthCallback(sinks=[sink])
     _, said = fit(GAN(), [cb], steps=6)
     assert said == []
-    d_reports = [r for r in sink.reports if getattr(r, "_optimizer_index", None) == 1]
-    g_reports = [r for r in sink.reports if getattr(r, "_optimizer_index", None) == 0]
+    d_reports = [r for r in sink.reports if r.optimizer_index == 1]
+    g_reports = [r for r in sink.reports if r.optimizer_index == 0]
     assert d_reports and g_reports
     assert all(set(r.status) == {n for n, _ in GAN().named_parameters() if n.startswith("disc.")} for r in d_reports)
     assert all(set(r.status) == {n for n, _ in GAN().named_parameters() if n.startswith("gen.")} for r in g_reports)
@@ -219,9 +219,8 @@ def test_replay_names_the_origin_and_leaves_training_unchanged():
     def run(replay):
         torch.manual_seed(0)
         module = DemoModule(bug="nan_batch", nan_batch=2, dropout=0.2)
-        cb = GradHealthCallback(on_problem="ignore", replay_on_nonfinite=replay)
         sink = Reports()
-        cb._options["sinks"] = (sink,)
+        cb = GradHealthCallback(on_problem="ignore", replay_on_nonfinite=replay, sinks=[sink])
         fit(module, [cb], steps=5)
         return module, sink
 

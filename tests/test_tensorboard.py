@@ -20,7 +20,8 @@ import gradhealth as gh
 from conftest import free_port
 from gradhealth.integrations.lightning import GradHealthCallback, metrics_of
 from gradhealth.integrations.lightning_demo import DemoModule, SyntheticData
-from gradhealth.integrations.tensorboard import TensorBoardSink, gradient_flow_image, read_run
+from gradhealth.integrations.gradient_flow import gradient_flow_image
+from gradhealth.integrations.tensorboard import TensorBoardSink, read_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

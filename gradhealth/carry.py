@@ -1,0 +1,155 @@
+"""``Carry``: everything a monitor keeps from one check to the next, in one place.
+
+The check counters, the report whose optimizer step is still to be measured (and the gradient
+witnesses that tell a skipped step from gradient accumulation), the grad scaler's last scale and
+the AMP skips in a row, the armed NaN tracer, what the forward watch saw, the valid counts
+recorded since the last check, and the norm histories (one per optimizer when checks are made
+per optimizer). ``state_dict()`` holds what a checkpoint must keep.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import weakref
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from . import judges
+from .deltas import WITNESSES, StepStats
+from .findings import Finding, FindingKind
+from .guards import ForwardRecord
+from .history import NormHistory
+from .naming import spread
+from .report import Report
+from .status import Status
+
+__all__ = ["Carry", "Delivery"]
+
+
+@dataclass
+class Delivery:
+    """Findings about an earlier check's optimizer step, for its report (and the current one)."""
+
+    target: Report
+    findings: list[Finding] = field(default_factory=list)
+
+
+class Carry:
+    def __init__(self, history: NormHistory | None):
+        self.calls = 0  # check() calls, skipped ones included
+        self.checks = 0  # checks that produced a report
+        self.armed: Report | None = None  # the report whose optimizer step is pending
+        self.witnesses: list[tuple[int, weakref.ref, int]] = []
+        self.last_scale: float | None = None
+        self.amp_skips = 0
+        self.tracer = None
+        self.trace_from: int | None = None
+        self.forward: ForwardRecord | None = None
+        self.eval_backward: ForwardRecord | None = None
+        self.valid: dict[str, Tensor] = {}
+        # the options' history is a template: each monitor keeps copies of its own (the default one,
+        # for checks of every parameter, and one per optimizer)
+        self.history = copy.deepcopy(history)
+        self._template = copy.deepcopy(history)
+        self.histories: dict[int, NormHistory] = {}  # per optimizer index
+
+    # ---------------------------------------------------------------- between
+    def take_valid(self) -> dict[str, Tensor]:
+        valid, self.valid = self.valid, {}
+        return valid
+
+    def take_eval_backward(self) -> ForwardRecord | None:
+        record, self.eval_backward = self.eval_backward, None
+        return record
+
+    def history_for(self, optimizer_index: int | None) -> NormHistory | None:
+        if self.history is None or optimizer_index is None:
+            return self.history
+        h = self.histories.get(optimizer_index)
+        if h is None:
+            h = self.histories[optimizer_index] = copy.deepcopy(self._template)
+        return h
+
+    def arm(self, report: Report, params: list, with_grad: list[int], scale: float | None) -> None:
+        """Remember ``report`` until its optimizer step is measured, and a few of its gradients."""
+        self.armed = report
+        self.witnesses = [(i, weakref.ref(params[i].grad), params[i].grad._version) for i in spread(with_grad, WITNESSES)]
+        self.last_scale = scale
+
+    # -------------------------------------------------------- previous step
+    def resolve_step(self, report: Report | None, updates: list[StepStats], steps_ran: int, params: list, names: list[str],
+                     sample_scale, scale: float | None, scaler: bool, amp_alarm: int) -> Delivery | None:
+        """What became of the optimizer step after the armed check: its measured updates, or why
+        it did not run. ``report`` is the current check's (None at a flush)."""
+        if steps_ran:
+            self.amp_skips = 0
+        if updates:
+            return self._measured(updates, names, sample_scale)
+        if self.armed is None or steps_ran != 0:
+            return None
+        if not self._discarded(params):
+            return None  # gradient accumulation: several backwards, then one step
+        prev, self.armed = self.armed, None
+        if scaler:
+            # The scaler skipped it (inf/NaN in the scaled gradients): said as AMP_SKIPPED in that
+            # step's report when its check saw the overflow; count it, and say it now if not.
+            self.amp_skips += 1
+            if not prev.findings_of(FindingKind.AMP_SKIPPED) and scale is not None and self.last_scale is not None \
+                    and scale < self.last_scale:
+                return Delivery(prev, judges.amp_skip(scale, self.amp_skips, amp_alarm, prev.step))
+            return None
+        found = judges.skipped_step(prev.status, prev.in_optimizer, prev.step)
+        return Delivery(prev, found) if found else None
+
+    def _discarded(self, params: list) -> bool:
+        """Were the armed check's gradients thrown away (zeroed or set to None) since?"""
+        for i, ref, version in self.witnesses:
+            g = params[i].grad
+            if g is None or g is not ref() or g._version > version + 1:
+                return True
+        return False
+
+    def _measured(self, updates: list[StepStats], names: list[str], sample_scale) -> Delivery | None:
+        """Write the measured update norms into the armed report; NOT_UPDATED / FROZEN_BUT_CHANGED."""
+        target, self.armed = self.armed, None
+        if target is None:
+            return None
+        unchanged: list[str] = []
+        moved: list[str] = []
+        for u in updates:
+            upd, before, changed = u.unpack(sample_scale(u.indices))
+            for i, d, b, c in zip(u.indices, upd, before, changed):
+                name = names[i]
+                target.update_norm[name] = d if c else 0.0
+                target.update_ratio[name] = (d / b if b > 0 else math.inf) if c else 0.0
+                state = target.status.get(name)
+                if state is Status.OK and not c:
+                    unchanged.append(name)
+                elif state is Status.FROZEN and c:
+                    moved.append(name)
+        found = judges.not_updated(target.status, unchanged, target.step)
+        found += judges.frozen_but_changed(target.status, moved, target.step)
+        return Delivery(target, found)
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        return {
+            "calls": self.calls,
+            "checks": self.checks,
+            "amp_skips": self.amp_skips,
+            "history": self.history.state_dict() if self.history is not None else None,
+            "histories": {i: h.state_dict() for i, h in self.histories.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = int(state.get("calls", 0))
+        self.checks = int(state.get("checks", 0))
+        self.amp_skips = int(state.get("amp_skips", 0))
+        if self.history is not None:
+            if state.get("history") is not None:
+                self.history.load_state_dict(state["history"])
+            self.histories = {}
+            for i, h in (state.get("histories") or {}).items():
+                self.history_for(int(i)).load_state_dict(h)

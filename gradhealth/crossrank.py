@@ -1,0 +1,191 @@
+"""One verdict on every rank: pack a rank's ``Observation``, reduce, unpack; the rank findings.
+
+The vector's layout (a :class:`Layout`, the same on every rank) holds, per judged parameter,
+the squared gradient norm (divided by the world size for replicated gradients, as is for
+shards, so the SUM is the global square), has-a-gradient, non-finite-here and non-zero-here
+flags, and what the DDP hook saw before the all-reduce (bit ``2**rank``); then the loss, valid
+counts, local findings as rank masks, the last step's update numbers and a failure flag.
+``all_reduce(SUM)`` of the packed vectors is the only collective; :func:`combine` is the pure
+function of the summed vector, so tests can sum per-rank vectors in-process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import distributed as dist
+from .findings import Finding, FindingKind
+from .guards import ForwardRecord
+from .layout import Layout
+from .naming import on_ranks
+from .observe import Observation
+from .report import Report, describe_names
+from .stats import SMALLEST_SUBNORMAL
+from .status import Status
+
+__all__ = ["rank_layout", "pack_rank", "combine", "Across", "rank_findings", "desync_findings"]
+
+_PER_PARAM = ("sq", "has", "bad", "nz", "pre_bad", "pre_zero")
+_FLAGS = ("has_pre", "loss_sum", "loss_bad", "loss_n", "cause", "eval", "stale", "failed")
+
+
+def rank_layout(n: int, valid_names: list[str], update_sizes: list[int]) -> Layout:
+    lay = Layout()
+    for name in _PER_PARAM:
+        lay.add(name, n)
+    for name in _FLAGS:
+        lay.add(name)
+    for v in valid_names:
+        lay.add(f"valid:{v}").add(f"empty:{v}")
+    for j, m in enumerate(update_sizes):
+        lay.add(f"upd_sq{j}", m).add(f"par_sq{j}", m).add(f"changed{j}", m)
+    return lay
+
+
+def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = False) -> tuple[Tensor, Layout]:
+    """This rank's float64 vector (CPU) and its layout. ``pre``: the DDP hook's (non-finite,
+    all-zero) flags per judged parameter before the all-reduce, or None."""
+    b, inv, idx = dist.bit(rank), 1.0 / world, obs.idx
+    raw = torch.tensor([0.0 if obs.norm_of[i] is None else obs.norm_of[i] for i in idx], dtype=torch.float64)
+    weight = torch.tensor([1.0 if i in obs.sharded else inv for i in idx], dtype=torch.float64)
+    pre_bad, pre_zero = pre if pre is not None else ([0.0] * len(idx), [0.0] * len(idx))
+    loss = obs.loss
+    valid_names = sorted(obs.valid)
+    parts = dict(
+        sq=raw * raw * weight, has=[0.0 if obs.norm_of[i] is None else 1.0 for i in idx],
+        bad=(~torch.isfinite(raw)).to(torch.float64), nz=(raw != 0).to(torch.float64),
+        pre_bad=[x * b for x in pre_bad], pre_zero=[x * b for x in pre_zero], has_pre=[1.0 if pre is not None else 0.0],
+        loss_sum=[loss * inv if loss is not None and math.isfinite(loss) else 0.0],
+        loss_bad=[b if loss is not None and not math.isfinite(loss) else 0.0], loss_n=[1.0 if loss is not None else 0.0],
+        cause=[b if obs.loss_cause else 0.0], eval=[b if obs.eval_record is not None else 0.0],
+        stale=[b if obs.stale else 0.0], failed=[b if failed else 0.0],
+    )
+    for v in valid_names:
+        parts[f"valid:{v}"] = [float(obs.valid[v])]
+        parts[f"empty:{v}"] = [b if obs.valid[v] == 0 else 0.0]
+    for j, u in enumerate(obs.updates):  # values: [update norms, param norms, changed] per parameter
+        n = len(u.indices)
+        w = torch.tensor([1.0 if i in obs.sharded else inv for i in u.indices], dtype=torch.float64)
+        v = torch.tensor(u.values, dtype=torch.float64)
+        parts[f"upd_sq{j}"], parts[f"par_sq{j}"], parts[f"changed{j}"] = v[:n] ** 2 * w, v[n : 2 * n] ** 2 * w, v[2 * n :]
+    lay = rank_layout(len(idx), valid_names, [len(u.indices) for u in obs.updates])
+    return lay.pack(**parts), lay
+
+
+@dataclass
+class Across:
+    """What only the reduction knows: which ranks saw what (bit masks), for the rank findings."""
+
+    world: int
+    failed: float
+    pre_bad: list[float]
+    pre_zero: list[float]
+    has_pre: bool
+    empty_masks: dict[str, float]
+    cause_mask: float
+    eval_mask: float
+    stale_mask: float
+
+
+def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Across:
+    """Turn the summed vector into every rank's numbers (written into ``obs``) and the masks."""
+    t = lay.unpack(reduced)
+    got = {k: v.tolist() for k, v in t.items() if k not in _PER_PARAM[:4]}
+    across = Across(world, got["failed"][0], got["pre_bad"], got["pre_zero"], got["has_pre"][0] > 0,
+                    {v: got[f"empty:{v}"][0] for v in obs.valid}, got["cause"][0], got["eval"][0], got["stale"][0])
+    if across.failed > 0:
+        return across
+    sq, has, bad, nz = t["sq"], t["has"].tolist(), t["bad"], t["nz"]
+    # non-finite anywhere: inf unless the squares hold a NaN; zero only if zero everywhere; a
+    # non-zero gradient never rounds to a zero norm
+    norm = torch.where(bad > 0, torch.where(torch.isfinite(sq), torch.full_like(sq, math.inf), sq),
+                       torch.where(nz == 0, torch.zeros_like(sq), sq.sqrt().clamp(min=SMALLEST_SUBNORMAL))).tolist()
+    norm_of: list[float | None] = [None] * len(obs.norm_of)
+    for j, i in enumerate(obs.idx):
+        if has[j] > 0:
+            norm_of[i] = norm[j]
+    obs.norm_of = norm_of
+    loss_sum, loss_bad, loss_n = got["loss_sum"][0], got["loss_bad"][0], got["loss_n"][0]
+    obs.loss = (math.nan if loss_bad > 0 else loss_sum * world / loss_n) if loss_n > 0 else None
+    obs.valid = {v: int(round(got[f"valid:{v}"][0])) for v in obs.valid}
+    for j, u in enumerate(obs.updates):
+        u.values = ([math.sqrt(x) for x in got[f"upd_sq{j}"]] + [math.sqrt(x) for x in got[f"par_sq{j}"]]
+                    + [1.0 if x > 0 else 0.0 for x in got[f"changed{j}"]])
+    return across
+
+
+def rank_findings(report: Report, across: Across, obs: Observation, names: list[str]) -> list[Finding]:
+    """Findings from what single ranks saw, the same on every rank: NONFINITE_RANK, PARTIALLY_USED
+    and EMPTY_VALID_SET on some ranks only. (The loss, eval-mode and stale masks go through the
+    ordinary judges with ``where=``; see :func:`where`.)"""
+    out: list[Finding] = []
+    world, idx, status = across.world, obs.idx, report.status
+    if across.has_pre:
+        bad = {names[i]: m for i, m in zip(idx, across.pre_bad) if m > 0}
+        if bad:
+            ranks = sorted({r for m in set(bad.values()) for r in dist.ranks_of(m, world)})
+            out.append(Finding(FindingKind.NONFINITE_RANK, f"the non-finite gradients were produced on {on_ranks(ranks)} "
+                               f"before DDP's all-reduce spread them to every rank ({describe_names(status, bad)}): look "
+                               "at that rank's batch", params=tuple(bad), step=report.step, data={"ranks": ranks}))
+        partly = {names[i]: m for i, m in zip(idx, across.pre_zero)
+                  if 0 < m and status.get(names[i]) not in (Status.NO_GRAD, Status.ZERO_GRAD, Status.FROZEN)}
+        if partly:
+            ranks = sorted({r for m in partly.values() for r in dist.ranks_of(m, world)})
+            out.append(Finding(FindingKind.PARTIALLY_USED, f"{describe_names(status, partly)} got no gradient on "
+                               f"{on_ranks(ranks)} (DDP zero-filled their part before averaging): used by some ranks' "
+                               "batches only, not a dead layer", params=tuple(partly), level="info", step=report.step,
+                               data={"ranks_without": ranks}))
+        dead = {names[i] for i, m in zip(idx, across.pre_zero)
+                if status.get(names[i]) is Status.ZERO_GRAD and len(dist.ranks_of(m, world)) == world}
+        if dead:
+            out.append(Finding(FindingKind.PARTIALLY_USED, f"{describe_names(status, dead)}: zero on every rank before "
+                               "the all-reduce: DDP zero-filled them, no rank used them in this step",
+                               params=tuple(sorted(dead)), level="info", step=report.step))
+    for n, m in across.empty_masks.items():  # empty on some ranks only: the global count hides it
+        if m > 0 and obs.valid.get(n):
+            out.append(Finding(FindingKind.EMPTY_VALID_SET, f"the valid mask {n!r} selected nothing{where(m, world)} at "
+                               f"step {report.step}: that rank's mean over it is NaN or 0 and DDP averages it into every "
+                               "rank's gradients; skip such batches or use gh.masked_mean(..., empty='zero')",
+                               step=report.step))
+    return out
+
+
+def where(mask: float, world: int) -> str:
+    """`` (on rank 1)`` for a summed rank mask."""
+    ranks = dist.ranks_of(mask, world)
+    return f" (on {on_ranks(ranks)})" if ranks else " (on some ranks)"
+
+
+def remote_record(record: ForwardRecord | None) -> ForwardRecord:
+    """The eval-mode record to judge when another rank saw it (this one has none of its own)."""
+    return record or ForwardRecord(True, False, False, ())
+
+
+def desync_findings(params: list[Tensor], names: list[str], status, step: int, device) -> list[Finding]:
+    """DESYNC: a fingerprint (sum and norm) of every replicated parameter, all-gathered once."""
+    pairs = [(n, p) for n, p in zip(names, params) if not dist.is_sharded(p)]
+    if not pairs:
+        return []
+    local = [dist.to_local(p).detach() for _, p in pairs]
+    with torch.no_grad():
+        sums = torch.stack([t.sum(dtype=torch.float32) if t.numel() else torch.zeros((), device=t.device) for t in local])
+        norms = torch.stack(torch._foreach_norm(local)).to(sums.dtype)
+    rows = dist.all_gather(torch.cat([sums, norms]).double().tolist(), device)
+    n = len(pairs)
+    differ: dict[str, list[int]] = {}
+    for j, (name, _) in enumerate(pairs):
+        ref = (rows[0][j], rows[0][n + j])
+        odd = [r for r, row in enumerate(rows) if (row[j], row[n + j]) != ref and not (math.isnan(row[j]) and math.isnan(ref[0]))]
+        if odd:
+            differ[name] = odd
+    if not differ:
+        return []
+    ranks = sorted({r for rs in differ.values() for r in rs})
+    return [Finding(FindingKind.DESYNC, f"{describe_names(status, differ)} differ between rank 0 and {on_ranks(ranks)}: "
+                    "the replicas have drifted apart (a parameter changed on one rank only, a different initialisation "
+                    "seed, a non-deterministic update, or a skipped all-reduce); broadcast from rank 0 or fix the code "
+                    "that changes one rank", params=tuple(differ), step=step, data={"ranks": differ})]

@@ -1,0 +1,59 @@
+"""What a check found besides the parameter states: ``FindingKind`` and ``Finding``."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FindingKind", "Finding", "LEVELS"]
+
+#: a finding's level, from quiet to loud; only "error" makes ``report.ok`` False
+LEVELS = ("info", "warning", "error")
+
+
+class FindingKind(str, enum.Enum):
+    """Every kind of finding (value == name, like :class:`gradhealth.Status`)."""
+
+    NOT_UPDATED = "NOT_UPDATED"
+    FROZEN_BUT_CHANGED = "FROZEN_BUT_CHANGED"
+    AMP_SKIPPED = "AMP_SKIPPED"
+    STALE_GRAD = "STALE_GRAD"
+    EXPLODING_GRAD = "EXPLODING_GRAD"
+    VANISHING_GRAD = "VANISHING_GRAD"
+    GRAD_MODE = "GRAD_MODE"
+    EMPTY_VALID_SET = "EMPTY_VALID_SET"
+    NON_FINITE_LOSS = "NON_FINITE_LOSS"
+    NONFINITE_ORIGIN = "NONFINITE_ORIGIN"
+    NONFINITE_RANK = "NONFINITE_RANK"
+    PARTIALLY_USED = "PARTIALLY_USED"
+    DESYNC = "DESYNC"
+    UNEXPECTED_FROZEN = "UNEXPECTED_FROZEN"
+    UNEXPECTED_TRAINABLE = "UNEXPECTED_TRAINABLE"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A problem that is not a parameter state (a stale gradient, a grad-mode mistake, ...).
+
+    ``level`` is "info", "warning" (expected now and then) or "error" (``report.ok`` is False).
+    ``kind`` is a :class:`FindingKind` (a str: ``finding.kind == "STALE_GRAD"`` holds).
+    """
+
+    kind: FindingKind
+    message: str
+    params: tuple[str, ...] = ()
+    level: str = "error"
+    step: int | None = None
+    data: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", FindingKind(self.kind))
+        if self.level not in LEVELS:
+            raise ValueError(f"Finding.level must be one of {', '.join(map(repr, LEVELS))}; got {self.level!r}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"

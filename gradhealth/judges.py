@@ -1,0 +1,151 @@
+"""The judges: pure functions from what a check observed to the findings it makes.
+
+Each takes plain values (statuses, counts, flags; no model, no tensors) and returns a list of
+:class:`Finding` (empty when all is well), so each can be tested from a table of cases. The state
+that spans checks (which optimizer step is pending, how many AMP skips in a row) is kept by
+:class:`gradhealth.carry.Carry`, which hands the judges what they need.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+
+from .findings import Finding, FindingKind
+from .guards import ForwardRecord
+from .naming import matches
+from .report import describe_names
+from .status import Status
+
+__all__ = ["loss_cause", "empty_valid_set", "eval_mode", "stale_grad", "expect_frozen", "not_updated",
+           "frozen_but_changed", "skipped_step", "amp_skip", "amp_floor"]
+
+K = FindingKind
+_MASKED_MEAN = "gh.masked_mean(..., empty='zero')"
+
+
+def _ordered(status: Mapping[str, Status], chosen: Collection[str]) -> tuple[str, ...]:
+    return tuple(n for n in status if n in chosen)
+
+
+def loss_cause(cause: str | None, step: int, where: str = "") -> list[Finding]:
+    """GRAD_MODE when the loss cannot produce gradients (``cause`` from ``guards.diagnose_loss``)."""
+    if cause is None:
+        return []
+    return [Finding(K.GRAD_MODE, f"loss cannot produce gradients{where}: {cause}", step=step)]
+
+
+def empty_valid_set(valid_counts: Mapping[str, int], loss: float | None, norms: Collection[float], step: int) -> list[Finding]:
+    """EMPTY_VALID_SET from a tracked count of 0, or from its signature (a non-finite loss with
+    every gradient exactly zero); NON_FINITE_LOSS for any other non-finite loss."""
+    empty = [n for n, c in valid_counts.items() if c == 0]
+    if empty:
+        return [Finding(K.EMPTY_VALID_SET, f"the valid mask {', '.join(repr(n) for n in empty)} selected nothing at step "
+                        f"{step}: a mean over it is NaN (or 0 with a guarded mean) and the step still moves the weights "
+                        f"through weight decay and momentum; skip such batches or use {_MASKED_MEAN}", step=step,
+                        data={"counts": dict(valid_counts)})]
+    if loss is None or math.isfinite(loss):
+        return []
+    if norms and all(v == 0.0 for v in norms):
+        return [Finding(K.EMPTY_VALID_SET, f"the loss is {loss} while every gradient is exactly zero at step {step}: the "
+                        "signature of a mean over an empty selection (a mask that selected nothing, a cross-entropy "
+                        "whose targets are all ignore_index). The step still moves the weights through weight decay; "
+                        f"skip such batches or use {_MASKED_MEAN}, and call monitor.track_valid(mask) to see the counts",
+                        step=step)]
+    return [Finding(K.NON_FINITE_LOSS, f"the loss is {loss}: check the inputs and targets of this batch, a log or "
+                    "division inside the loss, or a mean over an empty mask (gh.masked_mean makes the empty case "
+                    "explicit)", step=step)]
+
+
+def eval_mode(record: ForwardRecord | None, step: int, where: str = "") -> list[Finding]:
+    """GRAD_MODE when a training forward (one a backward went through) ran in eval() mode."""
+    if record is None:
+        return []
+    if not record.training:
+        what = "the model was in eval() mode during the training forward"
+    else:
+        shown = ", ".join(record.eval_modules[:5]) + (" ..." if len(record.eval_modules) > 5 else "")
+        what = f"submodules {shown} were in eval() mode during the training forward"
+    return [Finding(K.GRAD_MODE, f"{what}{where}: dropout is off and batch norm uses (and no longer updates) its running "
+                    "statistics. Call model.train() after validation, before training resumes", step=step,
+                    params=record.eval_modules)]
+
+
+def stale_grad(status: Mapping[str, Status], stale: Collection[str], step: int, where: str = "") -> list[Finding]:
+    """STALE_GRAD for the parameters whose gradients the backward added onto after a step."""
+    chosen = set(stale) & set(status)
+    if not chosen:
+        return []
+    return [Finding(K.STALE_GRAD, f"{describe_names(status, chosen)}{where}: this backward added onto gradients that "
+                    "optimizer.step() had already used (no zero_grad in between), so every step applies the sum of "
+                    "all past gradients. Call optimizer.zero_grad() before each backward (or after each step)",
+                    params=_ordered(status, chosen), step=step)]
+
+
+def expect_frozen(status: Mapping[str, Status], patterns: tuple[str, ...] | None, step: int) -> list[Finding]:
+    """UNEXPECTED_FROZEN / UNEXPECTED_TRAINABLE against the ``expect_frozen`` name patterns."""
+    if patterns is None:
+        return []
+    out = []
+    wrong_frozen = tuple(n for n, s in status.items() if s is Status.FROZEN and not matches(n, patterns))
+    wrong_trainable = tuple(n for n, s in status.items() if s is not Status.FROZEN and matches(n, patterns))
+    if wrong_frozen:
+        out.append(Finding(K.UNEXPECTED_FROZEN, f"{describe_names(status, wrong_frozen)} frozen but not matched by "
+                           f"expect_frozen={list(patterns)}: unfreeze them (requires_grad_(True)) or add them to "
+                           "expect_frozen", params=wrong_frozen, step=step))
+    if wrong_trainable:
+        out.append(Finding(K.UNEXPECTED_TRAINABLE, f"{describe_names(status, wrong_trainable)} match "
+                           f"expect_frozen={list(patterns)} but are trainable: freeze them (requires_grad_(False)) or "
+                           "change expect_frozen", params=wrong_trainable, step=step))
+    return out
+
+
+def not_updated(status: Mapping[str, Status], unchanged: Collection[str], step: int) -> list[Finding]:
+    """NOT_UPDATED: OK gradients, in the optimizer, yet its step left these parameters unchanged."""
+    if not unchanged:
+        return []
+    return [Finding(K.NOT_UPDATED, f"{describe_names(status, unchanged)} had finite, non-zero gradients at step {step} "
+                    "yet optimizer.step() left them unchanged: a learning rate of 0 (check the scheduler), an update "
+                    "rule that does nothing, or a step that was skipped", params=_ordered(status, unchanged), step=step)]
+
+
+def frozen_but_changed(status: Mapping[str, Status], moved: Collection[str], step: int) -> list[Finding]:
+    """FROZEN_BUT_CHANGED: frozen parameters left in the optimizer that its step moved."""
+    if not moved:
+        return []
+    return [Finding(K.FROZEN_BUT_CHANGED, f"{describe_names(status, moved)} are frozen but optimizer.step() moved them "
+                    f"at step {step}: weight decay or momentum still acts on frozen parameters left in the optimizer; "
+                    "build the optimizer from the trainable parameters only ([p for p in model.parameters() if "
+                    "p.requires_grad])", params=_ordered(status, moved), step=step)]
+
+
+def skipped_step(status: Mapping[str, Status], in_optimizer: Mapping[str, bool] | None, step: int) -> list[Finding]:
+    """NOT_UPDATED for a step that never ran although the gradients of check ``step`` were
+    finite and then thrown away (zeroed or set to None): a skipped ``optimizer.step()``."""
+    if in_optimizer is None or any(s is Status.NON_FINITE_GRAD for s in status.values()):
+        return []  # skipping a step with NaN/inf gradients is the right reaction
+    chosen = {n for n, s in status.items() if s is Status.OK and in_optimizer.get(n)}
+    if not chosen:
+        return []
+    return [Finding(K.NOT_UPDATED, f"{describe_names(status, chosen)} had gradients at step {step} but no "
+                    "optimizer.step() ran before they were zeroed: the step was skipped (a condition around "
+                    "optimizer.step(), or an exception swallowed)", params=_ordered(status, chosen), step=step)]
+
+
+def amp_skip(scale: float, consecutive: int, alarm_after: int, step: int) -> list[Finding]:
+    """AMP_SKIPPED: info while the scale settles, an error after ``alarm_after`` skips in a row."""
+    alarm = consecutive >= alarm_after
+    tail = (f", {consecutive} steps in a row: the model itself produces non-finite gradients, not an fp16 overflow the "
+            "scaler can absorb (trace it with gh.trace_nonfinite)" if alarm
+            else "; expected now and then while the scale settles")
+    return [Finding(K.AMP_SKIPPED, f"the grad scaler skips optimizer.step() at step {step}: inf/NaN in the scaled "
+                    f"gradients at scale {scale:g}{tail}", step=step, level="error" if alarm else "info",
+                    data={"scale": scale, "consecutive": consecutive})]
+
+
+def amp_floor(scale: float, floor: float, step: int) -> list[Finding]:
+    """AMP_SKIPPED (error) when the scaler's scale fell below ``floor``."""
+    if scale >= floor:
+        return []
+    return [Finding(K.AMP_SKIPPED, f"the grad scaler's scale collapsed to {scale:g} (floor {floor:g}): nearly every step "
+                    "overflows; the model produces non-finite gradients at any scale", step=step, data={"scale": scale})]

@@ -1,0 +1,38 @@
+"""Names and words shared by every message: modules of parameters, name patterns, plurals, ranks."""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Iterable, Sequence
+
+__all__ = ["ROOT", "module_of", "matches", "plural", "on_ranks", "spread"]
+
+#: how the top-level module is named where a module name is needed
+ROOT = "(root)"
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def module_of(name: str) -> str:
+    """The module a parameter belongs to: ``encoder.0`` for ``encoder.0.weight``."""
+    return name.rpartition(".")[0] or ROOT
+
+
+def matches(name: str, patterns: Iterable[str] | None) -> bool:
+    """Does ``name`` match any ``fnmatch`` pattern (``"encoder.*"``)? False for no patterns."""
+    return patterns is not None and any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``1 parameter``, ``2 parameters``."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
+def on_ranks(ranks: Sequence[int]) -> str:
+    """``rank 1`` or ``ranks 0, 2``."""
+    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def spread(items: Sequence, k: int) -> list:
+    """At most about ``k`` items spread evenly over ``items`` (the first one included)."""
+    return list(items[:: max(1, len(items) // k)])

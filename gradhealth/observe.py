@@ -1,0 +1,125 @@
+"""Gather and read back: a check's device numbers, in ONE transfer, as an ``Observation``.
+
+Gathers the judged gradients, packs their exact norms together with this check's extras (the
+loss, valid counts, the previous optimizer step's update norms, the grad scaler's scale) by a
+named :class:`Layout`, reads them with one transfer (``stats.grad_norms``), and unscales the
+norms under a grad scaler. What the rank saw that is not a number (a loss that cannot train, an
+eval-mode forward, stale gradients) rides along as plain Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from . import distributed as dist
+from . import stats
+from .deltas import StepStats
+from .guards import ForwardRecord
+from .layout import Layout
+from .params import ParamView, Selection
+
+__all__ = ["Observation", "observe", "unscaled_params"]
+
+
+@dataclass
+class Observation:
+    """What one rank saw at a check, on the host. After the cross-rank reduction, the numbers
+    (norms, loss, valid counts, update values) are every rank's."""
+
+    idx: list[int]  # entry indices judged
+    norm_of: list[float | None]  # per entry: exact gradient norm, None without a gradient
+    loss: float | None = None
+    valid: dict[str, int] = field(default_factory=dict)
+    updates: list[StepStats] = field(default_factory=list)  # measured optimizer steps, values filled
+    scale: float | None = None
+    loss_cause: str | None = None
+    eval_record: ForwardRecord | None = None
+    stale: set[int] = field(default_factory=set)
+    sharded: set[int] = field(default_factory=set)  # entries whose gradient is a shard (FSDP)
+
+    @property
+    def with_grad(self) -> list[int]:
+        return [i for i in self.idx if self.norm_of[i] is not None]
+
+    @property
+    def norms(self) -> list[float]:
+        return [self.norm_of[i] for i in self.idx if self.norm_of[i] is not None]
+
+
+def unscaled_params(scaler, optimizers) -> set[int]:
+    """ids of the parameters whose gradients the scaler has already unscaled (``unscale_``)."""
+    from torch.amp.grad_scaler import OptState
+
+    out: set[int] = set()
+    states = scaler._per_optimizer_states
+    for opt in optimizers:
+        st = states.get(id(opt)) if hasattr(states, "get") else None
+        if st is not None and st.get("stage") in (OptState.UNSCALED, OptState.STEPPED):
+            out |= {id(p) for g in opt.param_groups for p in g["params"]}
+    return out
+
+
+def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], updates: list[StepStats], scaler,
+            plan, distributed: bool = False, all_sharded: bool = False) -> tuple[Observation, object]:
+    """Norms of the selection's gradients and the extras, read back in one transfer.
+
+    Returns the observation and the grouping plan to pass back next time.
+    """
+    params = view.params
+    grads: list[Tensor] = []
+    with_grad: list[int] = []
+    for i in sel.idx:
+        g = params[i].grad
+        if g is not None:
+            grads.append(g)
+            with_grad.append(i)
+    sharded: set[int] = set()
+    if distributed:
+        for k, i in enumerate(with_grad):
+            if all_sharded or dist.is_sharded(grads[k]):
+                sharded.add(i)
+            grads[k] = dist.to_local(grads[k])
+
+    loss_t = loss.detach().reshape(1) if isinstance(loss, Tensor) and loss.numel() == 1 else None
+    scale_t = scaler._scale if scaler is not None and scaler.is_enabled() and getattr(scaler, "_scale", None) is not None else None
+    lay = Layout()
+    parts: dict[str, Tensor] = {}
+    if loss_t is not None:
+        lay.add("loss")
+        parts["loss"] = loss_t
+    for j, name in enumerate(valid):
+        lay.add(f"valid{j}")
+        parts[f"valid{j}"] = valid[name]
+    for j, u in enumerate(updates):
+        lay.add(f"update{j}", u.packed.numel())
+        parts[f"update{j}"] = u.packed
+    if scale_t is not None:
+        lay.add("scale")
+        parts["scale"] = scale_t
+    extras = [lay.pack(**parts)] if parts else []
+    norms, flat, plan = stats.grad_norms(grads, extras, plan)
+    got = lay.unpack(flat)
+
+    scale = got["scale"][0] if scale_t is not None else None
+    if scale:
+        done = unscaled_params(scaler, view.optimizers)
+        pids = view.pids
+        norms = [v if pids[i] in done else v / scale for i, v in zip(with_grad, norms)]
+    for j, u in enumerate(updates):
+        u.values = got[f"update{j}"]
+    norm_of: list[float | None] = [None] * len(view)
+    for i, v in zip(with_grad, norms):
+        norm_of[i] = v
+    obs = Observation(sel.idx, norm_of, loss=got["loss"][0] if loss_t is not None else None,
+                      valid={name: int(got[f"valid{j}"][0]) for j, name in enumerate(valid)},
+                      updates=updates, scale=scale, sharded=sharded)
+    return obs, plan
+
+
+def failed_observation(view: ParamView, sel: Selection, valid: dict, updates: list[StepStats]) -> Observation:
+    """An empty contribution for a rank whose check failed, so it still joins the collective."""
+    for u in updates:
+        u.values = [0.0] * (3 * len(u.indices))
+    return Observation(sel.idx, [None] * len(view), valid=dict.fromkeys(valid, 0), updates=updates)

@@ -1,0 +1,158 @@
+"""``Options``: every setting of a monitor, validated once where it is given, shared by all adapters."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from .history import NormHistory
+
+__all__ = ["Options", "ON_PROBLEM", "DELTA_MODES", "check_choice", "check_positive_int", "check_patterns"]
+
+ON_PROBLEM = ("warn", "raise", "ignore")
+DELTA_MODES = ("sample", "exact", "off")
+
+
+def check_choice(name: str, value, allowed: Sequence) -> Any:
+    if value not in allowed:
+        opts = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{name} must be one of {opts}; got {value!r}")
+    return value
+
+
+def check_positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {what}; got {value!r}")
+    return value
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False; got {value!r}")
+    return value
+
+
+def check_patterns(value) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = (value,)
+    try:
+        value = tuple(value)
+    except TypeError:
+        value = (value,)
+    if not all(isinstance(v, str) for v in value):
+        raise TypeError(f"expect_frozen must be a name pattern or a list of them (e.g. ['encoder.*']); got {value!r}")
+    return value
+
+
+def _check_sinks(sinks) -> tuple:
+    if sinks is None:
+        return ()
+    if not isinstance(sinks, (list, tuple)):
+        sinks = (sinks,)
+    for i, s in enumerate(sinks):
+        if isinstance(s, type):
+            raise TypeError(f"sinks[{i}] is the class {s.__name__}, not an instance: pass {s.__name__}(...)")
+        if not callable(getattr(s, "write", None)):
+            raise TypeError(
+                f"sinks[{i}] must have a write(report) method (e.g. gh.LoggingSink() or "
+                f"gradhealth.integrations.tensorboard.TensorBoardSink(logdir)); got {type(s).__name__}"
+            )
+    return tuple(sinks)
+
+
+def _check_history(history) -> NormHistory | None:
+    if history is True:
+        return NormHistory()
+    if history is False or history is None:
+        return None
+    if not isinstance(history, NormHistory):
+        raise TypeError(f"history must be True, False or a gh.NormHistory; got {type(history).__name__}")
+    return history
+
+
+def _check_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number; got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How a monitor judges and reports; the keywords of ``GradHealth`` and of every callback.
+
+    Args:
+        on_problem: "warn" (one :class:`GradHealthWarning` per check with problems), "raise"
+            (:class:`GradHealthError` after every sink got the report), or "ignore".
+        every_n_steps: check only every n-th call of ``check()`` (others return None at once,
+            and the optimizer step after them is not measured).
+        sinks: objects with ``write(report)`` (e.g. :class:`LoggingSink`, ``TensorBoardSink``);
+            an optional ``write_update(report)`` receives a report again once its step's update
+            norms are known.
+        expect_frozen: name patterns (``fnmatch``, e.g. ``"encoder.*"``) of the parameters meant
+            to be frozen. With it, a frozen parameter outside them, or a trainable one inside them,
+            is an error finding (UNEXPECTED_FROZEN / UNEXPECTED_TRAINABLE).
+        deltas: how the optimizer step's update ||Δθ|| is measured: "sample" (default, at most 2%
+            extra memory), "exact" (a transient 1x copy of the parameters during the step) or "off".
+        history: True (default baseline), False, or a :class:`NormHistory` to tune
+            EXPLODING_GRAD / VANISHING_GRAD.
+        amp_skip_alarm: with a grad scaler, AMP_SKIPPED is an error after this many skips in a row.
+        amp_scale_floor: with a grad scaler, a scale below this is an error.
+        trace_on_nonfinite: when a check finds NaN/inf gradients, arm the NaN tracer for the next
+            step, so the next report says where they were born (no hooks otherwise).
+        watch_forward: observe the model's forward (Python state only) to report GRAD_MODE
+            mistakes and name the exact cause of a loss that cannot produce gradients.
+        desync_every: under ``torch.distributed``, compare parameters across ranks every this
+            many checks (and at the first check, and whenever a gradient is non-finite); 0: only then.
+        rank_origin: for a DistributedDataParallel model, a communication hook notes each rank's
+            gradients before the all-reduce, so NaN/inf is traced to the rank that produced it.
+    """
+
+    on_problem: str = "warn"
+    every_n_steps: int = 1
+    sinks: Any = ()
+    expect_frozen: Any = None
+    deltas: str = "sample"
+    history: Any = True
+    amp_skip_alarm: int = 3
+    amp_scale_floor: float = 1.0
+    trace_on_nonfinite: bool = True
+    watch_forward: bool = True
+    desync_every: int = 100
+    rank_origin: bool = True
+
+    def __post_init__(self) -> None:
+        fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        check_choice("on_problem", self.on_problem, ON_PROBLEM)
+        check_positive_int("every_n_steps", self.every_n_steps)
+        fix("sinks", _check_sinks(self.sinks))
+        fix("expect_frozen", check_patterns(self.expect_frozen))
+        check_choice("deltas", self.deltas, DELTA_MODES)
+        fix("history", _check_history(self.history))
+        check_positive_int("amp_skip_alarm", self.amp_skip_alarm)
+        fix("amp_scale_floor", _check_float("amp_scale_floor", self.amp_scale_floor))
+        for name in ("trace_on_nonfinite", "watch_forward", "rank_origin"):
+            _check_bool(name, getattr(self, name))
+        check_positive_int("desync_every", self.desync_every, minimum=0)
+
+    @classmethod
+    def check_keywords(cls, changes: dict) -> None:
+        """A TypeError naming the unknown keywords and listing the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                            f"the options are: {', '.join(sorted(known))}")
+
+    @classmethod
+    def build(cls, options: Options | None = None, **changes) -> Options:
+        """``options`` (or the defaults) with ``changes``; an unknown keyword names the known ones."""
+        cls.check_keywords(changes)
+        if options is None:
+            return cls(**changes)
+        if not isinstance(options, Options):
+            raise TypeError(f"options must be a gh.Options; got {type(options).__name__}")
+        return dataclasses.replace(options, **changes) if changes else options

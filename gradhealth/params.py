@@ -1,0 +1,83 @@
+"""``ParamView``: the monitored parameters, their names and modules, and which optimizer holds which."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .classify import named_parameters, optimizer_param_ids
+from .naming import module_of
+from .report import ParamMeta
+
+__all__ = ["ParamView", "Selection"]
+
+
+@dataclass
+class Selection:
+    """The parameters one check judges: every parameter, or one optimizer's."""
+
+    ids: list[int] | None  # the optimizer's parameter ids, in order (None: every parameter)
+    idx: list[int]  # entry indices judged
+    names: list[str]
+    modules: list[tuple[str, list[int]]]  # (module, entry indices), for module norms
+    opt_ids: set[int] | None
+
+
+class ParamView:
+    """``named_parameters()`` of the model (wrappers unwrapped, tied parameters once), indexed."""
+
+    def __init__(self, model: nn.Module, optimizers: list):
+        self.entries = named_parameters(model)
+        self.optimizers = optimizers
+        self.names = [n for n, _ in self.entries]
+        self.params = [p for _, p in self.entries]
+        self.pids = [id(p) for p in self.params]
+        self.meta = {n: ParamMeta(p.numel(), str(p.dtype).replace("torch.", ""), str(p.device)) for n, p in self.entries}
+        everything = list(range(len(self.entries)))
+        self.everything = Selection(None, everything, self.names, self._modules(everything), None)
+        self._selections: dict[int, Selection] = {}
+        self._ids_key: tuple | None = None
+        self._ids: set[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def optimizer_index(self, optimizer) -> int:
+        for i, o in enumerate(self.optimizers):
+            if o is optimizer:
+                return i
+        raise ValueError(
+            f"check(optimizer=...) got a {type(optimizer).__name__} that is not one of the monitor's "
+            f"{len(self.optimizers)} optimizer(s): pass one of the optimizers given to GradHealth(model, optimizer)"
+        )
+
+    def selection(self, optimizer=None) -> Selection:
+        """Every parameter, or (``optimizer`` given) that optimizer's, cached while its groups hold."""
+        if optimizer is None:
+            return self.everything
+        ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        sel = self._selections.get(id(optimizer))
+        if sel is None or sel.ids != ids:
+            self.optimizer_index(optimizer)  # one of ours?
+            members = set(ids)
+            idx = [i for i, pid in enumerate(self.pids) if pid in members]
+            sel = Selection(ids, idx, [self.names[i] for i in idx], self._modules(idx), members)
+            self._selections[id(optimizer)] = sel
+        return sel
+
+    def optimizer_ids(self) -> set[int] | None:
+        """ids of every parameter in the optimizers (None without any), recomputed only when
+        their param_groups change."""
+        if not self.optimizers:
+            return None
+        key = tuple((id(g["params"]), len(g["params"])) for o in self.optimizers for g in o.param_groups)
+        if key != self._ids_key:
+            self._ids_key, self._ids = key, optimizer_param_ids(self.optimizers)
+        return self._ids
+
+    def _modules(self, idx: list[int]) -> list[tuple[str, list[int]]]:
+        groups: dict[str, list[int]] = {}
+        for i in idx:
+            groups.setdefault(module_of(self.names[i]), []).append(i)
+        return list(groups.items())

@@ -1,0 +1,86 @@
+"""After a report is built: every sink gets it, then the policy warns or raises (``on_problem``)."""
+
+from __future__ import annotations
+
+import warnings
+
+from .errors import GradHealthError, GradHealthInternalWarning, GradHealthWarning
+from .findings import FindingKind
+from .report import Report, describe_groups, group_by_module, is_problem
+from .status import HINTS, Status
+
+__all__ = ["alarm", "explain", "Publisher"]
+
+
+def alarm(report: Report) -> bool:
+    """Whether the policy acts on this report: any problem or error finding, except gradients
+    that overflowed under a grad scaler which will skip the step (AMP_SKIPPED, info level)."""
+    if report.ok:
+        return False
+    if any(f.level == "error" for f in report.findings):
+        return True
+    amp_expected = any(f.kind is FindingKind.AMP_SKIPPED and f.level == "info" and f.step == report.step
+                       for f in report.findings)
+    return not (amp_expected and set(report.problems.values()) == {Status.NON_FINITE_GRAD})
+
+
+def explain(report: Report) -> str:
+    """The warning text: problems grouped by module, each with its usual causes and fix."""
+    lines = [f"gradhealth step {report.step}: {report.headline()}"]
+    by_state: dict[Status, list] = {}
+    for row in group_by_module(report.status, is_problem):
+        by_state.setdefault(row[2], []).append(row)
+    for state, rows in by_state.items():
+        lines.append(f"  {state.value}: {describe_groups(rows)} {HINTS[state]}")
+    for f in report.findings:
+        if f.level != "info":
+            lines.append(f"  {f.kind}: {f.message}")
+    return "\n".join(lines)
+
+
+class Publisher:
+    """The sinks and the policy. A failing sink warns once and is skipped from then on, unless
+    ``on_problem="raise"``: then its error propagates."""
+
+    def __init__(self, sinks: tuple, on_problem: str):
+        self.sinks = sinks
+        self.on_problem = on_problem
+        #: False silences the warnings (not the raises): on ranks other than zero
+        self.emit_warnings = True
+        self._broken: set[int] = set()
+
+    def _call(self, i: int, sink, method: str, report: Report | None, stacklevel: int) -> None:
+        fn = getattr(sink, method, None)
+        if not callable(fn):
+            return
+        try:
+            fn(report) if report is not None else fn()
+        except Exception as exc:
+            if self.on_problem == "raise" and report is not None:
+                raise
+            if i not in self._broken:
+                self._broken.add(i)
+                warnings.warn(f"gradhealth: sink {type(sink).__name__}.{method}() failed ({type(exc).__name__}: {exc}); "
+                              "its reports are lost, training continues", GradHealthInternalWarning, stacklevel=stacklevel)
+
+    def publish(self, report: Report, stacklevel: int) -> None:
+        for i, sink in enumerate(self.sinks):
+            self._call(i, sink, "write", report, stacklevel + 2)
+        loud = alarm(report)
+        if self.on_problem == "ignore" or (not loud and not any(f.level == "warning" for f in report.findings)):
+            return
+        message = explain(report)
+        if self.on_problem == "raise" and loud:
+            raise GradHealthError(message, report)
+        if self.emit_warnings:
+            warnings.warn(message, GradHealthWarning, stacklevel=stacklevel + 1)
+
+    def publish_update(self, report: Report) -> None:
+        """A report again, once its step's update norms (and findings) are known."""
+        for i, sink in enumerate(self.sinks):
+            self._call(i, sink, "write_update", report, 5)
+
+    def close(self) -> None:
+        for i, sink in enumerate(self.sinks):
+            for method in ("flush", "close"):
+                self._call(i, sink, method, None, 4)

@@ -1,0 +1,80 @@
+"""Where a NaN came from: the NONFINITE_ORIGIN finding, and a replay of the failing step.
+
+``replay_nonfinite`` runs a step that produced NaN/inf gradients once more with the tracer
+armed, from the same random state, then puts back parameters, gradients, buffers and random
+state, so training goes on exactly as without the replay. The Lightning callback uses it for the
+failing batch; a plain loop can too::
+
+    report = monitor.check()
+    if not report.grads_finite:
+        finding = gh.replay_nonfinite(model, lambda: loss_fn(model, batch).backward(), rng=rng_before_step)
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import stats
+from .errors import GradHealthInternalWarning
+from .findings import Finding, FindingKind
+from .snapshot import ModuleState, rng_state, set_rng_state
+from .trace import NonFiniteTracer
+
+__all__ = ["origin_finding", "replay_nonfinite"]
+
+
+def origin_finding(tracer: NonFiniteTracer, step: int, context: str, level: str | None = None, **data) -> Finding:
+    """NONFINITE_ORIGIN from a resolved tracer (``context`` opens the message): an error when it
+    named a module, else info."""
+    named = tracer.forward_origin or tracer.backward_origin
+    return Finding(FindingKind.NONFINITE_ORIGIN, f"{context}{tracer.explain()}",
+                   level=level or ("error" if named else "info"), step=step,
+                   data={"forward_origin": tracer.forward_origin, "backward_origin": tracer.backward_origin,
+                         "op": tracer.backward_op, "source": tracer.op_source, **data})
+
+
+def replay_nonfinite(model: nn.Module, run: Callable[[], object], *, rng: dict | None = None, step: int = 0,
+                     label: str = "the failing step", **data) -> Finding | None:
+    """Replay a step whose gradients were NaN/inf under the tracer; leave everything as it was.
+
+    ``run()`` does the forward and backward of that step (its return value is ignored). ``rng``
+    (from :func:`gradhealth.snapshot.rng_state`, taken before the failing step) replays the same
+    dropout masks and random draws. Returns the NONFINITE_ORIGIN finding, which also says whether
+    the NaN reproduced; None (with a warning) if the replay itself failed.
+    """
+    params = list(model.parameters())
+    saved = ModuleState(model)
+    now = rng_state()
+    tracer = NonFiniteTracer(model)
+    try:
+        if rng is not None:
+            set_rng_state(rng)
+        for p in params:
+            p.grad = None
+        tracer.arm()
+        with torch.enable_grad():
+            run()
+        tracer.resolve()
+        norms, _, _ = stats.grad_norms([p.grad for p in params if p.grad is not None])
+        reproduced = any(not math.isfinite(v) for v in norms)
+    except Exception as exc:
+        warnings.warn(f"gradhealth: the replay of {label} failed ({type(exc).__name__}: {exc}); training continues "
+                      "unchanged", GradHealthInternalWarning, stacklevel=2)
+        return None
+    finally:
+        tracer.disarm()
+        saved.restore()
+        set_rng_state(now)
+    if reproduced:
+        verdict = ("it reproduced on a replay of the same batch with the same random state: the cause is deterministic, "
+                   "in this batch's data or in the model")
+    else:
+        verdict = ("it did NOT reproduce on a replay of the same batch with the same random state: a numerical or "
+                   "hardware transient (non-deterministic kernels, a flaky device)")
+    return origin_finding(tracer, step, f"{label} at step {step}: {verdict}. ", level="error",
+                          reproduced=reproduced, **data)
