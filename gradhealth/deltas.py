@@ -137,7 +137,6 @@ class UpdateTracker:
                 lo = mid
             else:
                 hi = mid - 1
-        self.per_tensor = lo
         gen = torch.Generator().manual_seed(self._seed)
         self._layout = []  # per entry: None (whole tensor) or (offset, blocks, period, block)
         for p, n in zip(locals_, sizes):

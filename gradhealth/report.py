@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .findings import Finding
+from .naming import plural
 from .stats import combine_norms
 from .status import Status
 
@@ -77,9 +78,9 @@ def describe_groups(rows) -> str:
     parts = []
     for label, names, _ in rows:
         if label == "*":
-            parts.append(f"every parameter ({len(names)} params)")
+            parts.append(f"every parameter ({plural(len(names), 'param')})")
         elif label.endswith(".*"):
-            parts.append(f"{label} ({len(names)} params)")
+            parts.append(f"{label} ({plural(len(names), 'param')})")
         else:
             parts.append(label)
     return ", ".join(parts)

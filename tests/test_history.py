@@ -119,3 +119,40 @@ def test_history_options_validated():
         gh.NormHistory(window=10, warmup=20)
     with pytest.raises(TypeError, match="history must be True, False or a gh.NormHistory"):
         gh.GradHealth(nn.Linear(2, 2), history="yes")
+
+
+def test_state_dict_keeps_every_optimizers_history():
+    """Checks per optimizer keep a history each; a saved and restored monitor keeps them all, so
+    the next spike decision is the same as the original monitor's."""
+    torch.manual_seed(0)
+    model = Net()
+    body = [p for n, p in model.named_parameters() if n.startswith("body")]
+    o1 = torch.optim.SGD(body, lr=1e-3)
+    o2 = torch.optim.SGD(model.head.parameters(), lr=1e-3)
+    mon = gh.GradHealth(model, [o1, o2], on_problem="ignore")
+    batches = data()
+    for _ in range(30):
+        x, y = next(batches)
+        o1.zero_grad()
+        o2.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        mon.check(optimizer=o1)
+        o1.step()
+        mon.check(optimizer=o2)
+        o2.step()
+    state = mon.state_dict()
+    assert set(state["histories"]) == {0, 1} and all(h["seen"] == 30 for h in state["histories"].values())
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    resumed = gh.GradHealth(model, [o1, o2], on_problem="ignore")
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    assert resumed.state_dict() == state
+    x, y = next(batches)
+    o1.zero_grad()
+    o2.zero_grad()
+    nn.functional.mse_loss(model(x * 1e4), y).backward()
+    for opt in (o1, o2):
+        a, b = mon.check(optimizer=opt), resumed.check(optimizer=opt)
+        assert a.findings_of("EXPLODING_GRAD") and [f.message for f in a.findings_of("EXPLODING_GRAD")] == \
+            [f.message for f in b.findings_of("EXPLODING_GRAD")]

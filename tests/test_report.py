@@ -76,3 +76,20 @@ def test_to_frame_from_a_real_check():
     assert df.loc["0.weight", "numel"] == 12 and df.loc["0.weight", "dtype"] == "float32" and df.loc["0.weight", "device"] == "cpu"
     assert df.loc["1.weight", "grad_norm"] == pytest.approx(model[1].weight.grad.norm().item())
     assert math.isnan(df.loc["0.bias", "grad_norm"])
+
+
+def test_nan_and_inf_norms_combine_the_same_everywhere():
+    """str(report), the metrics and the module norms agree: NaN with an inf is NaN, not inf."""
+    from gradhealth.metrics import report_metrics
+    from gradhealth.stats import combine_norms
+
+    assert math.isnan(combine_norms([math.inf, math.nan])) and combine_norms([math.inf, 1.0]) == math.inf
+    assert combine_norms([3.0, 4.0]) == 5.0 and combine_norms([]) == 0.0
+    model = nn.Sequential(nn.Linear(3, 2))
+    model[0].weight.grad = torch.full((2, 3), math.inf)
+    model[0].bias.grad = torch.tensor([math.nan, 1.0])
+    r = gh.GradHealth(model, on_problem="ignore", trace_on_nonfinite=False).check()
+    assert math.isnan(r.total_grad_norm) and math.isnan(r.module_grad_norm["0"])
+    assert math.isnan(report_metrics(r, "module")["gradhealth/grad_norm/0"])
+    assert math.isnan(report_metrics(r, "param")["gradhealth/grad_norm/total"])
+    assert "nan" in str(r) and " inf" not in str(r)

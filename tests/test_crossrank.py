@@ -1,0 +1,64 @@
+"""The cross-rank reduction as a pure function: per-rank vectors summed in-process, against
+hand-computed global numbers (the spawned tests in test_distributed.py run the real collective)."""
+
+import math
+
+import torch
+
+from gradhealth import crossrank
+from gradhealth.deltas import StepStats
+from gradhealth.observe import Observation
+
+
+def obs(norms, loss, valid, upd, stale=False, sharded=()):
+    o = Observation([0, 1, 2], list(norms), loss=loss, valid=valid, sharded=set(sharded))
+    o.updates = [StepStats([0, 1], torch.zeros(6), values=list(upd))]
+    o.stale = {0} if stale else set()
+    return o
+
+
+def reduce(ranks, pre=None):
+    world = len(ranks)
+    packed = [crossrank.pack_rank(o, r, world, pre[r] if pre else None) for r, o in enumerate(ranks)]
+    lay = packed[0][1]
+    summed = torch.stack([v for v, _ in packed]).sum(0)
+    mine = ranks[0]
+    return crossrank.combine(summed, lay, mine, world), mine
+
+
+def test_replicated_gradients_average_and_flags_combine():
+    # DDP: replicated gradients are equal on every rank; a zero here and non-zero there is not zero
+    a = obs([3.0, 0.0, None], 2.0, {"tokens": 4}, [0.1, 0.2, 1.0, 2.0, 1.0, 0.0], stale=True)
+    b = obs([3.0, 0.0, None], 4.0, {"tokens": 0}, [0.1, 0.2, 1.0, 2.0, 0.0, 0.0])
+    across, o = reduce([a, b])
+    assert across.failed == 0
+    assert o.norm_of == [3.0, 0.0, None]
+    assert o.loss == 3.0  # mean over ranks
+    assert o.valid == {"tokens": 4} and across.empty_masks == {"tokens": 2.0}  # rank 1's bit
+    assert across.stale_mask == 1.0  # rank 0's bit
+    u = o.updates[0].values
+    assert u[:4] == [0.1, 0.2, 1.0, 2.0] and u[4:] == [1.0, 0.0]  # changed anywhere -> changed
+
+
+def test_sharded_gradients_sum_their_squares_and_nonfinite_wins():
+    a = obs([3.0, 1.0, 2.0], None, {}, [0.0] * 6, sharded=(0, 1, 2))
+    b = obs([4.0, math.inf, None], None, {}, [0.0] * 6, sharded=(0, 1, 2))
+    across, o = reduce([a, b])
+    assert o.norm_of[0] == 5.0 and o.norm_of[1] == math.inf and o.norm_of[2] == 2.0
+    assert o.loss is None
+
+
+def test_a_tiny_gradient_never_reads_as_zero_and_nan_stays_nan():
+    a = obs([1e-200, math.nan, 0.0], None, {}, [0.0] * 6, sharded=(0, 1, 2))
+    b = obs([0.0, 1.0, 0.0], None, {}, [0.0] * 6, sharded=(0, 1, 2))
+    _, o = reduce([a, b])
+    assert 0.0 < o.norm_of[0] and math.isnan(o.norm_of[1]) and o.norm_of[2] == 0.0
+
+
+def test_failure_flag_and_rank_origin_masks():
+    a = obs([1.0, 1.0, 1.0], None, {}, [0.0] * 6)
+    b = obs([1.0, 1.0, 1.0], None, {}, [0.0] * 6)
+    across, _ = reduce([a, b], pre=[([0.0, 1.0, 0.0], [0.0, 0.0, 1.0]), ([0.0, 1.0, 0.0], [0.0, 0.0, 0.0])])
+    assert across.has_pre and across.pre_bad == [0.0, 3.0, 0.0] and across.pre_zero == [0.0, 0.0, 1.0]
+    vec, lay = crossrank.pack_rank(a, 1, 2, failed=True)
+    assert crossrank.combine(vec, lay, a, 2).failed == 2.0
