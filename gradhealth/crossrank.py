@@ -108,7 +108,7 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
     for j, i in enumerate(obs.idx):
         if has[j] > 0:
             norm_of[i] = norm[j]
-    obs.norm_of = norm_of
+    obs.set_norms(norm_of)
     loss_sum, loss_bad, loss_n = got["loss_sum"][0], got["loss_bad"][0], got["loss_n"][0]
     obs.loss = (math.nan if loss_bad > 0 else loss_sum * world / loss_n) if loss_n > 0 else None
     obs.valid = {v: int(round(got[f"valid:{v}"][0])) for v in obs.valid}

@@ -292,9 +292,9 @@ class GradHealth:
         v = self.view
         ids = sel.opt_ids if optimizer is not None else v.optimizer_ids()
         status, in_opt, not_ok = classify_selection(v.names, v.params, v.pids, sel.idx, obs.norm_of, ids)
-        with_grad = obs.with_grad
-        return Report(step=step, status=status, grad_norm={v.names[i]: obs.norm_of[i] for i in with_grad},
-                      total_grad_norm=stats.combine_norms(obs.norm_of[i] for i in with_grad), meta=v.meta,
+        names = v.names
+        return Report(step=step, status=status, grad_norm={names[i]: n for i, n in zip(obs.with_grad, obs.norms)},
+                      total_grad_norm=stats.combine_norms(obs.norms), meta=v.meta,
                       in_optimizer=in_opt, loss=obs.loss, valid_counts=obs.valid, not_ok=not_ok,
                       optimizer_index=v.optimizer_index(optimizer) if optimizer is not None else None)
 

@@ -39,13 +39,13 @@ class Observation:
     stale: set[int] = field(default_factory=set)
     sharded: set[int] = field(default_factory=set)  # entries whose gradient is a shard (FSDP)
 
-    @property
-    def with_grad(self) -> list[int]:
-        return [i for i in self.idx if self.norm_of[i] is not None]
+    with_grad: list[int] = field(default_factory=list)  # judged entries with a gradient, in order
+    norms: list[float] = field(default_factory=list)  # their norms, aligned with ``with_grad``
 
-    @property
-    def norms(self) -> list[float]:
-        return [self.norm_of[i] for i in self.idx if self.norm_of[i] is not None]
+    def set_norms(self, norm_of: list[float | None]) -> None:
+        self.norm_of = norm_of
+        self.with_grad = [i for i in self.idx if norm_of[i] is not None]
+        self.norms = [norm_of[i] for i in self.with_grad]
 
 
 def unscaled_params(scaler, optimizers) -> set[int]:
@@ -114,7 +114,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         norm_of[i] = v
     obs = Observation(sel.idx, norm_of, loss=got["loss"][0] if loss_t is not None else None,
                       valid={name: int(got[f"valid{j}"][0]) for j, name in enumerate(valid)},
-                      updates=updates, scale=scale, sharded=sharded)
+                      updates=updates, scale=scale, sharded=sharded, with_grad=with_grad, norms=norms)
     return obs, plan
 
 

@@ -28,12 +28,13 @@ SMALLEST_SUBNORMAL = 5e-324
 def combine_norms(values) -> float:
     """The L2 norm of several norms: ``hypot``, but NaN when any is NaN (``hypot`` says inf when an
     inf and a NaN meet). Used by reports, metrics and sinks alike, so they agree on nan vs inf."""
-    values = list(values)
+    values = values if isinstance(values, list) else list(values)
     if not values:
         return 0.0
-    if any(math.isnan(v) for v in values):
+    h = values[0] if len(values) == 1 else math.hypot(*values)
+    if h == math.inf and any(v != v for v in values):  # (only then can a NaN hide)
         return math.nan
-    return values[0] if len(values) == 1 else math.hypot(*values)
+    return h
 
 
 def dense_view(grad: Tensor) -> Tensor:
