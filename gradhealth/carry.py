@@ -3,8 +3,8 @@
 The check counters, the report whose optimizer step is still to be measured (and the gradient
 witnesses that tell a skipped step from gradient accumulation), the grad scaler's last scale and
 the AMP skips in a row, the armed NaN tracer, what the forward watch saw, the valid counts
-recorded since the last check, and the norm histories (one per optimizer when checks are made
-per optimizer). ``state_dict()`` holds what a checkpoint must keep.
+recorded since the last check, the norm histories (one per optimizer when checks are made per
+optimizer) and each parameter's streak of checks without a usable gradient. ``state_dict()`` holds what a checkpoint must keep.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .findings import Finding, FindingKind
 from .guards import ForwardRecord
 from .history import NormHistory
 from .naming import spread
+from .patience import Streaks
 from .report import Report
 from .status import Status
 
@@ -54,6 +55,7 @@ class Carry:
         self.history = copy.deepcopy(history)
         self._template = copy.deepcopy(history)
         self.histories: dict[int, NormHistory] = {}  # per optimizer index
+        self.streaks = Streaks()  # consecutive checks without a usable gradient, per parameter
 
     # ---------------------------------------------------------------- between
     def take_valid(self) -> dict[str, Tensor]:
@@ -141,12 +143,14 @@ class Carry:
             "amp_skips": self.amp_skips,
             "history": self.history.state_dict() if self.history is not None else None,
             "histories": {i: h.state_dict() for i, h in self.histories.items()},
+            "streaks": self.streaks.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.calls = int(state.get("calls", 0))
         self.checks = int(state.get("checks", 0))
         self.amp_skips = int(state.get("amp_skips", 0))
+        self.streaks.load_state_dict(state.get("streaks") or {})
         if self.history is not None:
             if state.get("history") is not None:
                 self.history.load_state_dict(state["history"])

@@ -30,6 +30,7 @@ class FindingKind(str, enum.Enum):
     DESYNC = "DESYNC"
     UNEXPECTED_FROZEN = "UNEXPECTED_FROZEN"
     UNEXPECTED_TRAINABLE = "UNEXPECTED_TRAINABLE"
+    TRANSIENT_GRAD = "TRANSIENT_GRAD"
 
     def __str__(self) -> str:
         return self.value

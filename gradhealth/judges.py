@@ -18,7 +18,7 @@ from .report import describe_names
 from .status import Status
 
 __all__ = ["loss_cause", "empty_valid_set", "eval_mode", "stale_grad", "expect_frozen", "not_updated",
-           "frozen_but_changed", "skipped_step", "amp_skip", "amp_floor"]
+           "frozen_but_changed", "skipped_step", "amp_skip", "amp_floor", "transient_grads"]
 
 K = FindingKind
 _MASKED_MEAN = "gh.masked_mean(..., empty='zero')"
@@ -149,3 +149,26 @@ def amp_floor(scale: float, floor: float, step: int) -> list[Finding]:
         return []
     return [Finding(K.AMP_SKIPPED, f"the grad scaler's scale collapsed to {scale:g} (floor {floor:g}): nearly every step "
                     "overflows; the model produces non-finite gradients at any scale", step=step, data={"scale": scale})]
+
+
+def transient_grads(status: Mapping[str, Status], streak: Mapping[str, int], patience: int, partners: Collection[str],
+                    step: int) -> tuple[frozenset[str], list[Finding]]:
+    """Which NO_GRAD / ZERO_GRAD parameters the policy tolerates (fewer than ``patience``
+    consecutive checks without a usable gradient), with an info finding naming them."""
+    tolerated = frozenset(n for n, c in streak.items() if c < patience)
+    out = []
+    partnered = tolerated & set(partners)
+    if partnered:
+        out.append(Finding(K.TRANSIENT_GRAD, f"{describe_names(status, partnered)} got exactly zero gradients at step {step} "
+                           "because a partner weight beside them is exactly zero (a zero-initialised LoRA B / adapter "
+                           "up-projection or residual branch): expected at the first step; they train once the partner "
+                           "has moved", params=_ordered(status, partnered), level="info", step=step))
+    rest = tolerated - partnered
+    if rest:
+        longest = max(streak[n] for n in rest)
+        out.append(Finding(K.TRANSIENT_GRAD, f"{describe_names(status, rest)} got no usable gradient at step {step} "
+                           f"({longest} of the {patience} consecutive checks tolerated before it counts as an error): "
+                           "normal now and then for mixture-of-experts experts that got no tokens in this batch, "
+                           "conditionally executed branches or heads used every other step", params=_ordered(status, rest),
+                           level="info", step=step, data={"streak": {n: streak[n] for n in rest}}))
+    return tolerated, out

@@ -8,6 +8,7 @@ A check, in order (each stage lives in its own module):
 3. under ``torch.distributed``, ONE all_reduce of a packed vector (:mod:`.crossrank`);
 4. classify: the six-state decision tree (:func:`.classify.classify_selection`) -> ``Report``;
 5. resolve the previous optimizer step: its update norms, or why it did not run (:mod:`.carry`);
+   transient or persistent NO_GRAD / ZERO_GRAD (:mod:`.patience`);
 6. judges: loss, eval mode, stale gradients, AMP, empty masks, expect_frozen, NaN origin,
    replicas (:mod:`.judges`, :mod:`.crossrank`, :mod:`.replay`); then the norm history;
 7. arm the next step: the update tracker's snapshot, gradient witnesses (:mod:`.deltas`);
@@ -37,6 +38,7 @@ from .guards import ForwardRecord, ForwardWatch, diagnose_loss
 from .observe import Observation, failed_observation, observe
 from .options import Options
 from .params import ParamView, Selection
+from .patience import zero_partners
 from .policy import Publisher, alarm, explain
 from .replay import origin_finding
 from .report import Report, describe_groups, group_by_module
@@ -243,6 +245,7 @@ class GradHealth:
                                            self.tracker.sample_scale if self.tracker else None, obs.scale,
                                            self.scaler is not None, self.options.amp_skip_alarm)
         self._deliver(delivery, report)
+        report.findings += self._patience(report)
         report.findings += self._judge(report, obs, across, sel)
         report.module_grad_norm = stats.module_norms(obs.norm_of, sel.modules)
         history = self.carry.history_for(report.optimizer_index)
@@ -330,6 +333,18 @@ class GradHealth:
             found += crossrank.desync_findings(params, sel.names, report.status, step, self.ranks.device)
         return found
 
+    def _patience(self, report: Report) -> list:
+        """Transient or persistent NO_GRAD / ZERO_GRAD: which ones the policy tolerates now."""
+        streak = self.carry.streaks.update(report.status, report.not_ok or [])
+        report.grad_streak = streak
+        if not streak:
+            return []
+        new_zeros = [n for n, c in streak.items() if c == 1 and report.status[n] is Status.ZERO_GRAD]
+        partners = zero_partners(new_zeros, self.view.names, self.view.params) if new_zeros else set()
+        report.tolerated, found = judges.transient_grads(report.status, streak, self.options.grad_patience, partners,
+                                                         report.step)
+        return found
+
     def _trace(self, report: Report, nonfinite: bool) -> list:
         """Resolve the tracer armed after the last NaN; arm it after this one."""
         carry = self.carry
@@ -348,11 +363,17 @@ class GradHealth:
         return checks == 0 or nonfinite or (every > 0 and checks % every == 0)
 
     def _log_frozen(self, report: Report) -> None:
+        """At the first check: what is frozen, and what trains (adapters, a head) beside it."""
         frozen = [n for n, s in report.status.items() if s is Status.FROZEN]
         if frozen:
             rows = group_by_module(report.status, lambda n, s: s is Status.FROZEN)
-            log.info("%s frozen; %d of %d trainable", describe_groups(rows), len(report.status) - len(frozen),
-                     len(report.status))
+            training = group_by_module(report.status, lambda n, s: s is not Status.FROZEN)
+            shown = describe_groups(training[:4]) + (f" and {len(training) - 4} more groups" if len(training) > 4 else "")
+            adapters = any(k in n.lower() for n in report.status if report.status[n] is not Status.FROZEN
+                           for k in ("lora_", "adapter", "prompt_encoder", "ia3_"))
+            gone = describe_groups(rows[:4]) + (f" and {len(rows) - 4} more groups" if len(rows) > 4 else "")
+            log.info("%s frozen; %d of %d trainable%s: %s", gone, len(report.status) - len(frozen),
+                     len(report.status), " (adapters are training)" if adapters else "", shown)
 
     def _arm_next(self, report: Report, obs: Observation, optimizer) -> None:
         if self.tracker is not None:

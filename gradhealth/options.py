@@ -109,6 +109,10 @@ class Options:
             many checks (and at the first check, and whenever a gradient is non-finite); 0: only then.
         rank_origin: for a DistributedDataParallel model, a communication hook notes each rank's
             gradients before the all-reduce, so NaN/inf is traced to the rank that produced it.
+        grad_patience: a NO_GRAD or ZERO_GRAD parameter is an error once it has gone this many
+            consecutive checks without a usable gradient (from its first check, or since it last
+            had one); fewer is a tolerated transient, reported at info level (LoRA's first step,
+            an expert that got no tokens in one batch, a branch used every other step).
     """
 
     on_problem: str = "warn"
@@ -123,6 +127,7 @@ class Options:
     watch_forward: bool = True
     desync_every: int = 100
     rank_origin: bool = True
+    grad_patience: int = 3
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -137,6 +142,7 @@ class Options:
         for name in ("trace_on_nonfinite", "watch_forward", "rank_origin"):
             _check_bool(name, getattr(self, name))
         check_positive_int("desync_every", self.desync_every, minimum=0)
+        check_positive_int("grad_patience", self.grad_patience)
 
     @classmethod
     def check_keywords(cls, changes: dict) -> None:

@@ -15,13 +15,15 @@ __all__ = ["ParamView", "Selection"]
 
 @dataclass
 class Selection:
-    """The parameters one check judges: every parameter, or one optimizer's."""
+    """The parameters one check judges: every parameter, or one optimizer's and those of no
+    optimizer (so NOT_IN_OPTIMIZER is found whatever the number of optimizers)."""
 
     ids: list[int] | None  # the optimizer's parameter ids, in order (None: every parameter)
     idx: list[int]  # entry indices judged
     names: list[str]
     modules: list[tuple[str, list[int]]]  # (module, entry indices), for module norms
     opt_ids: set[int] | None
+    key: tuple | None = None  # the optimizers' param_groups it was made for
 
 
 class ParamView:
@@ -53,16 +55,18 @@ class ParamView:
         )
 
     def selection(self, optimizer=None) -> Selection:
-        """Every parameter, or (``optimizer`` given) that optimizer's, cached while its groups hold."""
+        """Every parameter, or (``optimizer`` given) that optimizer's plus those in no optimizer;
+        cached while the param_groups hold."""
         if optimizer is None:
             return self.everything
         ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        everywhere = self.optimizer_ids()
         sel = self._selections.get(id(optimizer))
-        if sel is None or sel.ids != ids:
+        if sel is None or sel.ids != ids or sel.key != self._ids_key:
             self.optimizer_index(optimizer)  # one of ours?
             members = set(ids)
-            idx = [i for i, pid in enumerate(self.pids) if pid in members]
-            sel = Selection(ids, idx, [self.names[i] for i in idx], self._modules(idx), members)
+            idx = [i for i, pid in enumerate(self.pids) if pid in members or pid not in everywhere]
+            sel = Selection(ids, idx, [self.names[i] for i in idx], self._modules(idx), members, self._ids_key)
             self._selections[id(optimizer)] = sel
         return sel
 

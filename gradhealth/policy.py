@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 from .errors import GradHealthError, GradHealthInternalWarning, GradHealthWarning
 from .findings import FindingKind
-from .report import Report, describe_groups, group_by_module, is_problem
+from .report import Report, describe_groups, group_by_module
 from .status import HINTS, Status
 
 __all__ = ["alarm", "explain", "Publisher"]
+
+_EXPERT = re.compile(r"(^|\.)(experts?|moe)[._]?\d*(\.|$)|expert_?\d", re.IGNORECASE)
+
+
+def _how_long(report: Report, rows) -> str:
+    """`` for 3 checks in a row`` when these parameters have gone without a usable gradient."""
+    streaks = [report.grad_streak[n] for _, names, _ in rows for n in names if n in report.grad_streak]
+    return f" for {min(streaks)} checks in a row," if streaks and min(streaks) > 1 else ""
 
 
 def alarm(report: Report) -> bool:
@@ -21,17 +30,24 @@ def alarm(report: Report) -> bool:
         return True
     amp_expected = any(f.kind is FindingKind.AMP_SKIPPED and f.level == "info" and f.step == report.step
                        for f in report.findings)
-    return not (amp_expected and set(report.problems.values()) == {Status.NON_FINITE_GRAD})
+    return not (amp_expected and set(report.errors.values()) == {Status.NON_FINITE_GRAD})
 
 
 def explain(report: Report) -> str:
     """The warning text: problems grouped by module, each with its usual causes and fix."""
     lines = [f"gradhealth step {report.step}: {report.headline()}"]
     by_state: dict[Status, list] = {}
-    for row in group_by_module(report.status, is_problem):
+    errors = report.errors
+    for row in group_by_module(report.status, lambda n, s: n in errors):
         by_state.setdefault(row[2], []).append(row)
     for state, rows in by_state.items():
-        lines.append(f"  {state.value}: {describe_groups(rows)} {HINTS[state]}")
+        lines.append(f"  {state.value}: {describe_groups(rows)}{_how_long(report, rows)} {HINTS[state]}")
+        experts = [label for label, _, _ in rows if _EXPERT.search(label)]
+        if experts and state in (Status.NO_GRAD, Status.ZERO_GRAD):
+            lines.append(f"    expert{'s' if len(experts) > 1 else ''} {', '.join(experts)} received no tokens"
+                         f"{_how_long(report, rows).rstrip(',')}: a dead expert (the router "
+                         "collapsed onto the others); add or raise the load-balancing auxiliary loss, add router "
+                         "noise or capacity, or check the routing code")
     for f in report.findings:
         if f.level != "info":
             lines.append(f"  {f.kind}: {f.message}")

@@ -129,6 +129,12 @@ class Report:
     #: with several optimizers, the index of the one whose parameters this check judged
     #: (``check(optimizer=...)``); None when the check judged every parameter
     optimizer_index: int | None = None
+    #: NO_GRAD / ZERO_GRAD parameters the policy tolerates at this check as transient (fewer
+    #: consecutive checks without a usable gradient than ``grad_patience``); still in ``problems``
+    tolerated: frozenset[str] = field(default_factory=frozenset, repr=False)
+    #: for every NO_GRAD / ZERO_GRAD parameter: consecutive checks (this one included) without a
+    #: usable gradient
+    grad_streak: dict[str, int] = field(default_factory=dict, repr=False)
 
     def _odd(self):
         if self.not_ok is not None:
@@ -141,14 +147,21 @@ class Report:
         return {n: s for n, s in self._odd() if s is not Status.FROZEN}
 
     @property
+    def errors(self) -> dict[str, Status]:
+        """The problems the policy counts as errors: ``problems`` less the tolerated transients."""
+        tolerated = self.tolerated
+        return {n: s for n, s in self._odd() if s is not Status.FROZEN and n not in tolerated}
+
+    @property
     def grads_finite(self) -> bool:
         """No gradient holds a NaN or inf: safe to apply (``if report.grads_finite: opt.step()``)."""
         return all(s is not Status.NON_FINITE_GRAD for _, s in self._odd())
 
     @property
     def ok(self) -> bool:
-        """No problem states and no error-level findings."""
-        return not self.problems and not any(f.level == "error" for f in self.findings)
+        """Nothing the user must act on: no problem the policy counts as an error (a transient
+        NO_GRAD / ZERO_GRAD it tolerates does not count) and no error-level finding."""
+        return not self.errors and not any(f.level == "error" for f in self.findings)
 
     def counts(self) -> dict[Status, int]:
         """How many parameters are in each state (every state present, zeros included)."""
@@ -185,7 +198,7 @@ class Report:
 
     def headline(self) -> str:
         """``2 NOT_IN_OPTIMIZER; STALE_GRAD`` or ``healthy``: what is wrong, in a few words."""
-        c = Counter(s for s in self.problems.values())
+        c = Counter(s for s in self.errors.values())
         parts = [f"{k} {s.value}" for s, k in sorted(c.items(), key=lambda kv: list(Status).index(kv[0]))]
         parts += list(dict.fromkeys(f.kind for f in self.findings if f.level != "info"))
         return "; ".join(parts) if parts else "healthy"

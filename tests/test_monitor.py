@@ -113,7 +113,7 @@ def test_frozen_summary_logged_once(caplog, mlp):
         train_step(mlp, opt, mon)
         train_step(mlp, opt, mon)
     lines = [r.getMessage() for r in caplog.records if "frozen" in r.getMessage()]
-    assert lines == ["encoder.0.* (2 params) frozen; 4 of 6 trainable"]
+    assert lines == ["encoder.0.* (2 params) frozen; 4 of 6 trainable: encoder.2.* (2 params), head.* (2 params)"]
 
 
 def test_expect_frozen(mlp):

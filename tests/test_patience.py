@@ -1,0 +1,287 @@
+"""Transient is not broken: LoRA's first step, experts that skip a batch; persistent is an error."""
+
+import logging
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import gradhealth as gh
+
+S = gh.Status
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster and reproducibly on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def loop(model, opt, mon, batches, loss_fn):
+    reports = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        reports.append(mon.check(loss=loss))
+        opt.step()
+    return reports
+
+
+# ----------------------------------------------------------------------------- LoRA (peft)
+def tiny_lora_bert(seed=0):
+    from peft import LoraConfig, get_peft_model
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                     max_position_embeddings=64, num_labels=2)
+    model = get_peft_model(BertForSequenceClassification(cfg),
+                           LoraConfig(r=4, target_modules=["query", "value"], lora_dropout=0.0, task_type="SEQ_CLS"))
+    return model
+
+
+def bert_batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 100, (8, 12), generator=g), torch.randint(0, 2, (8,), generator=g)) for _ in range(n)]
+
+
+def bert_loss(model, ids, y):
+    return model(input_ids=ids, labels=y).loss
+
+
+def test_lora_fine_tune_is_silent_under_raise(caplog):
+    model = tiny_lora_bert()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    mon = gh.GradHealth(model, opt, on_problem="raise")
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="gradhealth"):
+        warnings.simplefilter("error", gh.GradHealthWarning)
+        reports = loop(model, opt, mon, bert_batches(26), bert_loss)
+    first = reports[0]
+    lora_a = {n for n in first.status if "lora_A" in n}
+    assert lora_a and {first.status[n] for n in lora_a} == {S.ZERO_GRAD}  # exact: LoRA B starts at 0
+    assert first.ok and first.tolerated == lora_a and set(first.problems) == lora_a
+    [note] = first.findings_of("TRANSIENT_GRAD")
+    assert note.level == "info" and "partner weight beside them is exactly zero" in note.message
+    for r in reports[1:]:
+        assert r.ok and not r.problems and not r.findings, str(r)
+        assert {s for n, s in r.status.items() if "lora_" not in n and "classifier.modules_to_save" not in n} == {S.FROZEN}
+        assert all(r.status[n] is S.OK for n in r.status if "lora_" in n)
+    summary = [m.getMessage() for m in caplog.records if "frozen" in m.getMessage()]
+    assert len(summary) == 1 and "(adapters are training)" in summary[0]
+
+
+def test_lora_adapters_left_out_of_the_optimizer_are_caught_at_step_zero():
+    model = tiny_lora_bert()
+    head = [p for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
+    opt = torch.optim.AdamW(head, lr=1e-3)
+    mon = gh.GradHealth(model, opt, on_problem="raise")
+    ids, y = bert_batches(1)[0]
+    bert_loss(model, ids, y).backward()
+    with pytest.raises(gh.GradHealthError, match="NOT_IN_OPTIMIZER") as err:
+        mon.check()
+    r = err.value.report
+    assert r.step == 0 and {n for n, s in r.problems.items()} == {n for n in r.status if "lora_" in n}
+    assert set(r.problems.values()) == {S.NOT_IN_OPTIMIZER}
+
+
+# ----------------------------------------------------------------------- mixture of experts
+class TopOneMoE(nn.Module):
+    def __init__(self, d=8, n_experts=4):
+        super().__init__()
+        self.router = nn.Linear(d, n_experts)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(n_experts))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x, allowed):
+        logits = self.router(x)
+        blocked = torch.ones(logits.shape[-1], dtype=torch.bool)
+        blocked[allowed] = False
+        logits = logits.masked_fill(blocked, float("-inf"))
+        gate = logits.softmax(-1)
+        choice = logits.argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            sel = choice == e
+            out[sel] = expert(x[sel]) * gate[sel, e].unsqueeze(-1)
+        return self.head(out)
+
+
+def moe_run(schedule, steps=12, **kw):
+    torch.manual_seed(0)
+    model = TopOneMoE()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = gh.GradHealth(model, opt, **kw)
+    reports = []
+    for step in range(steps):
+        x, y = torch.randn(16, 8), torch.randn(16, 1)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x, schedule(step)), y).backward()
+        reports.append(mon.check())
+        opt.step()
+    return reports
+
+
+def test_experts_that_take_turns_are_silent():
+    # experts 0,1 get the tokens at even steps, 2,3 at odd ones: each is idle every other step
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthWarning)
+        reports = moe_run(lambda s: [0, 1] if s % 2 == 0 else [2, 3], on_problem="raise")
+    idle = {n for n in reports[0].status if n.startswith(("experts.2.", "experts.3."))}
+    assert {n for n, s in reports[0].problems.items()} == idle  # exact: ZERO_GRAD at that check
+    assert all(s is S.ZERO_GRAD for s in reports[0].problems.values())
+    assert all(r.ok for r in reports)
+    assert all(r.findings_of("TRANSIENT_GRAD")[0].level == "info" for r in reports)
+
+
+def test_a_dead_expert_is_an_error_within_patience_checks_naming_it():
+    reports = moe_run(lambda s: [0, 1, 2], on_problem="ignore")
+    dead = {n for n in reports[0].status if n.startswith("experts.3.")}
+    assert reports[0].ok and reports[1].ok  # two checks: could still be a transient
+    assert not reports[2].ok and set(reports[2].errors) == dead
+    assert reports[2].grad_streak == dict.fromkeys(dead, 3)
+    text = gh.GradHealth.explain(reports[2])
+    assert "experts.3.* (2 params) for 3 checks in a row" in text and "expert experts.3.* received no tokens" in text
+    with pytest.raises(gh.GradHealthError, match="experts.3"):
+        moe_run(lambda s: [0, 1, 2], on_problem="raise")
+
+
+# ------------------------------------------------------------------ classic bugs, still caught
+class Unused(nn.Module):
+    def __init__(self, cut=False):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+        self.spare = nn.Linear(4, 1)  # never used
+        self.cut = cut
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h.detach() if self.cut else h)
+
+
+@pytest.mark.parametrize("cut, culprits", [(False, {"spare.weight", "spare.bias"}),
+                                           (True, {"spare.weight", "spare.bias", "body.weight", "body.bias"})])
+def test_unused_layer_and_cut_graph_reported_within_patience(cut, culprits):
+    torch.manual_seed(0)
+    model = Unused(cut)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = gh.GradHealth(model, opt, on_problem="raise")
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).square().mean().backward()
+        if step < 2:
+            r = mon.check()
+            assert r.ok and set(r.problems) == culprits and r.tolerated == culprits
+            assert set(r.problems.values()) == {S.NO_GRAD}
+        else:
+            with pytest.raises(gh.GradHealthError, match="NO_GRAD") as err:
+                mon.check()
+            assert set(err.value.report.errors) == culprits
+        opt.step()
+
+
+def test_patience_is_an_option_and_streaks_survive_state_dict():
+    model = Unused()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = gh.GradHealth(model, opt, on_problem="ignore", grad_patience=1)
+    model(torch.randn(8, 4)).sum().backward()
+    r = mon.check()
+    assert not r.ok and not r.tolerated
+    with pytest.raises(ValueError, match="grad_patience must be a positive int"):
+        gh.GradHealth(model, opt, grad_patience=0)
+    mon2 = gh.GradHealth(model, opt, on_problem="ignore")
+    for _ in range(2):
+        mon2.check()
+    state = mon2.state_dict()
+    assert state["streaks"] == {"spare.weight": 2, "spare.bias": 2}
+    resumed = gh.GradHealth(model, opt, on_problem="ignore")
+    resumed.load_state_dict(state)
+    assert not resumed.check().ok  # the third check in a row
+
+
+# --------------------------------------------------------------- several optimizers (GAN)
+class Gen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gen = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        self.disc = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def test_gan_layer_in_no_optimizer_is_not_in_optimizer_in_a_plain_loop():
+    torch.manual_seed(0)
+    m = Gen()
+    opt_g = torch.optim.Adam(m.gen[0].parameters(), 1e-3)  # gen.2 is in neither optimizer
+    opt_d = torch.optim.Adam(m.disc.parameters(), 1e-3)
+    mon = gh.GradHealth(m, [opt_g, opt_d], on_problem="ignore")
+    seen = []
+    for _ in range(3):
+        x, z = torch.randn(16, 4), torch.randn(16, 4)
+        opt_d.zero_grad()
+        (nn.functional.softplus(-m.disc(x)).mean() + nn.functional.softplus(m.disc(m.gen(z).detach())).mean()).backward()
+        seen.append(mon.check(optimizer=opt_d))
+        opt_d.step()
+        opt_g.zero_grad()
+        nn.functional.softplus(-m.disc(m.gen(z))).mean().backward()
+        seen.append(mon.check(optimizer=opt_g))
+        opt_g.step()
+    orphans = {"gen.2.weight", "gen.2.bias"}
+    for r in seen[1:]:  # once the generator's backward gave them gradients: every check, both optimizers
+        assert {n for n, s in r.problems.items() if s is S.NOT_IN_OPTIMIZER} == orphans, str(r)
+        assert not r.ok
+    assert {r.optimizer_index for r in seen} == {0, 1}
+    assert "disc.0.weight" not in seen[1].status and "gen.0.weight" in seen[1].status
+
+
+def test_gan_layer_in_no_optimizer_under_lightning_manual_optimization():
+    import lightning.pytorch as pl
+
+    from gradhealth.integrations.lightning import GradHealthCallback
+    from gradhealth.integrations.lightning_demo import SyntheticData
+
+    class GAN(pl.LightningModule, Gen):
+        def __init__(self):
+            pl.LightningModule.__init__(self)
+            Gen.__init__(self)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt_g, opt_d = self.optimizers()
+            x = batch[0][:, :4]
+            z = torch.randn_like(x)
+            self.toggle_optimizer(opt_d)
+            d_loss = (nn.functional.softplus(-self.disc(x)).mean()
+                      + nn.functional.softplus(self.disc(self.gen(z).detach())).mean())
+            opt_d.zero_grad()
+            self.manual_backward(d_loss)
+            opt_d.step()
+            self.untoggle_optimizer(opt_d)
+            self.toggle_optimizer(opt_g)
+            opt_g.zero_grad()
+            self.manual_backward(nn.functional.softplus(-self.disc(self.gen(z))).mean())
+            opt_g.step()
+            self.untoggle_optimizer(opt_g)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.gen[0].parameters(), 1e-3), torch.optim.Adam(self.disc.parameters(), 1e-3)
+
+    class Keep:
+        def __init__(self):
+            self.reports = []
+
+        def write(self, report):
+            self.reports.append(report)
+
+    keep = Keep()
+    cb = GradHealthCallback(on_problem="ignore", sinks=[keep], log=False)
+    trainer = pl.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    trainer.fit(GAN(), SyntheticData(n_batches=4))
+    late = keep.reports[1:]
+    assert late and {r.optimizer_index for r in late} == {0, 1}
+    for r in late:
+        assert {n for n, s in r.problems.items() if s is S.NOT_IN_OPTIMIZER} == {"gen.2.weight", "gen.2.bias"}, str(r)
