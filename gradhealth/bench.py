@@ -8,7 +8,6 @@ gradient read back to the host.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 import warnings
@@ -114,65 +113,127 @@ def bench_shape(label: str, blocks: int, width: int, rounds: int, device: str) -
     return out
 
 
-def bench_deltas(label: str, blocks: int, width: int, opt_name: str, steps: int = 3) -> None:
-    """Extra memory and update-norm error of the sample mode against an exact copy."""
-    torch.manual_seed(0)
-    model = build_model(blocks, width)
-    make = {"SGD": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-3)}
-    opt = make[opt_name](model.parameters())
-    x = torch.randn(32, width)
-    mon = GradHealth(model, opt, on_problem="ignore", history=False)
-    errs: list[float] = []
-    total_errs: list[float] = []
-    for _ in range(steps):
-        before = [p.detach().clone() for p in model.parameters()]
-        opt.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
-        r = mon.check()
-        opt.step()
-        mon.flush()
-        exact = [(p.detach() - b).double().norm().item() for p, b in zip(model.parameters(), before)]
-        est = list(r.update_norm.values())
-        sampled = [mon.tracker._layout[i] is not None for i in range(len(exact))]
-        errs += [abs(e - t) / t for e, t, s in zip(est, exact, sampled) if t > 0 and s]
-        tot_t, tot_e = math.hypot(*exact), math.hypot(*est)
-        total_errs.append(abs(tot_e - tot_t) / tot_t)
-    elems = sum(p.numel() for p in model.parameters())
-    extra = mon.tracker.extra_elements()
-    errs.sort()
-    q = lambda f: 100 * errs[min(len(errs) - 1, int(f * len(errs)))]
-    print(f"  {opt_name:<6} sample mode: extra memory {100 * extra / elems:5.2f}% of parameters "
-          f"({extra * 4 / 2**20:.2f} MiB; exact mode 100%, {elems * 4 / 2**20:.1f} MiB, error 0); update-norm error of "
-          f"the sampled tensors: median {q(0.5):.1f}%, p95 {q(0.95):.1f}%, max {100 * errs[-1]:.1f}%; whole model {100 * max(total_errs):.2f}%")
-    mon.close()
+OPTIMIZERS = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01),
+}
 
 
-def bench_step_overhead(blocks: int, width: int, rounds: int) -> None:
-    """A full training step without gradhealth, with check() + sampled deltas, and with exact deltas."""
-    torch.manual_seed(0)
-    model = build_model(blocks, width)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(32, width)
-    monitors = {"sample": GradHealth(model, opt, on_problem="ignore"), "exact": GradHealth(model, opt, on_problem="ignore", deltas="exact")}
+def _budget_sink():
+    """The TensorBoardSink with its default settings, when tensorboard is installed."""
+    try:
+        from gradhealth.integrations.tensorboard import TensorBoardSink
+    except ImportError:
+        return None, None
+    import tempfile
 
-    def step(which):
-        def run():
-            opt.zero_grad(set_to_none=True)
-            model(x).square().mean().backward()
-            mon = monitors.get(which)
-            if mon is not None:
-                mon.check()
-            for other in monitors.values():  # only the timed monitor measures this step
-                if other is not mon:
-                    other.tracker.disarm()
-            opt.step()
+    tmp = tempfile.mkdtemp()
+    return TensorBoardSink(tmp), tmp
+
+
+class _Timed:
+    """Seconds spent inside a monitor's own code: ``check()`` and its optimizer step hook."""
+
+    def __init__(self, mon: GradHealth):
+        self.mon, self.spent = mon, 0.0
+        tracker = mon.tracker
+        for h in tracker._handles:  # the same hook, timed
+            h.remove()
+        tracker._handles = [o.register_step_post_hook(self._timed(tracker._post)) for o in mon.optimizers]
+
+    def _timed(self, fn):
+        def run(*args):
+            t0 = time.perf_counter()
+            fn(*args)
+            self.spent += time.perf_counter() - t0
         return run
 
-    t = interleaved({"plain": step(None), "sample": step("sample"), "exact": step("exact")}, rounds, 1)
-    print(f"  training step: plain {t['plain'] * 1e3:.2f} ms; with check()+sampled deltas {100 * (t['sample'] / t['plain'] - 1):+.1f}%; "
-          f"with exact deltas {100 * (t['exact'] / t['plain'] - 1):+.1f}%")
-    for m in monitors.values():
-        m.close()
+    def check(self) -> None:
+        t0 = time.perf_counter()
+        self.mon.check()
+        self.spent += time.perf_counter() - t0
+
+
+def bench_budget(label: str, blocks: int, width: int, rounds: int) -> None:
+    """The whole default monitor per training step, as ratios to the floor, side by side.
+
+    Gradients stay in place and only the optimizer steps, so the rounds are short; the time is
+    the one spent inside the monitor's own code per step (``check()`` and its step hook: the
+    classification, the change test, update norms every ``update_every`` checks, stale-gradient
+    witnesses, history; the forward watch is one Python call per forward), amortised over
+    ``2 x update_every`` steps, and the same with a TensorBoardSink with its default settings.
+    ``check()`` alone runs with no hooks at all.
+    """
+    import shutil
+
+    for opt_name, make in OPTIMIZERS.items():
+        torch.manual_seed(0)
+        model = build_model(blocks, width)
+        opt = make(model.parameters())
+        x = torch.randn(32, width)
+        nn.functional.mse_loss(model(x), torch.randn_like(x)).backward()
+        bare = GradHealth(model, on_problem="ignore", deltas="off", history=False, watch_forward=False)
+        full = _Timed(GradHealth(model, opt, on_problem="ignore"))
+        sink, tmp = _budget_sink()
+        with_sink = _Timed(GradHealth(model, opt, on_problem="ignore", sinks=[sink])) if sink is not None else None
+        n = 2 * full.mon.options.update_every
+        timed = [m for m in (full, with_sink) if m is not None]
+        per_step: dict[str, list[float]] = {"full": [], "full+sink": []}
+
+        def steps(which):
+            def run():
+                for other in timed:  # only the timed monitor measures these steps
+                    if other is not which:
+                        other.mon.tracker.disarm()
+                which.spent = 0.0
+                for _ in range(n):
+                    which.check()
+                    opt.step()
+                per_step["full" if which is full else "full+sink"].append(which.spent / n)
+            return run
+
+        fns = {"floor": lambda: floor_pass(model), "check()": bare.check, "full": steps(full)}
+        if with_sink is not None:
+            fns["full+sink"] = steps(with_sink)
+        t = interleaved(fns, max(3, rounds // 2), 1)
+        floor = t["floor"]
+        row = {"check() alone": t["check()"] / floor, "full default": statistics.median(per_step["full"]) / floor}
+        if with_sink is not None:
+            row["full default + TensorBoardSink"] = statistics.median(per_step["full+sink"]) / floor
+        full.mon.flush()
+        copied = len(full.mon.tracker.watched)
+        print(f"  {opt_name:<6} " + "; ".join(f"{k} {v:.2f}x" for k, v in row.items()) + f" (floor {floor * 1e3:.3f} ms"
+              + (f"; {copied} tensors whose sampled elements did not move are copied in turns" if copied else "") + ")")
+        for m in (bare, *[x.mon for x in timed]):
+            m.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def bench_update_error(blocks: int, width: int, steps: int = 3) -> None:
+    """Update norms of the default mode against an exact copy taken here: every tensor."""
+    for opt_name, make in OPTIMIZERS.items():
+        torch.manual_seed(0)
+        model = build_model(blocks, width)
+        opt = make(model.parameters())
+        x = torch.randn(32, width)
+        mon = GradHealth(model, opt, on_problem="ignore", history=False, update_every=1)
+        errs: list[float] = []
+        for _ in range(steps):
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), torch.randn_like(x)).backward()
+            r = mon.check()
+            opt.step()
+            mon.flush()
+            exact = [(p.detach() - b).double().norm().item() for p, b in zip(model.parameters(), before)]
+            errs += [abs(e - t) / t for e, t in zip(r.update_norm.values(), exact) if t > 0]
+        elems = sum(p.numel() for p in model.parameters())
+        extra = mon.tracker.extra_elements()
+        print(f"  {opt_name:<6} update norms from the optimizer's rule vs an exact copy, {len(errs)} tensor-steps: max error "
+              f"{100 * max(errs):.4f}%, median {100 * statistics.median(errs):.5f}%; transient memory at most "
+              f"{100 * extra / elems:.2f}% of the parameters ({extra * 4 / 2**20:.2f} MiB; deltas='exact': 100%)")
+        mon.close()
 
 
 def bench_tracer(rounds: int) -> None:
@@ -285,22 +346,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shapes", default="all", help="comma-separated shape indexes (0,1,2) or 'all'")
     ap.add_argument("--sections", default="all",
-                    help="comma-separated: checks,deltas,tracer,distributed,lightning,tensorboard (default: all)")
+                    help="comma-separated: checks,budget,deltas,tracer,distributed,lightning,tensorboard (default: all)")
     args = ap.parse_args(argv)
     print(f"gradhealth bench: torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
     chosen = list(SHAPES.items())
     if args.shapes != "all":
         chosen = [chosen[int(i)] for i in args.shapes.split(",")]
-    sections = ({"checks", "deltas", "tracer", "distributed", "lightning", "tensorboard"} if args.sections == "all"
+    sections = ({"checks", "budget", "deltas", "tracer", "distributed", "lightning", "tensorboard"} if args.sections == "all"
                 else set(args.sections.split(",")))
     for label, (blocks, width) in chosen:
         if "checks" in sections:
             bench_shape(label, blocks, width, args.rounds, args.device)
+        if "budget" in sections and args.device == "cpu":
+            print(f"\nthe default monitor per training step on {label}, x floor (targets: check() 1.2, full 1.5, "
+                  "with the sink 1.7):")
+            bench_budget(label, blocks, width, args.rounds)
         if "deltas" in sections and args.device == "cpu":
             print(f"\nupdate norms on {label}:")
-            bench_step_overhead(blocks, width, max(3, args.rounds // 2))
-            for opt_name in ("SGD", "AdamW"):
-                bench_deltas(label, blocks, width, opt_name)
+            bench_update_error(blocks, width)
     if "tracer" in sections:
         bench_tracer(args.rounds)
     if "distributed" in sections and args.device == "cpu":

@@ -82,13 +82,13 @@ class Carry:
 
     # -------------------------------------------------------- previous step
     def resolve_step(self, report: Report | None, updates: list[StepStats], steps_ran: int, params: list, names: list[str],
-                     sample_scale, scale: float | None, scaler: bool, amp_alarm: int) -> Delivery | None:
+                     scale: float | None, scaler: bool, amp_alarm: int) -> Delivery | None:
         """What became of the optimizer step after the armed check: its measured updates, or why
         it did not run. ``report`` is the current check's (None at a flush)."""
         if steps_ran:
             self.amp_skips = 0
         if updates:
-            return self._measured(updates, names, sample_scale)
+            return self._measured(updates, names)
         if self.armed is None or steps_ran != 0:
             return None
         if not self._discarded(params):
@@ -113,24 +113,31 @@ class Carry:
                 return True
         return False
 
-    def _measured(self, updates: list[StepStats], names: list[str], sample_scale) -> Delivery | None:
-        """Write the measured update norms into the armed report; NOT_UPDATED / FROZEN_BUT_CHANGED."""
+    def _measured(self, updates: list[StepStats], names: list[str]) -> Delivery | None:
+        """Write the measured update norms into the armed report; NOT_UPDATED / FROZEN_BUT_CHANGED
+        from the exact change test (an undecided parameter is neither)."""
         target, self.armed = self.armed, None
         if target is None:
             return None
-        unchanged: list[str] = []
+        unchanged: dict[str, str] = {}
         moved: list[str] = []
+        status = target.status
         for u in updates:
-            upd, before, changed = u.unpack(sample_scale(u.indices))
-            for i, d, b, c in zip(u.indices, upd, before, changed):
-                name = names[i]
-                target.update_norm[name] = d if c else 0.0
-                target.update_ratio[name] = (d / b if b > 0 else math.inf) if c else 0.0
-                state = target.status.get(name)
-                if state is Status.OK and not c:
-                    unchanged.append(name)
-                elif state is Status.FROZEN and c:
-                    moved.append(name)
+            if u.measured:
+                for i, d, b, c in zip(u.indices, u.update, u.param, u.changed):
+                    if c == 0.0:
+                        d = 0.0  # decided exactly: nothing moved, whatever the rule computed
+                    if d == d:
+                        target.update_norm[names[i]] = d
+                        target.update_ratio[names[i]] = (d / b if b > 0 else math.inf) if d else 0.0
+            # the decisions: only the few unchanged ones, and the frozen ones, are looked at
+            for k in [k for k, c in enumerate(u.changed) if c == 0.0]:
+                if status.get(names[u.indices[k]]) is Status.OK:
+                    unchanged[names[u.indices[k]]] = u.lr_zero[k]
+            if target.not_ok:
+                frozen = {n for n in target.not_ok if status[n] is Status.FROZEN}
+                if frozen:
+                    moved += [names[i] for i, c in zip(u.indices, u.changed) if c == 1.0 and names[i] in frozen]
         found = judges.not_updated(target.status, unchanged, target.step)
         found += judges.frozen_but_changed(target.status, moved, target.step)
         return Delivery(target, found)

@@ -70,7 +70,7 @@ def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = 
     for j, u in enumerate(obs.updates):  # values: [update norms, param norms, changed] per parameter
         n = len(u.indices)
         w = torch.tensor([1.0 if i in obs.sharded else inv for i in u.indices], dtype=torch.float64)
-        v = torch.tensor(u.values, dtype=torch.float64)
+        v = torch.tensor(u.triple(), dtype=torch.float64)
         parts[f"upd_sq{j}"], parts[f"par_sq{j}"], parts[f"changed{j}"] = v[:n] ** 2 * w, v[n : 2 * n] ** 2 * w, v[2 * n :]
     lay = rank_layout(len(idx), valid_names, [len(u.indices) for u in obs.updates])
     return lay.pack(**parts), lay
@@ -112,9 +112,9 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
     loss_sum, loss_bad, loss_n = got["loss_sum"][0], got["loss_bad"][0], got["loss_n"][0]
     obs.loss = (math.nan if loss_bad > 0 else loss_sum * world / loss_n) if loss_n > 0 else None
     obs.valid = {v: int(round(got[f"valid:{v}"][0])) for v in obs.valid}
-    for j, u in enumerate(obs.updates):
-        u.values = ([math.sqrt(x) for x in got[f"upd_sq{j}"]] + [math.sqrt(x) for x in got[f"par_sq{j}"]]
-                    + [1.0 if x > 0 else 0.0 for x in got[f"changed{j}"]])
+    for j, u in enumerate(obs.updates):  # changed anywhere: changed; undecided (nan) anywhere: undecided
+        u.set_triple([math.sqrt(x) for x in got[f"upd_sq{j}"]] + [math.sqrt(x) for x in got[f"par_sq{j}"]]
+                     + [x if x != x else (1.0 if x > 0 else 0.0) for x in got[f"changed{j}"]])
     return across
 
 

@@ -1,22 +1,31 @@
-"""Parameter updates measured through the optimizer's own step hooks, and stale-gradient detection.
+"""Optimizer steps, through the optimizer's own step hooks: did each parameter change (exact, every
+step), how much (every ``update_every`` checks), and stale gradients.
 
-Each check snapshots the parameters of the optimizers it judged, and the optimizer's own step
-post-hook measures ||Δθ|| per parameter after the step, entirely on the device: nothing is read
-back until the monitor's next check, whose single transfer carries these numbers too (or
-``monitor.flush()``). The snapshot is taken at the check rather than in a step pre-hook because
-trainers that run forward and backward inside ``optimizer.step(closure)`` (Lightning) call the
-pre-hook before the check; between a check and its step the parameters do not change.
+Each check arms the step that follows it; the step post-hook measures it on the device, and the
+numbers travel in the next check's single transfer (or ``monitor.flush()``). Arming happens at the
+check, not in a step pre-hook, because trainers that run forward and backward inside
+``optimizer.step(closure)`` (Lightning) call the pre-hook before the check; between a check and its
+step the parameters do not change.
 
-Two modes:
+**Did it change? (exact, every step, no copy of θ).** An in-place change of a tensor bumps its
+version counter (``_version``): for torch.optim's own optimizers in their single-tensor and foreach
+implementations, a parameter whose version did not move was not touched (fused kernels and writes
+through ``p.data`` move no counter, so their parameters all count as touched; see
+``_versions_tell``). A touched one is
+compared exactly on a fixed sample of its elements (up to ``SAMPLE`` per tensor, the whole tensor
+when smaller, walking across rows and columns), ``WINDOW`` tensors per step in turns (the others
+stay undecided that step): any sampled element that differs proves a change. A
+touched parameter whose sample did not move (a sparse update of a few embedding rows, updates below
+the ulp) is undecided that step (no finding either way) and watched from then on: watched
+parameters are copied exactly across a step, in turns, as many as fit the transient budget, and
+decided exactly at their turn. A single parameter larger than the budget is decided by its sample
+alone (a change proven by the sample, or undecided).
 
-* ``"exact"`` keeps a copy of every parameter across the step (1x parameter memory, during the
-  step only) and measures ||θ_after - θ_before|| exactly.
-* ``"sample"`` (default) keeps a fixed sample of each tensor (evenly spaced blocks): extra memory is at
-  most ``budget`` (2%) of parameter memory. The update norm (and the parameter norm of the
-  ratio) is the sample's, scaled by sqrt(numel / samples). Whether a parameter changed at all is
-  tested exactly on the sampled elements and, for the rest, by comparing the whole tensor's L1
-  norm before and after (a change confined to unsampled elements and too small to move that
-  float32 sum can be missed: below ~1e-7 of the tensor's L1 norm).
+**How much? (every ``update_every`` checks).** ||Δθ|| per parameter from the optimizer's own rule
+for SGD, Adam and AdamW (:mod:`.rules`; bounded by the rounding of θ); for any other optimizer an
+exact copy of the parameters that fit the memory budget, taken in turns (the others are not
+reported that step). ``mode="exact"`` copies every parameter across every step (1x parameter
+memory) and measures exactly.
 """
 
 from __future__ import annotations
@@ -30,225 +39,273 @@ from torch import Tensor
 
 from .distributed import to_local
 from .naming import spread
-from .stats import foreach_norms, plan_groups
+from .compare import Packed, apply, flat, norms, sample_view, versions_tell, water_fill
+from .rules import rule_norms, rule_of
+from .stats import plan_groups
 
-__all__ = ["UpdateTracker", "StepStats", "WITNESSES"]
+__all__ = ["UpdateTracker", "StepStats", "WITNESSES", "SAMPLE", "UPDATE_EVERY"]
 
 #: gradients watched per optimizer for STALE_GRAD and skipped steps: zero_grad clears all of an
 #: optimizer's gradients together, so a few, spread over the parameter list, tell the same as all
 WITNESSES = 8
-
-
-def _grouped(tensors: list[Tensor]) -> list[list[int]]:
-    return [idx for _, _, idx in plan_groups(tensors)]
-
-
-def _apply(op, groups: list[list[int]], tensors: list[Tensor], other=None) -> list[Tensor]:
-    """A foreach ``op`` per (device, dtype) group, results back in the original order."""
-    out: list = [None] * len(tensors)
-    for idx in groups:
-        args = [tensors[i] for i in idx]
-        res = op(args, other if not isinstance(other, list) else [other[i] for i in idx])
-        for i, r in zip(idx, res):
-            out[i] = r
-    return out
-
-
-def _norms(tensors: list[Tensor], groups: list[list[int]]) -> Tensor:
-    """L2 norms as one 1-d float64 tensor, one foreach kernel per (device, dtype) group."""
-    out: list = [None] * len(tensors)
-    for idx in groups:
-        for i, r in zip(idx, foreach_norms([tensors[i] for i in idx])):
-            out[i] = r
-    device = tensors[0].device
-    return torch.stack([o.to(device=device, dtype=torch.float64) for o in out])
+#: at most this many elements per tensor are compared exactly across a step to prove it changed
+#: (the samples together stay within 1% of the parameters, the rule's temporaries within another 1%)
+SAMPLE = 256
+#: default: update norms measured at every this many checks (the change test runs every step)
+UPDATE_EVERY = 50
+#: the change test compares the samples of at most this many tensors per step, in turns: on the
+#: CPU every tensor touched costs a kernel launch, as much as a small tensor's whole norm
+WINDOW = 64
+_MIN_BUDGET = 1 << 18  # elements: the floor of the transient budget for tiny models (1 MiB of fp32)
 
 
 @dataclass
 class _OptPlan:
-    ids: list[int]
-    idx: list[int]
-    params: list[Tensor]
-    views: list[Tensor]
-    ptrs: list[int]
-    groups: list[list[int]]
+    ids: list[int]  # id of every parameter in the optimizer's param_groups, in order
+    ptrs: list[int]  # their storage addresses: .half(), .to(), a new tensor change them
+    idx: list[int]  # entry indices
+    params: list[Tensor]  # local, detached
+    windows: list[tuple[list[int], Packed]]  # the sampled elements (auto mode), WINDOW tensors each
+    whole: list[bool]  # the sample is the whole tensor
+    groups: list[list[int]]  # (device, dtype) groups of params
+    group_of: list[int]  # the param group of each
 
 
 @dataclass
 class StepStats:
-    """One measured optimizer step, still on the device until the monitor fetches it."""
+    """One optimizer step: host facts, and device numbers until the monitor fetches them.
 
-    indices: list[int]  # entry indices of the parameters this optimizer stepped
-    packed: Tensor  # [update norm of the sample (n), param norm before (n), changed flag (n)], float64
-    values: list[float] = field(default_factory=list)
+    After :meth:`fetched`, ``changed`` is 1.0 / 0.0 per parameter (nan: undecided this step),
+    ``update`` and ``param`` are ||Δθ|| and ||θ|| (nan when not measured this step), and ``lr_zero``
+    says whether the parameter's learning rate was 0 at this step (``"new"``) and at the step before
+    too (``"again"``), or neither (``""``).
+    """
 
-    def unpack(self, scale: list[float]):
+    indices: list[int]
+    packed: Tensor  # [device change flags of `flag_pos`, update norms, param norms] as float64
+    touched: list[bool] = field(default_factory=list)
+    flag_pos: list[int] = field(default_factory=list)  # positions decided on the device
+    sure: list[bool] = field(default_factory=list)  # a device flag of 0 is a decision (not undecided)
+    measured: bool = False
+    lr_zero: list[str] = field(default_factory=list)
+    changed: list[float] = field(default_factory=list)
+    update: list[float] = field(default_factory=list)
+    param: list[float] = field(default_factory=list)
+
+    def fetched(self, values: list[float]) -> None:
+        n, f = len(self.indices), len(self.flag_pos)
+        changed = [math.nan if t else 0.0 for t in self.touched]  # touched: undecided unless tested
+        for j, k in enumerate(self.flag_pos):
+            changed[k] = 1.0 if values[j] > 0 else (0.0 if self.sure[j] else math.nan)
+        self.changed = changed
+        if self.measured:
+            self.update, self.param = list(values[f : f + n]), list(values[f + n : f + 2 * n])
+        else:
+            self.update = self.param = [math.nan] * n
+
+    def triple(self) -> list[float]:
+        """[update (n), param (n), changed (n)]: the layout the cross-rank reduction carries."""
+        return list(self.update) + list(self.param) + list(self.changed)
+
+    def set_triple(self, values: list[float]) -> None:
         n = len(self.indices)
-        v = self.values
-        upd = [v[k] * scale[k] for k in range(n)]
-        before = v[n : 2 * n]
-        changed = [bool(x) for x in v[2 * n : 3 * n]]
-        return upd, before, changed
+        self.update, self.param, self.changed = values[:n], values[n : 2 * n], values[2 * n :]
 
 
 class UpdateTracker:
-    """Installs step pre/post hooks on each optimizer; measures the steps that follow a check."""
+    """Installs a step post-hook on each optimizer; measures the steps that follow a check."""
 
-    def __init__(self, entries, optimizers, mode: str = "sample", budget: float = 0.02, seed: int = 0):
+    def __init__(self, entries, optimizers, mode: str = "auto", update_every: int = UPDATE_EVERY,
+                 budget: float = 0.02, seed: int = 0):
         self.entries = entries
         self.mode = mode
-        self.budget = budget
+        self.update_every = update_every
+        sizes = [to_local(p.detach()).numel() for _, p in entries]
+        self.budget = max(_MIN_BUDGET, int(budget / 2 * sum(sizes)))  # elements of rule temporaries
+        self.sample = water_fill(sizes, int(budget / 2 * sum(sizes)), SAMPLE)
         self.index = {id(p): i for i, (_, p) in enumerate(entries)}
         self.armed_step: int | None = None
         self.steps_since_check = 0
         self.pending: list[StepStats] = []
         self.stale: set[int] = set()
+        self.watched: set[int] = set()  # entries whose change test uses the checksum
+        self._seed = seed
+        self._arms = 0
+        self._turn: dict[int, int] = {}  # per optimizer: where the next generic exact copy starts
+        self._last_lr: dict[tuple[int, int], float] = {}
         self._inflight: dict[int, tuple] = {}
         self._plans: dict[int, _OptPlan] = {}
-        self._after: dict[int, tuple] = {}  # per optimizer: versions and whole-tensor norms last read
-        self._snaps: dict[int, tuple] = {}  # per optimizer: versions and the sample last copied
-        self._handles = []
         self._grad_hooks: dict[int, list] = {}
-        self._seed = seed
-        self._plan_samples()
-        for opt in optimizers:  # the snapshot is taken at the check (see arm), the measurement after the step
-            self._handles.append(opt.register_step_post_hook(self._post))
+        self._handles = [opt.register_step_post_hook(self._post) for opt in optimizers]
 
-    # ---------------------------------------------------------------- sampling
-    BLOCK = 4  # contiguous elements per sampled block: copies run at memory speed, unlike gathers
-
-    def _plan_samples(self) -> None:
-        """Which elements of each tensor to keep across a step, within ``budget`` of all elements.
-
-        Water-filling: every tensor gets the same allowance k (or all of itself when smaller), k as
-        large as the budget allows, so small tensors are copied whole and large ones sampled. A
-        sample is ``k // BLOCK`` blocks of ``BLOCK`` contiguous elements, evenly spaced with a period
-        coprime to the last dimension (so the blocks walk across columns instead of repeating the
-        same ones) and a seeded random offset.
-        """
-        locals_ = [to_local(p.detach()) for _, p in self.entries]  # shards of sharded parameters
-        sizes = [t.numel() for t in locals_]
-        self._numel = sizes
-        allowed = max(1, int(self.budget * sum(sizes)))
-        lo, hi = 1, max(sizes) if sizes else 1
-        while lo < hi:  # largest k with sum(min(n, k)) <= allowed
-            mid = (lo + hi + 1) // 2
-            if sum(min(n, mid) for n in sizes) <= allowed:
-                lo = mid
-            else:
-                hi = mid - 1
-        gen = torch.Generator().manual_seed(self._seed)
-        self._layout = []  # per entry: None (whole tensor) or (offset, blocks, period, block)
-        for p, n in zip(locals_, sizes):
-            k = max(1, min(n, lo))
-            if k >= n:
-                self._layout.append(None)
-                continue
-            block = min(self.BLOCK, k)
-            blocks = max(1, k // block)
-            period = n // blocks
-            last = p.shape[-1] if p.dim() else 1
-            while period > block and math.gcd(period, last) != 1:
-                period -= 1
-            slack = n - blocks * period
-            offset = int(torch.randint(0, min(period - block, slack) + 1, (1,), generator=gen))
-            self._layout.append((offset, blocks, period, block))
-
-    def _count(self, i: int) -> int:
-        lay = self._layout[i]
-        return self._numel[i] if lay is None else lay[1] * lay[3]
+    def settle(self, stats: StepStats) -> None:
+        """After a fetch: parameters proven to change need no exact copy any more."""
+        self.watched -= {i for i, c in zip(stats.indices, stats.changed) if c == 1.0}
 
     def extra_elements(self) -> int:
-        """Elements held across a step in this mode (what the memory bound counts)."""
+        """Elements held across a step in this mode at most (what the memory bound counts)."""
+        sizes = [to_local(p.detach()).numel() for _, p in self.entries]
         if self.mode == "exact":
-            return sum(self._numel)
-        return sum(self._count(i) for i in range(len(self.entries)))
+            return sum(sizes)
+        return sum(min(n, self.sample) for n in sizes) + self.budget
 
-    def _sample_view(self, p: Tensor, i: int) -> Tensor:
-        flat = p.detach().reshape(-1)  # a view for contiguous parameters
-        lay = self._layout[i]
-        if lay is None:
-            return flat
-        offset, blocks, period, block = lay
-        return flat[offset : offset + blocks * period].view(blocks, period)[:, :block]
-
-    # ------------------------------------------------------------------- hooks
+    # ------------------------------------------------------------------- plans
     def _plan(self, opt) -> _OptPlan | None:
-        """The optimizer's monitored parameters, their sample views and (device, dtype) groups,
-        cached while its param_groups and the parameters' storage stay the same."""
-        ids = [id(p) for g in opt.param_groups for p in g["params"]]
+        """The optimizer's monitored parameters, their samples and (device, dtype) groups,
+        rebuilt whenever a parameter is replaced, converted (``.half()``) or moved."""
+        ps = [p for g in opt.param_groups for p in g["params"]]
+        ids = [id(p) for p in ps]
+        ptrs = [p.data_ptr() for p in ps]
         plan = self._plans.get(id(opt))
-        if plan is not None and plan.ids == ids and all(
-            plan.params[k].data_ptr() == plan.ptrs[k] for k in {0, len(plan.params) // 2, len(plan.params) - 1}
-        ):  # spot check: model.to()/half() replace every parameter's storage at once
+        if plan is not None and plan.ids == ids and plan.ptrs == ptrs:
             return plan
-        idx = [self.index[i] for i in ids if i in self.index]
+        index, group_of = self.index, []
+        for gi, g in enumerate(opt.param_groups):
+            group_of += [gi for p in g["params"] if id(p) in index]
+        idx = [index[i] for i in ids if i in index]
         if not idx:
             return None
         # local shards of DTensor parameters (FSDP2): a DTensor op here would hide a collective
         params = [to_local(self.entries[i][1].detach()) for i in idx]
-        views = params if self.mode == "exact" else [self._sample_view(p, i) for p, i in zip(params, idx)]
-        plan = _OptPlan(ids, idx, params, views, [p.data_ptr() for p in params], _grouped(params))
+        windows, whole = [], [False] * len(params)
+        if self.mode == "auto":
+            views = [sample_view(p, self.sample, self._seed + i) for p, i in zip(params, idx)]
+            whole = [v is not None and v.numel() == p.numel() for v, p in zip(views, params)]
+            # non-contiguous parameters get an empty sample: decided by the exact copies
+            views = [v if v is not None else p.new_empty(0) for v, p in zip(views, params)]
+            for start in range(0, len(views), WINDOW):
+                ks = list(range(start, min(start + WINDOW, len(views))))
+                windows.append((ks, Packed([views[k] for k in ks])))
+        plan = _OptPlan(ids, ptrs, idx, params, windows, whole, [g for _, _, g in plan_groups(params)], group_of)
         self._plans[id(opt)] = plan
         return plan
 
+    # ------------------------------------------------------------------ arming
     def arm(self, step: int, optimizers) -> None:
-        """Snapshot the parameters of ``optimizers`` for the step that follows check ``step``.
-
-        Taken at the check, not in the optimizer's pre-hook: trainers that run the forward and
-        backward inside ``optimizer.step(closure)`` (Lightning) call the pre-hook before the
-        check, and the parameters do not change between a check and its step.
-        """
+        """Prepare the change test (and, every ``update_every`` checks, the update norms) of the
+        step that follows check ``step``."""
         self.armed_step = step
         self.steps_since_check = 0
         self._inflight.clear()
         if self.mode == "off":
             return
+        measure = self.mode == "exact" or self._arms % self.update_every == 0
+        self._arms += 1
         for opt in optimizers:
             plan = self._plan(opt)
             if plan is None:
                 continue
-            # Whole-tensor norms (||θ|| and the change test) and the sample. Parameters carry a
-            # version counter that every in-place change bumps: while the versions are those of
-            # the last read (the previous step's post-hook, or an earlier check with no step in
-            # between), the numbers are reused instead of read again.
             versions = [p._version for p in plan.params]
-            cached = self._after.get(id(opt))
-            if cached is not None and cached[0] == versions:
-                before = cached[1]
-            else:
-                before = _norms(plan.params, plan.groups)
-                self._after[id(opt)] = (versions, before)
-            kept = self._snaps.get(id(opt)) if self.mode == "sample" else None
-            if kept is not None and kept[0] == versions:
-                snap = kept[1]
-            else:
-                snap = _apply(torch._foreach_mul, plan.groups, plan.views, 1)
-                if self.mode == "sample":  # (never the exact mode's full copy: it lives only across a step)
-                    self._snaps[id(opt)] = (versions, snap)
-            self._inflight[id(opt)] = (plan, before, snap, step)
+            if self.mode == "exact":
+                snap = apply(torch._foreach_mul, plan.groups, plan.params, 1)
+            else:  # this step's window of samples
+                ks, packed = plan.windows[self._arms % len(plan.windows)]
+                snap = (ks, packed, packed.snapshot())
+            # exact copies, within the budget and in turns: the watched parameters (undecided by
+            # their sample before), and for an optimizer without a known rule, the ones measured
+            generic = measure and self.mode != "exact" and rule_of(opt) is None
+            wanted = [k for k in range(len(plan.idx)) if generic or (plan.idx[k] in self.watched and not plan.whole[k])]
+            copies = self._copies_in_turn(opt, plan, wanted) if wanted and self.mode != "exact" else None
+            self._inflight[id(opt)] = (plan, versions, snap, copies, measure)
+
+    def _copies_in_turn(self, opt, plan, wanted: list[int]):
+        """Exact copies of the next ``wanted`` parameters in turn that fit the budget together
+        (one that alone is larger than the budget is never copied)."""
+        start = self._turn.get(id(opt), 0) % len(wanted)
+        chosen, used = [], 0
+        for j in range(len(wanted)):
+            k = wanted[(start + j) % len(wanted)]
+            size = plan.params[k].numel()
+            if used + size <= self.budget and plan.params[k].is_contiguous():
+                chosen.append(k)
+                used += size
+            elif chosen:
+                break
+        self._turn[id(opt)] = start + max(1, len(chosen))
+        if not chosen:
+            return None
+        packed = Packed([flat(plan.params[k]) for k in chosen])
+        return chosen, packed, packed.snapshot()
 
     def disarm(self) -> None:
         self.armed_step = None
         self._inflight.clear()
 
+    # ----------------------------------------------------------- measurement
     def _post(self, opt, args, kwargs) -> None:
         self.steps_since_check += 1
         state = self._inflight.pop(id(opt), None)
         if state is not None:
-            plan, before, snap, step = state
-            diff = _apply(torch._foreach_sub, plan.groups, plan.views, snap)
-            dnorm = _norms(diff, plan.groups)
-            changed = dnorm > 0
-            if self.mode != "exact":
-                after = _norms(plan.params, plan.groups)
-                self._after[id(opt)] = ([p._version for p in plan.params], after)
-                self._snaps.pop(id(opt), None)
-                changed = changed | (after != before)
-            packed = torch.cat([dnorm, before, changed.to(torch.float64)])
-            self.pending.append(StepStats(plan.idx, packed))
+            self.pending.append(self._measure(opt, *state))
         if self.armed_step is not None:
             self._arm_stale(opt)
+
+    def _measure(self, opt, plan, versions, snap, copies, measure) -> StepStats:
+        params, n = plan.params, len(plan.params)
+        if versions_tell(opt):
+            touched = [p._version != v for p, v in zip(params, versions)]
+        else:  # fused kernels and writes through .data move no version counter: compare them all
+            touched = [True] * n
+        lr_zero = self._lr_zero(opt, plan)
+        if rule_of(opt) is not None:  # lr 0 in SGD/Adam/AdamW: θ - 0·u and θ·(1 - 0·wd) are θ, exactly
+            touched = [t and not z for t, z in zip(touched, lr_zero)]
+        device = params[0].device
+        parts: list[Tensor] = []
+        diff = None
+        copied, exact_norms = [], None
+        if self.mode == "exact":
+            pos = [k for k in range(n) if touched[k]]
+            diff = apply(torch._foreach_sub, plan.groups, params, snap)
+            moved = norms(diff, plan.groups, math.inf) > 0  # max |Δ|: no square can underflow to 0
+            sure = [True] * len(pos)
+        else:
+            ks, window, before_w = snap
+            moved = torch.zeros(n, dtype=torch.bool, device=device)
+            moved[ks[0] : ks[-1] + 1] = window.changed(before_w)
+            tested = set(ks)
+            if copies is not None:  # the exact copies decide their parameters
+                copied, packed, before = copies
+                where = torch.tensor(copied, device=device)
+                moved = moved.index_fill(0, where[packed.changed(before)], True)
+                tested |= set(copied)
+                if measure:
+                    exact_norms = packed.diff_norms(before)
+            # touched parameters outside this step's window and copies stay undecided (nan)
+            pos = [k for k in range(n) if touched[k] and k in tested]
+            done = set(copied)
+            sure = [plan.whole[k] or k in done for k in pos]
+        if pos:  # the device decides the touched ones; the untouched are unchanged
+            parts.append((moved if len(pos) == n else moved[torch.tensor(pos, device=device)]).to(torch.float64))
+        if measure:  # ||θ||: before the step where a copy exists, after it otherwise
+            theta = snap if self.mode == "exact" else params
+            parts += [self._update_norms(opt, plan, diff, copied, exact_norms).to(device), norms(theta, plan.groups)]
+        packed_out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+        self.watched |= {plan.idx[k] for k, s in zip(pos, sure) if not s}  # decided from a later step on
+        return StepStats(plan.idx, packed_out, touched, pos, sure, measure, lr_zero)
+
+    def _update_norms(self, opt, plan, diff, copied, exact_norms) -> Tensor:
+        params = plan.params
+        if self.mode == "exact":
+            return norms(diff, plan.groups)
+        rule = rule_of(opt)
+        if rule is not None:
+            return rule_norms(opt, rule, [self.entries[i][1] for i in plan.idx], self.budget)
+        out = torch.full((len(params),), math.nan, dtype=torch.float64, device=params[0].device)
+        if exact_norms is not None:
+            out[torch.tensor(copied, device=out.device)] = exact_norms.to(out)
+        return out
+
+    def _lr_zero(self, opt, plan) -> list[str]:
+        """Per parameter: "" (lr > 0), "new" (lr 0 now, not at this group's previous step: a
+        schedule starting at 0), "again" (lr 0 at two steps in a row)."""
+        words = []
+        for gi, g in enumerate(opt.param_groups):
+            lr = g["lr"]
+            lr = float(lr) if not isinstance(lr, Tensor) else float(lr.detach().cpu())
+            key = (id(opt), gi)
+            words.append("" if lr != 0 else ("again" if self._last_lr.get(key) == 0 else "new"))
+            self._last_lr[key] = lr
+        return [words[g] for g in plan.group_of]
 
     # ------------------------------------------------------------ stale grads
     def _arm_stale(self, opt) -> None:
@@ -260,14 +317,19 @@ class UpdateTracker:
         for h in self._grad_hooks.pop(id(opt), ()):
             h.remove()
         handles = []
-        plan = self._plan(opt)
-        idx = [i for i in (plan.idx if plan else []) if self.entries[i][1].grad is not None and self.entries[i][1].requires_grad]
-        for i in spread(idx, WITNESSES):
+        plan = self._plans.get(id(opt)) or self._plan(opt)
+        entries = self.entries
+        usable = lambda i: entries[i][1].grad is not None and entries[i][1].requires_grad  # noqa: E731
+        idx = plan.idx if plan else []
+        chosen = [i for i in spread(idx, WITNESSES) if usable(i)]
+        if len(chosen) < min(WITNESSES, len(idx)) // 2:  # many without gradients: look at them all
+            chosen = spread([i for i in idx if usable(i)], WITNESSES)
+        for i in chosen:
             p = self.entries[i][1]
             grad = p.grad
             fired = [False]
 
-            def hook(incoming, p=p, ref=weakref.ref(grad), version=grad._version, fired=fired, key=id(opt)):
+            def hook(_, p=p, ref=weakref.ref(grad), version=grad._version, fired=fired, key=id(opt)):
                 if not fired[0]:
                     fired[0] = True
                     current = p.grad
@@ -293,12 +355,6 @@ class UpdateTracker:
                 out |= {i for i in plan.idx if self.entries[i][1].grad is not None}
         return out
 
-    def sample_scale(self, idx: list[int]) -> list[float]:
-        """sqrt(numel / sampled) per entry: scales a sample's norm to the tensor's."""
-        if self.mode == "exact":
-            return [1.0] * len(idx)
-        return [math.sqrt(self._numel[i] / self._count(i)) for i in idx]
-
     def close(self) -> None:
         for h in self._handles:
             h.remove()
@@ -306,5 +362,5 @@ class UpdateTracker:
         self.clear_grad_hooks()
         self._inflight.clear()
         self._plans.clear()
-        self._after.clear()
-        self._snaps.clear()
+
+

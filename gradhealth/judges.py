@@ -100,13 +100,34 @@ def expect_frozen(status: Mapping[str, Status], patterns: tuple[str, ...] | None
     return out
 
 
-def not_updated(status: Mapping[str, Status], unchanged: Collection[str], step: int) -> list[Finding]:
-    """NOT_UPDATED: OK gradients, in the optimizer, yet its step left these parameters unchanged."""
-    if not unchanged:
-        return []
-    return [Finding(K.NOT_UPDATED, f"{describe_names(status, unchanged)} had finite, non-zero gradients at step {step} "
-                    "yet optimizer.step() left them unchanged: a learning rate of 0 (check the scheduler), an update "
-                    "rule that does nothing, or a step that was skipped", params=_ordered(status, unchanged), step=step)]
+def not_updated(status: Mapping[str, Status], unchanged: Mapping[str, str], step: int) -> list[Finding]:
+    """NOT_UPDATED: OK gradients, in the optimizer, yet its step left these parameters unchanged.
+
+    ``unchanged`` maps each name to its learning rate's story: "new" (0 at this step only: a
+    warmup schedule that starts at 0, info), "again" (0 at this step and the one before: an error),
+    "" (lr > 0: an update rule that does nothing, or updates below the precision of θ: an error).
+    """
+    out = []
+    scheduled = {n for n, w in unchanged.items() if w == "new"}
+    stuck = {n for n, w in unchanged.items() if w == "again"}
+    rest = set(unchanged) - scheduled - stuck
+    if scheduled:
+        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, scheduled)} were not changed by optimizer.step() at "
+                           f"step {step} because their learning rate was 0 at that step: expected when a warmup "
+                           "schedule starts at 0 (an error if it stays 0)", params=_ordered(status, scheduled),
+                           level="info", step=step, data={"lr": 0.0}))
+    if stuck:
+        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, stuck)} had finite, non-zero gradients at step {step} "
+                           "yet optimizer.step() left them unchanged: their learning rate has been 0 for two steps in a "
+                           "row; check the scheduler (a warmup that never rises, a decay that reached 0) and the lr of "
+                           "their param group", params=_ordered(status, stuck), step=step, data={"lr": 0.0}))
+    if rest:
+        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, rest)} had finite, non-zero gradients at step {step} "
+                           "yet optimizer.step() left every element unchanged although the learning rate is not 0: an "
+                           "update rule that does nothing, or updates smaller than the precision of the weights (bf16/fp16 "
+                           "weights with a small learning rate: keep fp32 master weights)", params=_ordered(status, rest),
+                           step=step))
+    return out
 
 
 def frozen_but_changed(status: Mapping[str, Status], moved: Collection[str], step: int) -> list[Finding]:

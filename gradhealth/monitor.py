@@ -91,7 +91,8 @@ class GradHealth:
         self.last_report: Report | None = None
         self._closed = False
         self._plan = None
-        self.tracker = UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas) if self.optimizers else None
+        self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every)
+                        if self.optimizers else None)
         self._watch = ForwardWatch(model, unwrap(model), self.carry) if o.watch_forward else None
 
     # ------------------------------------------------------------------ public
@@ -159,9 +160,11 @@ class GradHealth:
         values = stats.fetch([u.packed for u in updates])
         k = 0
         for u in updates:
-            u.values, k = values[k : k + u.packed.numel()], k + u.packed.numel()
-        self._deliver(self.carry.resolve_step(None, updates, 0, self.view.params, self.view.names,
-                                              tracker.sample_scale, None, False, self.options.amp_skip_alarm), None)
+            u.fetched(values[k : k + u.packed.numel()])
+            k += u.packed.numel()
+            tracker.settle(u)
+        self._deliver(self.carry.resolve_step(None, updates, 0, self.view.params, self.view.names, None, False,
+                                              self.options.amp_skip_alarm), None)
 
     def close(self) -> None:
         """Remove every hook this monitor installed; flush and close every sink. Idempotent."""
@@ -242,12 +245,14 @@ class GradHealth:
         across = self._reduce(obs) if self.ranks.active else None
         report = self._classify(step, sel, obs, optimizer)
         delivery = self.carry.resolve_step(report, obs.updates, steps_ran, self.view.params, self.view.names,
-                                           self.tracker.sample_scale if self.tracker else None, obs.scale,
-                                           self.scaler is not None, self.options.amp_skip_alarm)
+                                           obs.scale, self.scaler is not None, self.options.amp_skip_alarm)
         self._deliver(delivery, report)
+        for u in obs.updates:
+            self.tracker.settle(u)
         report.findings += self._patience(report)
         report.findings += self._judge(report, obs, across, sel)
-        report.module_grad_norm = stats.module_norms(obs.norm_of, sel.modules)
+        v = self.view
+        report.module_grad_norm = stats.module_norms(obs.with_grad, obs.norms, v.module_index, v.modules)
         history = self.carry.history_for(report.optimizer_index)
         if history is not None:
             report.findings += history.update(step, report.total_grad_norm, report.module_grad_norm)

@@ -9,6 +9,7 @@ eval-mode forward, stale gradients) rides along as plain Python.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -108,7 +109,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         pids = view.pids
         norms = [v if pids[i] in done else v / scale for i, v in zip(with_grad, norms)]
     for j, u in enumerate(updates):
-        u.values = got[f"update{j}"]
+        u.fetched(got[f"update{j}"])
     norm_of: list[float | None] = [None] * len(view)
     for i, v in zip(with_grad, norms):
         norm_of[i] = v
@@ -121,5 +122,5 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
 def failed_observation(view: ParamView, sel: Selection, valid: dict, updates: list[StepStats]) -> Observation:
     """An empty contribution for a rank whose check failed, so it still joins the collective."""
     for u in updates:
-        u.values = [0.0] * (3 * len(u.indices))
+        u.set_triple([math.nan] * (3 * len(u.indices)))
     return Observation(sel.idx, [None] * len(view), valid=dict.fromkeys(valid, 0), updates=updates)

@@ -11,7 +11,7 @@ from .history import NormHistory
 __all__ = ["Options", "ON_PROBLEM", "DELTA_MODES", "check_choice", "check_positive_int", "check_patterns"]
 
 ON_PROBLEM = ("warn", "raise", "ignore")
-DELTA_MODES = ("sample", "exact", "off")
+DELTA_MODES = ("auto", "exact", "off")
 
 
 def check_choice(name: str, value, allowed: Sequence) -> Any:
@@ -95,8 +95,12 @@ class Options:
         expect_frozen: name patterns (``fnmatch``, e.g. ``"encoder.*"``) of the parameters meant
             to be frozen. With it, a frozen parameter outside them, or a trainable one inside them,
             is an error finding (UNEXPECTED_FROZEN / UNEXPECTED_TRAINABLE).
-        deltas: how the optimizer step's update ||Δθ|| is measured: "sample" (default, at most 2%
-            extra memory), "exact" (a transient 1x copy of the parameters during the step) or "off".
+        deltas: "auto" (default): every step, whether each parameter changed (exact, from version
+            counters and an exact comparison on the device), and every ``update_every`` checks the
+            update norms ||Δθ|| from the optimizer's own rule (SGD, Adam, AdamW; others: exact
+            copies within 2% of parameter memory, in turns); "exact": a transient 1x copy of the
+            parameters across every step, exact norms every step; "off": no step measurement.
+        update_every: with ``deltas="auto"``, measure update norms at every this many checks.
         history: True (default baseline), False, or a :class:`NormHistory` to tune
             EXPLODING_GRAD / VANISHING_GRAD.
         amp_skip_alarm: with a grad scaler, AMP_SKIPPED is an error after this many skips in a row.
@@ -119,7 +123,8 @@ class Options:
     every_n_steps: int = 1
     sinks: Any = ()
     expect_frozen: Any = None
-    deltas: str = "sample"
+    deltas: str = "auto"
+    update_every: int = 25
     history: Any = True
     amp_skip_alarm: int = 3
     amp_scale_floor: float = 1.0
@@ -136,6 +141,7 @@ class Options:
         fix("sinks", _check_sinks(self.sinks))
         fix("expect_frozen", check_patterns(self.expect_frozen))
         check_choice("deltas", self.deltas, DELTA_MODES)
+        check_positive_int("update_every", self.update_every)
         fix("history", _check_history(self.history))
         check_positive_int("amp_skip_alarm", self.amp_skip_alarm)
         fix("amp_scale_floor", _check_float("amp_scale_floor", self.amp_scale_floor))

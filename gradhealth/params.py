@@ -21,7 +21,6 @@ class Selection:
     ids: list[int] | None  # the optimizer's parameter ids, in order (None: every parameter)
     idx: list[int]  # entry indices judged
     names: list[str]
-    modules: list[tuple[str, list[int]]]  # (module, entry indices), for module norms
     opt_ids: set[int] | None
     key: tuple | None = None  # the optimizers' param_groups it was made for
 
@@ -36,8 +35,12 @@ class ParamView:
         self.params = [p for _, p in self.entries]
         self.pids = [id(p) for p in self.params]
         self.meta = {n: ParamMeta(p.numel(), str(p.dtype).replace("torch.", ""), str(p.device)) for n, p in self.entries}
+        #: modules in order of first parameter, and the module (index) of each entry
+        self.modules = list(dict.fromkeys(module_of(n) for n in self.names))
+        slot = {m: k for k, m in enumerate(self.modules)}
+        self.module_index = [slot[module_of(n)] for n in self.names]
         everything = list(range(len(self.entries)))
-        self.everything = Selection(None, everything, self.names, self._modules(everything), None)
+        self.everything = Selection(None, everything, self.names, None)
         self._selections: dict[int, Selection] = {}
         self._ids_key: tuple | None = None
         self._ids: set[int] | None = None
@@ -66,7 +69,7 @@ class ParamView:
             self.optimizer_index(optimizer)  # one of ours?
             members = set(ids)
             idx = [i for i, pid in enumerate(self.pids) if pid in members or pid not in everywhere]
-            sel = Selection(ids, idx, [self.names[i] for i in idx], self._modules(idx), members, self._ids_key)
+            sel = Selection(ids, idx, [self.names[i] for i in idx], members, self._ids_key)
             self._selections[id(optimizer)] = sel
         return sel
 
@@ -79,9 +82,3 @@ class ParamView:
         if key != self._ids_key:
             self._ids_key, self._ids = key, optimizer_param_ids(self.optimizers)
         return self._ids
-
-    def _modules(self, idx: list[int]) -> list[tuple[str, list[int]]]:
-        groups: dict[str, list[int]] = {}
-        for i in idx:
-            groups.setdefault(module_of(self.names[i]), []).append(i)
-        return list(groups.items())

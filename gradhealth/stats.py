@@ -164,11 +164,20 @@ def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None
     return norms, values[n:], plan
 
 
-def module_norms(norm_of: Sequence[float | None], groups) -> dict[str, float]:
-    """Each module's own gradient norm from its parameters' (``groups``: (module, entry indices))."""
-    out = {}
-    for module, idx in groups:
-        vs = [norm_of[i] for i in idx if norm_of[i] is not None]
-        if vs:
-            out[module] = combine_norms(vs)
+def module_norms(with_grad: Sequence[int], norms: Sequence[float], module_of: Sequence[int],
+                 modules: Sequence[str]) -> dict[str, float]:
+    """Each module's own gradient norm from its parameters' (entry ``i`` belongs to module
+    ``modules[module_of[i]]``): squares summed in float64 for all modules at once; a module with a
+    norm outside [1e-150, 1e150] (a square would underflow or overflow) is combined exactly instead."""
+    if not norms:
+        return {}
+    v = torch.tensor(norms, dtype=torch.float64)
+    where = torch.tensor([module_of[i] for i in with_grad])
+    sq = torch.zeros(len(modules), dtype=torch.float64).index_add_(0, where, v * v)
+    seen = sorted(set(where.tolist()))
+    out = dict(zip([modules[m] for m in seen], sq[seen].sqrt().tolist()))
+    risky = (v != 0) & ((v.abs() < 1e-150) | (v.abs() > 1e150)) & torch.isfinite(v)
+    if bool(risky.any()):
+        for m in set(where[risky].tolist()):
+            out[modules[m]] = combine_norms([n for i, n in zip(with_grad, norms) if module_of[i] == m])
     return out

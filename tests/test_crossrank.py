@@ -12,7 +12,9 @@ from gradhealth.observe import Observation
 
 def obs(norms, loss, valid, upd, stale=False, sharded=()):
     o = Observation([0, 1, 2], list(norms), loss=loss, valid=valid, sharded=set(sharded))
-    o.updates = [StepStats([0, 1], torch.zeros(6), values=list(upd))]
+    u = StepStats([0, 1], torch.zeros(0))
+    u.set_triple(list(upd))
+    o.updates = [u]
     o.stale = {0} if stale else set()
     return o
 
@@ -36,8 +38,16 @@ def test_replicated_gradients_average_and_flags_combine():
     assert o.loss == 3.0  # mean over ranks
     assert o.valid == {"tokens": 4} and across.empty_masks == {"tokens": 2.0}  # rank 1's bit
     assert across.stale_mask == 1.0  # rank 0's bit
-    u = o.updates[0].values
+    u = o.updates[0].triple()
     assert u[:4] == [0.1, 0.2, 1.0, 2.0] and u[4:] == [1.0, 0.0]  # changed anywhere -> changed
+
+
+def test_an_undecided_change_on_any_rank_stays_undecided():
+    a = obs([1.0, 1.0, None], None, {}, [0.1, 0.2, 1.0, 2.0, math.nan, 1.0])
+    b = obs([1.0, 1.0, None], None, {}, [0.1, 0.2, 1.0, 2.0, 0.0, 0.0])
+    _, o = reduce([a, b])
+    changed = o.updates[0].changed
+    assert math.isnan(changed[0]) and changed[1] == 1.0
 
 
 def test_sharded_gradients_sum_their_squares_and_nonfinite_wins():

@@ -1,0 +1,113 @@
+"""Comparing parameters across an optimizer step: fused norms, samples that follow in-place
+updates, and ``Packed`` views that copy and compare many tensors with a few kernels."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .stats import foreach_norms, plan_groups
+
+__all__ = ["norms", "apply", "water_fill", "Packed", "flat", "sample_view", "versions_tell"]
+
+
+def norms(tensors: list[Tensor], groups: list[list[int]], ord: float = 2.0) -> Tensor:
+    """Norms as one 1-d float64 tensor, one foreach kernel per (device, dtype) group."""
+    device = tensors[0].device
+    pieces, order = [], []
+    for idx in groups:
+        members = [tensors[i] for i in idx]
+        res = foreach_norms(members) if ord == 2.0 else torch._foreach_norm(members, ord)
+        pieces.append(torch.stack(res).to(device=device, dtype=torch.float64))
+        order += idx
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    if order != list(range(len(order))):
+        out = torch.empty_like(out).index_copy_(0, torch.tensor(order, device=device), out)
+    return out
+
+
+def water_fill(sizes: list[int], allowed: int, most: int) -> int:
+    """A per-tensor sample k (at most ``most``, at least 1) with sum(min(n, k)) within ``allowed``."""
+    k = most
+    while k > 1 and sum(min(n, k) for n in sizes) > allowed:
+        k = max(1, k * 3 // 4)
+    return k
+
+
+class Packed:
+    """1-D views of several tensors, concatenated per (device, dtype) group, so that one ``cat``
+    copies them all, one comparison tests them all and one ``index_add`` gives each tensor's
+    result: on the CPU a per-tensor kernel costs as much as a small tensor's whole norm."""
+
+    def __init__(self, views: list[Tensor]):
+        self.n = len(views)
+        self.device = views[0].device if views else torch.device("cpu")
+        self.groups = []
+        for _, _, idx in plan_groups(views):
+            sizes = torch.tensor([views[i].numel() for i in idx], device=views[idx[0]].device)
+            seg = torch.repeat_interleave(torch.arange(len(idx), device=sizes.device, dtype=torch.int32), sizes)
+            self.groups.append((idx, [views[i] for i in idx], seg, torch.tensor(idx, device=self.device)))
+
+    def snapshot(self) -> list[Tensor]:
+        return [torch.cat(vs) if len(vs) > 1 else vs[0].clone() for _, vs, _, _ in self.groups]
+
+    def _per_tensor(self, values: list[Tensor], dtype) -> Tensor:
+        out = torch.zeros(self.n, dtype=dtype, device=self.device)
+        for (idx, _, seg, where), v in zip(self.groups, values):
+            sums = torch.zeros(len(idx), dtype=dtype, device=v.device).index_add_(0, seg, v.to(dtype))
+            out.index_copy_(0, where, sums.to(self.device))
+        return out
+
+    def changed(self, snap: list[Tensor]) -> Tensor:
+        """Per tensor: did any element differ from the snapshot (exact: ``!=``)."""
+        now = self.snapshot()
+        return self._per_tensor([a != b for a, b in zip(now, snap)], torch.float32) > 0
+
+    def diff_norms(self, snap: list[Tensor]) -> Tensor:
+        """Per tensor: ||now - snapshot||, accumulated in float64 (no square underflows)."""
+        now = self.snapshot()
+        return self._per_tensor([(a.double() - b.double()) ** 2 for a, b in zip(now, snap)], torch.float64).sqrt()
+
+
+def flat(p: Tensor) -> Tensor | None:
+    """A 1-D view that follows ``p``'s in-place updates (None for a non-contiguous parameter)."""
+    return p.detach().view(-1) if p.is_contiguous() else None
+
+
+def sample_view(p: Tensor, k: int, seed: int) -> Tensor | None:
+    """``k`` elements of ``p`` (all of it when smaller) at a period coprime to the last dimension,
+    so the sample walks across rows and columns; a 1-D strided view, updated in place with ``p``."""
+    whole = flat(p)
+    if whole is None:
+        return None
+    n = whole.numel()
+    if n <= k:
+        return whole
+    period = n // k
+    last = p.shape[-1] if p.dim() else 1
+    while period > 1 and math.gcd(period, last) != 1:
+        period -= 1
+    offset = seed % max(1, n - (k - 1) * period)
+    return whole[offset : offset + (k - 1) * period + 1 : period]
+
+
+def versions_tell(opt) -> bool:
+    """Does a parameter's version counter move whenever this optimizer changes it? Checked for
+    torch.optim's SGD, Adam, AdamW, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD and
+    Rprop: yes for their single-tensor and foreach implementations, NO for the fused ones (SGD,
+    Adam, AdamW, Adagrad with ``fused=True``). Optimizers from elsewhere may write through
+    ``p.data``, which moves no counter either, so only torch.optim's own non-fused ones are trusted."""
+    return type(opt).__module__.startswith("torch.optim.") and not any(g.get("fused") for g in opt.param_groups)
+
+
+def apply(op, groups: list[list[int]], tensors: list[Tensor], other=None) -> list[Tensor]:
+    """A foreach ``op`` per (device, dtype) group, results back in the original order."""
+    out: list = [None] * len(tensors)
+    for idx in groups:
+        args = [tensors[i] for i in idx]
+        res = op(args, other if not isinstance(other, list) else [other[i] for i in idx])
+        for i, r in zip(idx, res):
+            out[i] = r
+    return out

@@ -1,0 +1,145 @@
+"""Update norms from the optimizer's own rule: ||Δθ|| per parameter without a copy of θ.
+
+After ``optimizer.step()``, the update each parameter received is a function of what the
+optimizer keeps (its state, the gradient, the new θ, the group's hyperparameters). Every update
+the rules below know has the form
+
+    θ_new = θ_old · (1 - lr·W) - lr·U      so      ||Δθ|| = lr / (1 - lr·W) · ||U + W·θ_new||
+
+* ``torch.optim.SGD``: no momentum: U = ±g, W = weight_decay; momentum (not Nesterov): U = the
+  momentum buffer, W = 0; Nesterov: U = ±g + momentum · buffer, W = weight_decay;
+* ``torch.optim.Adam`` / ``AdamW``: U = (m / bc1) / (sqrt(v / bc2) + eps) (``max_exp_avg_sq`` for
+  AMSGrad), W = weight_decay when decoupled (AdamW), else 0 (the decay is inside m).
+
+The single-tensor, foreach and fused implementations share that math. The number is the update
+the rule computed, in float32 (float64 for float64 parameters): the values stored in θ differ from
+it by the rounding of θ's own dtype, at most half an ulp of θ per element, so
+``| ||Δθ_stored|| - ||Δθ_rule|| | <= ||ulp(θ)|| / 2`` (relative error ~1e-7 for fp32 updates well above
+the ulp; whether θ changed at all is decided separately and exactly, see :mod:`.deltas`).
+Temporaries are made a batch of tensors at a time, each batch at most ``budget`` elements (a
+tensor larger than that is cut into chunks), so the transient memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .distributed import to_local
+from .stats import foreach_norms
+
+__all__ = ["rule_of", "rule_norms", "KNOWN"]
+
+KNOWN = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def rule_of(opt) -> str | None:
+    """'sgd', 'adam', or None for an optimizer whose rule is not known here (exact types only:
+    a subclass may change the rule)."""
+    if type(opt) is torch.optim.SGD:
+        return "sgd"
+    if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
+        return "adam"
+    return None
+
+
+def _f(x) -> float:
+    return float(x) if not isinstance(x, Tensor) else float(x.detach().cpu())
+
+
+def _chunks(t: Tensor, budget: int) -> list[Tensor]:
+    flat = t.reshape(-1)
+    return [flat] if flat.numel() <= budget else list(flat.split(budget))
+
+
+def _terms(opt, rule: str, params: list[Tensor]) -> list:
+    """Per parameter: None (skipped by the step: no gradient, no state), or (scale, kind, tensors,
+    coefficients, W) with ||Δθ|| = scale · ||U + W·θ||: kind "sum" (U = Σ coefficient·tensor) or
+    "adam" (tensors m, v; coefficients bc1, sqrt(bc2), eps)."""
+    index = {id(p): k for k, p in enumerate(params)}
+    out: list = [None] * len(params)
+    for g in opt.param_groups:
+        lr = _f(g["lr"])
+        for p in g["params"]:
+            k = index.get(id(p))
+            if k is None or p.grad is None:
+                continue
+            state = opt.state.get(p, {})
+            sign = -1.0 if g.get("maximize", False) else 1.0
+            if rule == "sgd":
+                mom, wd = _f(g.get("momentum", 0.0)), _f(g.get("weight_decay", 0.0))
+                buf = state.get("momentum_buffer")
+                if mom and buf is not None and not g.get("nesterov", False):
+                    out[k] = (lr, "sum", (buf,), (1.0,), 0.0)
+                elif mom and buf is not None:
+                    out[k] = (lr / (1 - lr * wd), "sum", (p.grad, buf), (sign, mom), wd)
+                else:
+                    out[k] = (lr / (1 - lr * wd), "sum", (p.grad,), (sign,), wd)
+            elif "exp_avg" in state:
+                beta1, beta2 = (_f(b) for b in g["betas"])
+                wd = _f(g.get("weight_decay", 0.0))
+                w = wd if g.get("decoupled_weight_decay", type(opt) is torch.optim.AdamW) else 0.0
+                t = _f(state["step"])
+                v = state["max_exp_avg_sq"] if g.get("amsgrad", False) else state["exp_avg_sq"]
+                out[k] = (lr / (1 - lr * w), "adam", (state["exp_avg"], v),
+                          (1 - beta1**t, (1 - beta2**t) ** 0.5, _f(g["eps"])), w)
+    return out
+
+
+def rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
+    """||Δθ|| of ``params`` (parameters the optimizer holds) for the step that just ran, as a
+    float64 tensor on the first parameter's device; 0 for a parameter the step skipped."""
+    terms = _terms(opt, rule, params)
+    device = to_local(params[0].detach()).device
+    sq = torch.zeros(len(params), dtype=torch.float64, device=device)
+    # chunks of like terms, batched so that a batch's temporaries stay within the budget
+    batches: dict[tuple, list] = {}
+    for k, term in enumerate(terms):
+        if term is None:
+            continue
+        _, kind, tensors, coefs, w = term
+        theta = to_local(params[k].detach())
+        pieces = [_chunks(to_local(t), budget // 3) for t in tensors]
+        for c, th in enumerate(_chunks(theta, budget // 3)):
+            key = (kind, len(tensors), coefs if kind == "sum" else None, w != 0.0, th.device, th.dtype)
+            batches.setdefault(key, []).append((k, th, [pc[c] for pc in pieces], coefs, w))
+    for (kind, _, _, with_w, _, _), items in batches.items():
+        start, size = 0, 0
+        for end, item in enumerate(items, 1):
+            size += item[1].numel()
+            if size >= budget // 3 or end == len(items):
+                _accumulate(kind, with_w, items[start:end], sq)
+                start, size = end, 0
+    scale = torch.tensor([0.0 if t is None else t[0] for t in terms], dtype=torch.float64, device=device)
+    return sq.sqrt() * scale
+
+
+def _accumulate(kind: str, with_w: bool, batch: list, sq: Tensor) -> None:
+    """Add ||U + W·θ||² of one batch of like chunks into ``sq`` (per parameter), with foreach
+    kernels; the temporaries are at most two per chunk."""
+    parts = list(zip(*[item[2] for item in batch]))  # parts[j]: the j-th tensor of every chunk
+    coefs = [item[3] for item in batch]
+    thetas = [item[1] for item in batch]
+    if kind == "adam":
+        # (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) = c · m / (sqrt(v) + eps·sqrt(bc2)), c = sqrt(bc2) / bc1:
+        # the scalars folded so that each element is read and written as few times as possible
+        denom = torch._foreach_sqrt(list(parts[1]))
+        torch._foreach_add_(denom, [c[2] * c[1] for c in coefs])
+        scale = [c[1] / c[0] for c in coefs]
+        if with_w:  # U + W·θ = W·θ + c · m / denom, in one kernel
+            u = torch._foreach_mul(thetas, [item[4] for item in batch])
+            for k in range(len(u)):
+                u[k].addcdiv_(parts[0][k], denom[k], value=scale[k])
+        else:
+            u = torch._foreach_div(list(parts[0]), denom)
+            torch._foreach_mul_(u, scale)
+        del denom
+    else:
+        u = torch._foreach_mul(list(parts[0]), coefs[0][0])
+        for j in range(1, len(parts)):
+            torch._foreach_add_(u, list(parts[j]), alpha=coefs[0][j])
+        if with_w:
+            torch._foreach_add_(u, torch._foreach_mul(thetas, [item[4] for item in batch]))
+    norms = torch.stack(foreach_norms(u)).to(sq.dtype)
+    idx = torch.tensor([item[0] for item in batch], device=sq.device)
+    sq.index_add_(0, idx, norms.to(sq.device) ** 2)
