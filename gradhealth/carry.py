@@ -56,6 +56,8 @@ class Carry:
         self._template = copy.deepcopy(history)
         self.histories: dict[int, NormHistory] = {}  # per optimizer index
         self.streaks = Streaks()  # consecutive checks without a usable gradient, per parameter
+        self.still = 0  # consecutive steps that changed no OK parameter (with lr > 0) that was decided
+        self.patience = 3
 
     # ---------------------------------------------------------------- between
     def take_valid(self) -> dict[str, Tensor]:
@@ -122,6 +124,7 @@ class Carry:
         unchanged: dict[str, str] = {}
         moved: list[str] = []
         status = target.status
+        changed_any = False
         for u in updates:
             if u.measured:
                 for i, d, b, c in zip(u.indices, u.update, u.param, u.changed):
@@ -134,11 +137,17 @@ class Carry:
             for k in [k for k, c in enumerate(u.changed) if c == 0.0]:
                 if status.get(names[u.indices[k]]) is Status.OK:
                     unchanged[names[u.indices[k]]] = u.lr_zero[k]
+            if any(c == 1.0 for c in u.changed):
+                changed_any = True
             if target.not_ok:
                 frozen = {n for n in target.not_ok if status[n] is Status.FROZEN}
                 if frozen:
                     moved += [names[i] for i, c in zip(u.indices, u.changed) if c == 1.0 and names[i] in frozen]
-        found = judges.not_updated(target.status, unchanged, target.step)
+        if any(w == "" for w in unchanged.values()) and not changed_any:
+            self.still += 1  # a step that moved nothing it was seen to move
+        elif changed_any:
+            self.still = 0
+        found = judges.not_updated(target.status, unchanged, target.step, self.still, self.patience)
         found += judges.frozen_but_changed(target.status, moved, target.step)
         return Delivery(target, found)
 
@@ -151,6 +160,7 @@ class Carry:
             "history": self.history.state_dict() if self.history is not None else None,
             "histories": {i: h.state_dict() for i, h in self.histories.items()},
             "streaks": self.streaks.state_dict(),
+            "still": self.still,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -158,6 +168,7 @@ class Carry:
         self.checks = int(state.get("checks", 0))
         self.amp_skips = int(state.get("amp_skips", 0))
         self.streaks.load_state_dict(state.get("streaks") or {})
+        self.still = int(state.get("still", 0))
         if self.history is not None:
             if state.get("history") is not None:
                 self.history.load_state_dict(state["history"])

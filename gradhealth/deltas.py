@@ -52,7 +52,7 @@ WITNESSES = 8
 #: (the samples together stay within 1% of the parameters, the rule's temporaries within another 1%)
 SAMPLE = 256
 #: default: update norms measured at every this many checks (the change test runs every step)
-UPDATE_EVERY = 50
+UPDATE_EVERY = 100
 #: the change test compares the samples of at most this many tensors per step, in turns: on the
 #: CPU every tensor touched costs a kernel launch, as much as a small tensor's whole norm
 WINDOW = 64

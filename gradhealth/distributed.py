@@ -5,6 +5,7 @@ and reduces is :mod:`gradhealth.crossrank`.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -27,6 +28,7 @@ def rank() -> int:
     return torch.distributed.get_rank() if active() else 0
 
 
+@functools.lru_cache(maxsize=1)
 def _dtensor_type():
     try:
         from torch.distributed.tensor import DTensor

@@ -54,6 +54,7 @@ class NormHistory:
         self.seen = 0
         self._medians: list[float] = []
         self._medians_at = -1
+        self._spiked = False  # the previous check was a spike
 
     # --------------------------------------------------------------- storage
     def _row(self, module_norms: dict[str, float]) -> list[float]:
@@ -98,16 +99,21 @@ class NormHistory:
         elif judged:
             med = statistics.median(self.total)
             mad = statistics.median(abs(v - med) for v in self.total) * MAD_TO_SIGMA
-            if total > self.spike_factor * med and total > med + self.spike_mads * mad:
+            spike = total > self.spike_factor * med and total > med + self.spike_mads * mad
+            again, self._spiked = self._spiked and spike, spike
+            if spike:
                 meds = self._module_medians()
                 jumps = [(v / m, c) for c, (v, m) in enumerate(zip(row, meds)) if m > 0 and v > self.spike_factor * m]
                 names = tuple(self.modules[c] for _, c in sorted(jumps, reverse=True)[:5])
                 where = f"; largest jumps in {', '.join(names)}" if names else ""
+                # one spike is a warning (small batches and a bad sample make them in healthy runs);
+                # two checks in a row is an error: the run is diverging
                 findings.append(
                     Finding(FindingKind.EXPLODING_GRAD, f"total grad norm {total:.3g} is {total / med:.3g}x its running median "
-                            f"{med:.3g}{where}: a bad batch (look at its inputs and targets), a learning rate too high, "
-                            "or an fp16 overflow; clip gradients (clip_grad_norm_) to contain it",
-                            params=names, step=step, data={"total": total, "median": med})
+                            f"{med:.3g}{where}{', at two checks in a row' if again else ''}: a bad batch (look at its inputs "
+                            "and targets), a learning rate too high, or an fp16 overflow; clip gradients "
+                            "(clip_grad_norm_) to contain it", params=names, step=step, level="error" if again else "warning",
+                            data={"total": total, "median": med})
                 )
         if judged:
             meds = self._module_medians()

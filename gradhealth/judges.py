@@ -100,17 +100,29 @@ def expect_frozen(status: Mapping[str, Status], patterns: tuple[str, ...] | None
     return out
 
 
-def not_updated(status: Mapping[str, Status], unchanged: Mapping[str, str], step: int) -> list[Finding]:
+def not_updated(status: Mapping[str, Status], unchanged: Mapping[str, str], step: int,
+                still: int = 1, patience: int = 1) -> list[Finding]:
     """NOT_UPDATED: OK gradients, in the optimizer, yet its step left these parameters unchanged.
 
     ``unchanged`` maps each name to its learning rate's story: "new" (0 at this step only: a
     warmup schedule that starts at 0, info), "again" (0 at this step and the one before: an error),
-    "" (lr > 0: an update rule that does nothing, or updates below the precision of θ: an error).
+    "" (lr > 0). With lr > 0, an error only when the step changed none of the parameters it was
+    seen to judge for ``patience`` steps in a row (``still``): an update rule that does nothing, or
+    updates below the precision of the weights everywhere. Some parameters left unchanged while
+    others move is info: their updates fell below the precision of the weights (a converged
+    parameter, vanishing gradients).
     """
     out = []
     scheduled = {n for n, w in unchanged.items() if w == "new"}
     stuck = {n for n, w in unchanged.items() if w == "again"}
     rest = set(unchanged) - scheduled - stuck
+    if rest and still < patience:
+        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, rest)} were left exactly unchanged by "
+                           f"optimizer.step() at step {step} although their gradients are not zero: their updates fell "
+                           "below the precision of the weights (a converged parameter, vanishing gradients); an error "
+                           f"only if a step changes nothing at all {patience} times in a row",
+                           params=_ordered(status, rest), level="info", step=step))
+        rest = set()
     if scheduled:
         out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, scheduled)} were not changed by optimizer.step() at "
                            f"step {step} because their learning rate was 0 at that step: expected when a warmup "
@@ -123,10 +135,10 @@ def not_updated(status: Mapping[str, Status], unchanged: Mapping[str, str], step
                            "their param group", params=_ordered(status, stuck), step=step, data={"lr": 0.0}))
     if rest:
         out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, rest)} had finite, non-zero gradients at step {step} "
-                           "yet optimizer.step() left every element unchanged although the learning rate is not 0: an "
-                           "update rule that does nothing, or updates smaller than the precision of the weights (bf16/fp16 "
-                           "weights with a small learning rate: keep fp32 master weights)", params=_ordered(status, rest),
-                           step=step))
+                           f"yet optimizer.step() has changed no parameter for {still} steps in a row although the "
+                           "learning rate is not 0: an update rule that does nothing, or updates smaller than the "
+                           "precision of the weights (bf16/fp16 weights with a small learning rate: keep fp32 master "
+                           "weights)", params=_ordered(status, rest), step=step, data={"steps": still}))
     return out
 
 

@@ -86,6 +86,7 @@ class GradHealth:
         self.scaler = _check_scaler(scaler)
         self.ranks = Ranks(model, ddp_model, o.rank_origin)
         self.carry = Carry(o.history)
+        self.carry.patience = o.grad_patience
         self.publisher = Publisher(o.sinks, o.on_problem)
         self.publisher.emit_warnings = self.ranks.rank == 0  # the same verdict is on every rank; rank 0 says it
         self.last_report: Report | None = None

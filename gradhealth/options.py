@@ -124,7 +124,7 @@ class Options:
     sinks: Any = ()
     expect_frozen: Any = None
     deltas: str = "auto"
-    update_every: int = 25
+    update_every: int = 100
     history: Any = True
     amp_skip_alarm: int = 3
     amp_scale_floor: float = 1.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 
 from .errors import GradHealthError, GradHealthInternalWarning, GradHealthWarning
@@ -89,7 +90,11 @@ class Publisher:
         if self.on_problem == "raise" and loud:
             raise GradHealthError(message, report)
         if self.emit_warnings:
-            warnings.warn(message, GradHealthWarning, stacklevel=stacklevel + 1)
+            # warn_explicit with a throwaway registry: warnings.warn would keep every distinct
+            # message (each names its step) in the caller's __warningregistry__ for ever
+            frame = sys._getframe(stacklevel)
+            warnings.warn_explicit(message, GradHealthWarning, frame.f_code.co_filename, frame.f_lineno,
+                                   module=frame.f_globals.get("__name__"), registry={}, module_globals=frame.f_globals)
 
     def publish_update(self, report: Report) -> None:
         """A report again, once its step's update norms (and findings) are known."""

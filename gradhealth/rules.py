@@ -60,6 +60,12 @@ def _terms(opt, rule: str, params: list[Tensor]) -> list:
     out: list = [None] * len(params)
     for g in opt.param_groups:
         lr = _f(g["lr"])
+        steps = {}
+        if rule == "adam":  # every parameter's step count in one read
+            have = [p for p in g["params"] if "step" in opt.state.get(p, {})]
+            if have:
+                got = torch.stack([torch.as_tensor(opt.state[p]["step"]).detach().float().cpu() for p in have]).tolist()
+                steps = dict(zip(map(id, have), got))
         for p in g["params"]:
             k = index.get(id(p))
             if k is None or p.grad is None:
@@ -79,7 +85,7 @@ def _terms(opt, rule: str, params: list[Tensor]) -> list:
                 beta1, beta2 = (_f(b) for b in g["betas"])
                 wd = _f(g.get("weight_decay", 0.0))
                 w = wd if g.get("decoupled_weight_decay", type(opt) is torch.optim.AdamW) else 0.0
-                t = _f(state["step"])
+                t = steps[id(p)]
                 v = state["max_exp_avg_sq"] if g.get("amsgrad", False) else state["exp_avg_sq"]
                 out[k] = (lr / (1 - lr * w), "adam", (state["exp_avg"], v),
                           (1 - beta1**t, (1 - beta2**t) ** 0.5, _f(g["eps"])), w)

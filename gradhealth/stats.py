@@ -62,13 +62,13 @@ def plan_groups(tensors: Sequence[Tensor]) -> list[tuple[torch.device, torch.dty
 
 
 def _plan_fits(plan, tensors: Sequence[Tensor]) -> bool:
+    """Exactly: every tensor still has its group's device and dtype (one converted middle layer
+    must not land in a kernel of another dtype)."""
     if plan is None or sum(len(idx) for _, _, idx in plan) != len(tensors):
         return False
-    for device, dtype, idx in plan:  # spot check: the first and last member of each group
-        for i in (idx[0], idx[-1]):
-            t = tensors[i]
-            if t.dtype != dtype or t.device != device:
-                return False
+    for device, dtype, idx in plan:
+        if any(tensors[i].dtype != dtype for i in idx) or any(tensors[i].device != device for i in idx):
+            return False
     return True
 
 

@@ -59,11 +59,14 @@ def update_metrics_of(report: Report, suffix: str = "", granularity: str = "modu
 
 
 class _LoggerSink:
-    """Sends reports to every logger of the Trainer (loggers log on rank zero only)."""
+    """Sends reports to every logger of the Trainer (loggers log on rank zero only), every
+    ``trainer.log_every_n_steps`` checks, and always when a report has a problem or a finding."""
 
     def __init__(self, trainer: pl.Trainer, granularity: str):
         self.trainer = trainer
         self.granularity = granularity
+        self._seen = 0
+        self._written: list[int] = []
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
         if metrics:
@@ -71,10 +74,17 @@ class _LoggerSink:
                 logger.log_metrics(metrics, step=step)
 
     def write(self, report: Report) -> None:
+        self._seen += 1
+        loud = not report.ok or any(f.level != "info" for f in report.findings)
+        if (self._seen - 1) % max(1, self.trainer.log_every_n_steps) and not loud:
+            return
+        self._written = self._written[-15:] + [report.step]
         self._log(metrics_of(report, suffix(report, len(self.trainer.optimizers)), self.granularity), report.step)
 
     def write_update(self, report: Report) -> None:
-        self._log(update_metrics_of(report, suffix(report, len(self.trainer.optimizers)), self.granularity), report.step)
+        if report.step in self._written or any(f.level != "info" for f in report.findings):
+            self._log(update_metrics_of(report, suffix(report, len(self.trainer.optimizers)), self.granularity),
+                      report.step)
 
 
 class GradHealthCallback(Callback):
@@ -169,7 +179,7 @@ class GradHealthCallback(Callback):
         # Scalars reach TensorBoard through the logger already; the sink adds what a logger
         # cannot: the custom-scalars layout, the gradient-flow heatmap, findings as text.
         return tuple(TensorBoardSink(lg.experiment, scalars=False, norm=NORM, granularity=self.granularity,
-                                     close_writer=False) for lg in loggers)
+                                     close_writer=False, every_n=max(1, trainer.log_every_n_steps)) for lg in loggers)
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

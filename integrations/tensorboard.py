@@ -65,11 +65,13 @@ class TensorBoardSink:
         scalars: write the scalar tags (False when a logger writes them already).
         norm: the norm's tag name (``grad_norm``; Lightning uses ``grad_norm_preclip``).
         close_writer: close the writer at ``close()`` (default: only one this sink opened).
+        every_n: write every n-th report (like Lightning's ``log_every_n_steps``); a report with a
+            problem or a finding above info level is always written, and so is the first.
     """
 
     def __init__(self, logdir_or_writer, *, granularity: str | None = None, histograms: bool = False,
                  heatmap_every: int = 50, heatmap_window: int = 200, scalars: bool = True, norm: str = "grad_norm",
-                 close_writer: bool | None = None):
+                 close_writer: bool | None = None, every_n: int = 10):
         if isinstance(logdir_or_writer, (str, os.PathLike)):
             # a deep queue: the writer thread serialises events while training runs
             self.writer = SummaryWriter(str(logdir_or_writer), max_queue=256)
@@ -83,6 +85,11 @@ class TensorBoardSink:
             raise ValueError(f"granularity must be one of None, 'param', 'module'; got {granularity!r}")
         if not isinstance(heatmap_every, int) or heatmap_every < 0:
             raise ValueError(f"heatmap_every must be an int >= 0; got {heatmap_every!r}")
+        if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
+            raise ValueError(f"every_n must be a positive int; got {every_n!r}")
+        self.every_n = every_n
+        self._seen = 0
+        self._written: list[int] = []  # the steps written lately (their updates follow them)
         self.granularity = granularity
         self.histograms = histograms
         self.heatmap_every = heatmap_every
@@ -104,7 +111,14 @@ class TensorBoardSink:
             return self.granularity
         return "param" if len(report.status) <= AUTO_PARAM_LIMIT else "module"
 
+    def _wanted(self, report: Report) -> bool:
+        self._seen += 1
+        return (self._seen - 1) % self.every_n == 0 or not report.ok or any(f.level != "info" for f in report.findings)
+
     def write(self, report: Report) -> None:
+        if not self._wanted(report):
+            return
+        self._written = self._written[-15:] + [report.step]
         w = self.writer
         if not self._layout_written:
             w.add_custom_scalars(layout(self.norm))
@@ -140,6 +154,8 @@ class TensorBoardSink:
             self._texts.pop(next(iter(self._texts)))
 
     def write_update(self, report: Report) -> None:
+        if report.step not in self._written and not any(f.level != "info" for f in report.findings):
+            return
         self._write_text(report)
         if not self.scalars:
             return

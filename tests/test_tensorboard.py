@@ -39,7 +39,7 @@ def train(logdir, steps=5, model=None, opt_params=None, heatmap_every=2, lr=0.1,
     model = model or nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     opt = torch.optim.SGD(opt_params if opt_params is not None else model.parameters(), lr=lr)
     keep = Keep()
-    sink = TensorBoardSink(logdir, heatmap_every=heatmap_every, **kw)
+    sink = TensorBoardSink(logdir, heatmap_every=heatmap_every, **{"every_n": 1, **kw})
     with gh.GradHealth(model, opt, sinks=[sink, keep], on_problem="ignore", update_every=1) as mon:
         for _ in range(steps):
             opt.zero_grad()
