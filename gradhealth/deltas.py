@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .distributed import to_local
+from .distributed import dtensor_type, to_local
 from .naming import spread
 from .compare import Packed, apply, flat, norms, sample_view, versions_tell, water_fill
 from .rules import rule_norms, rule_of
@@ -69,6 +69,7 @@ class _OptPlan:
     whole: list[bool]  # the sample is the whole tensor
     groups: list[list[int]]  # (device, dtype) groups of params
     group_of: list[int]  # the param group of each
+    local: bool = False  # some are local shards of DTensors (their views have version counters of their own)
 
 
 @dataclass
@@ -176,7 +177,9 @@ class UpdateTracker:
             for start in range(0, len(views), WINDOW):
                 ks = list(range(start, min(start + WINDOW, len(views))))
                 windows.append((ks, Packed([views[k] for k in ks])))
-        plan = _OptPlan(ids, ptrs, idx, params, windows, whole, [g for _, _, g in plan_groups(params)], group_of)
+        dtensor = dtensor_type()
+        local = dtensor is not None and any(isinstance(self.entries[i][1], dtensor) for i in idx)
+        plan = _OptPlan(ids, ptrs, idx, params, windows, whole, [g for _, _, g in plan_groups(params)], group_of, local)
         self._plans[id(opt)] = plan
         return plan
 
@@ -242,9 +245,9 @@ class UpdateTracker:
 
     def _measure(self, opt, plan, versions, snap, copies, measure) -> StepStats:
         params, n = plan.params, len(plan.params)
-        if versions_tell(opt):
+        if versions_tell(opt) and not plan.local:
             touched = [p._version != v for p, v in zip(params, versions)]
-        else:  # fused kernels and writes through .data move no version counter: compare them all
+        else:  # fused kernels, writes through .data and DTensor shards: no counter to trust; compare all
             touched = [True] * n
         lr_zero = self._lr_zero(opt, plan)
         if rule_of(opt) is not None:  # lr 0 in SGD/Adam/AdamW: θ - 0·u and θ·(1 - 0·wd) are θ, exactly

@@ -29,7 +29,7 @@ def rank() -> int:
 
 
 @functools.lru_cache(maxsize=1)
-def _dtensor_type():
+def dtensor_type():
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # older torch
@@ -41,7 +41,7 @@ def _dtensor_type():
 
 
 def is_sharded(t: Tensor) -> bool:
-    DTensor = _dtensor_type()
+    DTensor = dtensor_type()
     if DTensor is None or not isinstance(t, DTensor):
         return False
     return any(p.is_shard() for p in t.placements)
@@ -61,7 +61,7 @@ def fsdp1_sharded(model) -> bool:
 
 def to_local(t: Tensor) -> Tensor:
     """A DTensor's local shard (its local computation must not hide a collective); else ``t``."""
-    DTensor = _dtensor_type()
+    DTensor = dtensor_type()
     if DTensor is not None and isinstance(t, DTensor):
         return t.to_local()
     return t
