@@ -31,6 +31,7 @@ memory) and measures exactly.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from dataclasses import dataclass, field
 
@@ -84,7 +85,7 @@ class StepStats:
 
     indices: list[int]
     packed: Tensor  # [device change flags of `flag_pos`, update norms, param norms] as float64
-    touched: list[bool] = field(default_factory=list)
+    touched: list[bool] | None = None  # None: all touched
     flag_pos: list[int] = field(default_factory=list)  # positions decided on the device
     sure: list[bool] = field(default_factory=list)  # a device flag of 0 is a decision (not undecided)
     measured: bool = False
@@ -95,7 +96,8 @@ class StepStats:
 
     def fetched(self, values: list[float]) -> None:
         n, f = len(self.indices), len(self.flag_pos)
-        changed = [math.nan if t else 0.0 for t in self.touched]  # touched: undecided unless tested
+        # touched: undecided unless tested; untouched: unchanged
+        changed = [math.nan] * n if self.touched is None else [math.nan if t else 0.0 for t in self.touched]
         for j, k in enumerate(self.flag_pos):
             changed[k] = 1.0 if values[j] > 0 else (0.0 if self.sure[j] else math.nan)
         self.changed = changed
@@ -207,7 +209,12 @@ class UpdateTracker:
             # exact copies, within the budget and in turns: the watched parameters (undecided by
             # their sample before), and for an optimizer without a known rule, the ones measured
             generic = measure and self.mode != "exact" and rule_of(opt) is None
-            wanted = [k for k in range(len(plan.idx)) if generic or (plan.idx[k] in self.watched and not plan.whole[k])]
+            if generic:
+                wanted = list(range(len(plan.idx)))
+            elif self.watched:
+                wanted = [k for k, i in enumerate(plan.idx) if i in self.watched and not plan.whole[k]]
+            else:
+                wanted = []
             copies = self._copies_in_turn(opt, plan, wanted) if wanted and self.mode != "exact" else None
             self._inflight[id(opt)] = (plan, versions, snap, copies, measure)
 
@@ -245,39 +252,45 @@ class UpdateTracker:
 
     def _measure(self, opt, plan, versions, snap, copies, measure) -> StepStats:
         params, n = plan.params, len(plan.params)
+        touched: list[bool] | None = None  # None: every parameter touched (the common case)
         if versions_tell(opt) and not plan.local:
-            touched = [p._version != v for p, v in zip(params, versions)]
-        else:  # fused kernels, writes through .data and DTensor shards: no counter to trust; compare all
-            touched = [True] * n
+            moved_on = list(map(operator.ne, [p._version for p in params], versions))
+            touched = None if all(moved_on) else moved_on
+        # else: fused kernels, writes through .data and DTensor shards move no counter; compare all
         lr_zero = self._lr_zero(opt, plan)
-        if rule_of(opt) is not None:  # lr 0 in SGD/Adam/AdamW: θ - 0·u and θ·(1 - 0·wd) are θ, exactly
-            touched = [t and not z for t, z in zip(touched, lr_zero)]
+        if rule_of(opt) is not None and any(lr_zero):  # lr 0 in SGD/Adam/AdamW: θ - 0·u is θ, exactly
+            touched = [(t if touched is not None else True) and not z for t, z in zip(touched or [True] * n, lr_zero)]
         device = params[0].device
         parts: list[Tensor] = []
         diff = None
         copied, exact_norms = [], None
         if self.mode == "exact":
-            pos = [k for k in range(n) if touched[k]]
+            pos = [k for k in range(n) if touched is None or touched[k]]
             diff = apply(torch._foreach_sub, plan.groups, params, snap)
             moved = norms(diff, plan.groups, math.inf) > 0  # max |Δ|: no square can underflow to 0
             sure = [True] * len(pos)
         else:
             ks, window, before_w = snap
-            moved = torch.zeros(n, dtype=torch.bool, device=device)
-            moved[ks[0] : ks[-1] + 1] = window.changed(before_w)
-            tested = set(ks)
-            if copies is not None:  # the exact copies decide their parameters
-                copied, packed, before = copies
-                where = torch.tensor(copied, device=device)
-                moved = moved.index_fill(0, where[packed.changed(before)], True)
-                tested |= set(copied)
-                if measure:
-                    exact_norms = packed.diff_norms(before)
-            # touched parameters outside this step's window and copies stay undecided (nan)
-            pos = [k for k in range(n) if touched[k] and k in tested]
+            flags = window.changed(before_w)
+            if copies is None and touched is None:  # the window decides its parameters, no others
+                pos, moved = ks, None
+                parts.append(flags.to(torch.float64))
+            else:
+                moved = torch.zeros(n, dtype=torch.bool, device=device)
+                moved[ks[0] : ks[-1] + 1] = flags
+                tested = set(ks)
+                if copies is not None:  # the exact copies decide their parameters
+                    copied, packed, before = copies
+                    where = torch.tensor(copied, device=device)
+                    moved = moved.index_fill(0, where[packed.changed(before)], True)
+                    tested |= set(copied)
+                    if measure:
+                        exact_norms = packed.diff_norms(before)
+                # touched parameters outside this step's window and copies stay undecided (nan)
+                pos = sorted(k for k in tested if touched is None or touched[k])
             done = set(copied)
             sure = [plan.whole[k] or k in done for k in pos]
-        if pos:  # the device decides the touched ones; the untouched are unchanged
+        if pos and moved is not None:  # the device decides the touched ones; the untouched are unchanged
             parts.append((moved if len(pos) == n else moved[torch.tensor(pos, device=device)]).to(torch.float64))
         if measure:  # ||θ||: before the step where a copy exists, after it otherwise
             theta = snap if self.mode == "exact" else params
@@ -308,6 +321,8 @@ class UpdateTracker:
             key = (id(opt), gi)
             words.append("" if lr != 0 else ("again" if self._last_lr.get(key) == 0 else "new"))
             self._last_lr[key] = lr
+        if not any(words):
+            return [""] * len(plan.group_of)
         return [words[g] for g in plan.group_of]
 
     # ------------------------------------------------------------ stale grads

@@ -167,17 +167,18 @@ def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None
 def module_norms(with_grad: Sequence[int], norms: Sequence[float], module_of: Sequence[int],
                  modules: Sequence[str]) -> dict[str, float]:
     """Each module's own gradient norm from its parameters' (entry ``i`` belongs to module
-    ``modules[module_of[i]]``): squares summed in float64 for all modules at once; a module with a
-    norm outside [1e-150, 1e150] (a square would underflow or overflow) is combined exactly instead."""
-    if not norms:
-        return {}
-    v = torch.tensor(norms, dtype=torch.float64)
-    where = torch.tensor([module_of[i] for i in with_grad])
-    sq = torch.zeros(len(modules), dtype=torch.float64).index_add_(0, where, v * v)
-    seen = sorted(set(where.tolist()))
-    out = dict(zip([modules[m] for m in seen], sq[seen].sqrt().tolist()))
-    risky = (v != 0) & ((v.abs() < 1e-150) | (v.abs() > 1e150)) & torch.isfinite(v)
-    if bool(risky.any()):
-        for m in set(where[risky].tolist()):
-            out[modules[m]] = combine_norms([n for i, n in zip(with_grad, norms) if module_of[i] == m])
+    ``modules[module_of[i]]``): squares summed in float64, in plain Python (a few hundred floats:
+    cheaper than any tensor round trip); a module with a norm outside [1e-150, 1e150] (a square
+    would underflow or overflow) or a NaN is combined by :func:`combine_norms` instead."""
+    acc: dict[int, float] = {}
+    odd: set[int] = set()
+    for i, v in zip(with_grad, norms):
+        m = module_of[i]
+        acc[m] = acc.get(m, 0.0) + v * v
+        if not 1e-150 <= v <= 1e150 and v != 0.0:  # NaN compares False too
+            odd.add(m)
+    sqrt = math.sqrt
+    out = {modules[m]: sqrt(q) for m, q in sorted(acc.items())}
+    for m in odd:
+        out[modules[m]] = combine_norms([v for i, v in zip(with_grad, norms) if module_of[i] == m])
     return out
