@@ -45,6 +45,7 @@ class Carry:
         self.witnesses: list[tuple[int, weakref.ref, int]] = []
         self.last_scale: float | None = None
         self.amp_skips = 0
+        self.amp_settled = False  # a step has run under the grad scaler: its scale has settled
         self.tracer = None
         self.trace_from: int | None = None
         self.forward: ForwardRecord | None = None
@@ -89,6 +90,7 @@ class Carry:
         it did not run. ``report`` is the current check's (None at a flush)."""
         if steps_ran:
             self.amp_skips = 0
+            self.amp_settled = self.amp_settled or scaler
         if updates:
             return self._measured(updates, names)
         if self.armed is None or steps_ran != 0:
@@ -102,7 +104,7 @@ class Carry:
             self.amp_skips += 1
             if not prev.findings_of(FindingKind.AMP_SKIPPED) and scale is not None and self.last_scale is not None \
                     and scale < self.last_scale:
-                return Delivery(prev, judges.amp_skip(scale, self.amp_skips, amp_alarm, prev.step))
+                return Delivery(prev, judges.amp_skip(scale, self.amp_skips, amp_alarm, prev.step, not self.amp_settled))
             return None
         found = judges.skipped_step(prev.status, prev.in_optimizer, prev.step)
         return Delivery(prev, found) if found else None
@@ -157,6 +159,7 @@ class Carry:
             "calls": self.calls,
             "checks": self.checks,
             "amp_skips": self.amp_skips,
+            "amp_settled": self.amp_settled,
             "history": self.history.state_dict() if self.history is not None else None,
             "histories": {i: h.state_dict() for i, h in self.histories.items()},
             "streaks": self.streaks.state_dict(),
@@ -167,6 +170,7 @@ class Carry:
         self.calls = int(state.get("calls", 0))
         self.checks = int(state.get("checks", 0))
         self.amp_skips = int(state.get("amp_skips", 0))
+        self.amp_settled = bool(state.get("amp_settled", False))
         self.streaks.load_state_dict(state.get("streaks") or {})
         self.still = int(state.get("still", 0))
         if self.history is not None:

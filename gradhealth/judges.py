@@ -165,12 +165,19 @@ def skipped_step(status: Mapping[str, Status], in_optimizer: Mapping[str, bool] 
                     "optimizer.step(), or an exception swallowed)", params=_ordered(status, chosen), step=step)]
 
 
-def amp_skip(scale: float, consecutive: int, alarm_after: int, step: int) -> list[Finding]:
-    """AMP_SKIPPED: info while the scale settles, an error after ``alarm_after`` skips in a row."""
-    alarm = consecutive >= alarm_after
-    tail = (f", {consecutive} steps in a row: the model itself produces non-finite gradients, not an fp16 overflow the "
-            "scaler can absorb (trace it with gh.trace_nonfinite)" if alarm
-            else "; expected now and then while the scale settles")
+def amp_skip(scale: float, consecutive: int, alarm_after: int, step: int, settling: bool = False) -> list[Finding]:
+    """AMP_SKIPPED: info while the scale settles (every skip before the first step that ran, from
+    any ``init_scale``; the scale floor still catches a model that overflows at every scale) and
+    now and then after; an error after ``alarm_after`` skips in a row once a step has run."""
+    alarm = consecutive >= alarm_after and not settling
+    if settling:
+        tail = (f"; the scale is still settling from its initial value ({consecutive} halvings so far, normal for "
+                "a large init_scale)")
+    elif alarm:
+        tail = (f", {consecutive} steps in a row: the model itself produces non-finite gradients, not an fp16 overflow "
+                "the scaler can absorb (trace it with gh.trace_nonfinite)")
+    else:
+        tail = "; expected now and then while the scale settles"
     return [Finding(K.AMP_SKIPPED, f"the grad scaler skips optimizer.step() at step {step}: inf/NaN in the scaled "
                     f"gradients at scale {scale:g}{tail}", step=step, level="error" if alarm else "info",
                     data={"scale": scale, "consecutive": consecutive})]

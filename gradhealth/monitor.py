@@ -313,7 +313,7 @@ class GradHealth:
         found = []
         if self.scaler is not None and obs.scale is not None:
             if nonfinite:
-                found += judges.amp_skip(obs.scale, carry.amp_skips + 1, o.amp_skip_alarm, step)
+                found += judges.amp_skip(obs.scale, carry.amp_skips + 1, o.amp_skip_alarm, step, not carry.amp_settled)
             found += judges.amp_floor(obs.scale, o.amp_scale_floor, step)
         stale = {names[i] for i in obs.stale}
         if across is None:

@@ -84,3 +84,39 @@ def test_scale_floor_alarm():
 def test_bad_scaler():
     with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler"):
         gh.GradHealth(MLP(), scaler=object())
+
+
+def test_settling_from_a_large_init_scale_is_silent_under_raise():
+    """GPT-2-style fp16 start: GradScaler(init_scale=2**24) halves many times in a row while it
+    settles; that is not an alarm. Afterwards three skips in a row are."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    mon = gh.GradHealth(model, opt, scaler=scaler, on_problem="raise")
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthWarning)
+        for _ in range(10):  # the first ten steps overflow, as a too-large scale does
+            r = amp_step(model, opt, scaler, mon, x, overflow=True)
+            assert r.findings_of("AMP_SKIPPED")[0].level == "info"
+        for _ in range(3):
+            assert amp_step(model, opt, scaler, mon, x).ok
+    assert scaler.get_scale() == 2.0**14
+    amp_step(model, opt, scaler, mon, x, overflow=True)
+    amp_step(model, opt, scaler, mon, x, overflow=True)
+    with pytest.raises(gh.GradHealthError, match="3 steps in a row"):
+        amp_step(model, opt, scaler, mon, x, overflow=True)
+
+
+def test_overflow_at_every_scale_is_still_caught_by_the_floor():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    mon = gh.GradHealth(model, opt, scaler=scaler, on_problem="raise")
+    x = torch.randn(4, 8)
+    with pytest.raises(gh.GradHealthError, match="collapsed"):
+        for _ in range(20):
+            amp_step(model, opt, scaler, mon, x, overflow=True)
+    assert scaler.get_scale() < 1.0
