@@ -50,6 +50,8 @@ class Carry:
         self.trace_from: int | None = None
         self.forward: ForwardRecord | None = None
         self.eval_backward: ForwardRecord | None = None
+        self.frozen_norms: set[str] = set()  # normalisation layers run in eval with frozen affine parameters
+        self.frozen_norms_said = False
         self.valid: dict[str, Tensor] = {}
         # the options' history is a template: each monitor keeps copies of its own (the default one,
         # for checks of every parameter, and one per optimizer)

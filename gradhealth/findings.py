@@ -31,6 +31,7 @@ class FindingKind(str, enum.Enum):
     UNEXPECTED_FROZEN = "UNEXPECTED_FROZEN"
     UNEXPECTED_TRAINABLE = "UNEXPECTED_TRAINABLE"
     TRANSIENT_GRAD = "TRANSIENT_GRAD"
+    FROZEN_NORM = "FROZEN_NORM"
 
     def __str__(self) -> str:
         return self.value

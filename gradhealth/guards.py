@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from .errors import GradModeError
+from .naming import ROOT
 
 __all__ = ["ForwardRecord", "ForwardWatch", "diagnose_loss", "check_loss"]
 
@@ -97,7 +99,8 @@ def check_loss(loss, model: nn.Module | None = None) -> None:
         raise GradModeError(f"gradhealth: loss cannot produce gradients: {cause}")
 
 
-_DROPOUT_OR_NORM = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm, nn.AlphaDropout)
+_NORMS = (nn.modules.batchnorm._BatchNorm,)
+_DROPOUT_OR_NORM = (nn.modules.dropout._DropoutNd, nn.AlphaDropout, *_NORMS)
 
 
 def _first_grad_tensor(output) -> list[Tensor]:
@@ -112,24 +115,47 @@ def _first_grad_tensor(output) -> list[Tensor]:
 
 
 class ForwardWatch:
-    """A forward hook on the model that records its grad mode and train/eval state (Python state
-    only, no sync) in ``carry.forward``; a training forward in eval() mode lands in
-    ``carry.eval_backward`` only when a backward really goes through it (a hook on its output
-    fires then, and never for validation forwards)."""
+    """Forward hooks that see what the training forward really ran (Python state only, no sync).
+
+    * on the model: its grad mode and inference mode, and whether it was in training mode, in
+      ``carry.forward`` (for the loss diagnosis);
+    * on the model, its direct children and every dropout / batch-norm module wherever it sits
+      (a LightningModule's inner model included): a module that ran in eval() mode with grad
+      enabled lands in ``carry.eval_backward`` only when a backward really goes through its output
+      (a hook on that output fires then, and never for validation forwards).
+
+    Normalisation layers in eval() mode whose affine parameters are frozen (or absent) are the
+    frozen-BatchNorm fine-tuning idiom: intended, so they are not eval-mode mistakes; they are
+    noted once in ``carry.frozen_norms``.
+    """
 
     def __init__(self, model: nn.Module, module: nn.Module, carry):
         self.carry = carry
-        self._dropout_like = [(n, m) for n, m in module.named_modules() if isinstance(m, _DROPOUT_OR_NORM)]
-        self.handle = model.register_forward_hook(self._on_forward)
+        self.root = module
+        self.handles = [model.register_forward_hook(self._on_model)]
+        children = {name for name, _ in module.named_children()}
+        for name, m in module.named_modules():
+            if name == "" or name in children or isinstance(m, _DROPOUT_OR_NORM):
+                self.handles.append(m.register_forward_hook(functools.partial(self._on_module, name)))
 
-    def _on_forward(self, module, args, output) -> None:
-        grad_on = torch.is_grad_enabled()
-        evals = tuple(n for n, m in self._dropout_like if not m.training)
-        record = ForwardRecord(grad_on, torch.is_inference_mode_enabled(), module.training, evals)
-        self.carry.forward = record
-        if grad_on and (not module.training or evals):
-            for t in _first_grad_tensor(output):
-                t.register_hook(lambda g, record=record: setattr(self.carry, "eval_backward", record))
+    def _on_model(self, module, args, output) -> None:
+        self.carry.forward = ForwardRecord(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.root.training)
+
+    def _on_module(self, name: str, module, args, output) -> None:
+        if module.training or not torch.is_grad_enabled():
+            return
+        if isinstance(module, _NORMS) and not any(p.requires_grad for p in module.parameters(recurse=False)):
+            self.carry.frozen_norms.add(name)  # frozen BatchNorm: intended
+            return
+        for t in _first_grad_tensor(output):
+            t.register_hook(functools.partial(self._backward_through, name))
+
+    def _backward_through(self, name: str, grad) -> None:
+        seen = self.carry.eval_backward
+        names = set(seen.eval_modules) if seen is not None else set()
+        names.add(name or ROOT)
+        self.carry.eval_backward = ForwardRecord(True, False, ROOT not in names, tuple(sorted(names - {ROOT})))
 
     def remove(self) -> None:
-        self.handle.remove()
+        for h in self.handles:
+            h.remove()

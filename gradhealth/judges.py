@@ -18,7 +18,7 @@ from .report import describe_names
 from .status import Status
 
 __all__ = ["loss_cause", "empty_valid_set", "eval_mode", "stale_grad", "expect_frozen", "not_updated",
-           "frozen_but_changed", "skipped_step", "amp_skip", "amp_floor", "transient_grads"]
+           "frozen_but_changed", "skipped_step", "amp_skip", "amp_floor", "transient_grads", "frozen_norms"]
 
 K = FindingKind
 _MASKED_MEAN = "gh.masked_mean(..., empty='zero')"
@@ -69,6 +69,18 @@ def eval_mode(record: ForwardRecord | None, step: int, where: str = "") -> list[
     return [Finding(K.GRAD_MODE, f"{what}{where}: dropout is off and batch norm uses (and no longer updates) its running "
                     "statistics. Call model.train() after validation, before training resumes", step=step,
                     params=record.eval_modules)]
+
+
+def frozen_norms(names: Collection[str], step: int) -> list[Finding]:
+    """FROZEN_NORM (info): normalisation layers run in eval() mode with frozen or no affine
+    parameters during training: the frozen-BatchNorm fine-tuning idiom, intended."""
+    if not names:
+        return []
+    shown = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return [Finding(K.FROZEN_NORM, f"{len(names)} normalisation layer{'s' if len(names) != 1 else ''} ({shown}) ran in "
+                    "eval() mode with frozen affine parameters during training: the frozen-BatchNorm idiom of "
+                    "fine-tuning, taken as intended (their running statistics stay fixed); not an eval-mode mistake",
+                    params=tuple(sorted(names)), level="info", step=step)]
 
 
 def stale_grad(status: Mapping[str, Status], stale: Collection[str], step: int, where: str = "") -> list[Finding]:

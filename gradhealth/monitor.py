@@ -330,6 +330,9 @@ class GradHealth:
                 found += judges.stale_grad(report.status, stale or set(report.status), step, where(across.stale_mask))
             found += crossrank.rank_findings(report, across, obs, names)
         found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step)
+        if carry.frozen_norms and not carry.frozen_norms_said:  # said once, at the first check after they ran
+            found += judges.frozen_norms(carry.frozen_norms, step)
+            carry.frozen_norms_said = True
         if carry.checks == 0:
             self._log_frozen(report)
         found += judges.expect_frozen(report.status, o.expect_frozen, step)
