@@ -42,7 +42,7 @@ class Carry:
         self.calls = 0  # check() calls, skipped ones included
         self.checks = 0  # checks that produced a report
         self.armed: Report | None = None  # the report whose optimizer step is pending
-        self.witnesses: list[tuple[int, weakref.ref, int]] = []
+        self.witnesses: list[tuple[weakref.ref, weakref.ref, int]] = []  # (parameter, its gradient, version)
         self.last_scale: float | None = None
         self.amp_skips = 0
         self.amp_settled = False  # a step has run under the grad scaler: its scale has settled
@@ -82,7 +82,8 @@ class Carry:
     def arm(self, report: Report, params: list, with_grad: list[int], scale: float | None) -> None:
         """Remember ``report`` until its optimizer step is measured, and a few of its gradients."""
         self.armed = report
-        self.witnesses = [(i, weakref.ref(params[i].grad), params[i].grad._version) for i in spread(with_grad, WITNESSES)]
+        self.witnesses = [(weakref.ref(params[i]), weakref.ref(params[i].grad), params[i].grad._version)
+                          for i in spread(with_grad, WITNESSES)]
         self.last_scale = scale
 
     # -------------------------------------------------------- previous step
@@ -97,7 +98,7 @@ class Carry:
             return self._measured(updates, names)
         if self.armed is None or steps_ran != 0:
             return None
-        if not self._discarded(params):
+        if not self._discarded():
             return None  # gradient accumulation: several backwards, then one step
         prev, self.armed = self.armed, None
         if scaler:
@@ -111,10 +112,13 @@ class Carry:
         found = judges.skipped_step(prev.status, prev.in_optimizer, prev.step)
         return Delivery(prev, found) if found else None
 
-    def _discarded(self, params: list) -> bool:
+    def _discarded(self) -> bool:
         """Were the armed check's gradients thrown away (zeroed or set to None) since?"""
-        for i, ref, version in self.witnesses:
-            g = params[i].grad
+        for param, ref, version in self.witnesses:
+            p = param()
+            if p is None:
+                return True
+            g = p.grad
             if g is None or g is not ref() or g._version > version + 1:
                 return True
         return False

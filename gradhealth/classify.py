@@ -11,7 +11,7 @@ from torch import nn
 from . import stats
 from .status import Status
 
-__all__ = ["classify", "classify_selection", "decide", "named_parameters", "unwrap", "as_optimizers", "optimizer_param_ids"]
+__all__ = ["classify", "classify_selection", "is_lazy", "lazy_names", "decide", "named_parameters", "unwrap", "as_optimizers", "optimizer_param_ids"]
 
 # Infixes that wrappers put into parameter names; the user knows the wrapped module's names.
 _WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -60,9 +60,9 @@ def named_parameters(model: nn.Module, *, validate: bool = True) -> list[tuple[s
     """``(name, parameter)`` pairs as ``named_parameters()`` gives them (tied ones once), with
     wrapper prefixes removed. Raises ``ValueError`` for an empty model or meta parameters."""
     module = check_model(model)
-    entries = [(_clean(n), p) for n, p in module.named_parameters()]
+    entries = [(_clean(n), p) for n, p in module.named_parameters() if not is_lazy(p)]
     if validate:
-        if not entries:
+        if not entries and not any(is_lazy(p) for p in module.parameters()):
             raise ValueError(
                 f"model ({type(module).__name__}) has no parameters: named_parameters() is empty, so "
                 "there is nothing to monitor; pass the module that holds the trainable weights"
@@ -75,6 +75,15 @@ def named_parameters(model: nn.Module, *, validate: bool = True) -> list[tuple[s
                     "monitor it"
                 )
     return entries
+
+
+def is_lazy(p) -> bool:
+    """A lazy module's parameter before its first forward (no shape, no data yet)."""
+    return isinstance(p, nn.parameter.UninitializedParameter)
+
+
+def lazy_names(model: nn.Module) -> list[str]:
+    return [_clean(n) for n, p in unwrap(model).named_parameters() if is_lazy(p)]
 
 
 def as_optimizers(optimizer) -> list:

@@ -141,6 +141,16 @@ class UpdateTracker:
         self._grad_hooks: dict[int, list] = {}
         self._handles = [opt.register_step_post_hook(self._post) for opt in optimizers]
 
+    def rebind(self, entries) -> None:
+        """The model's parameters changed (added, replaced, loaded with assign=True): follow them.
+        A step measured against the old ones is dropped."""
+        self.entries = entries
+        self.index = {id(p): i for i, (_, p) in enumerate(entries)}
+        self._plans.clear()
+        self.watched.clear()
+        self.pending.clear()
+        self.disarm()
+
     def settle(self, stats: StepStats) -> None:
         """After a fetch: parameters proven to change need no exact copy any more."""
         self.watched -= {i for i, c in zip(stats.indices, stats.changed) if c == 1.0}

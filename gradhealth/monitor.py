@@ -37,11 +37,11 @@ from .errors import GradHealthInternalWarning
 from .guards import ForwardRecord, ForwardWatch, diagnose_loss
 from .observe import Observation, failed_observation, observe
 from .options import Options
-from .params import ParamView, Selection
+from .params import ModelChanges, ParamView, Selection
 from .patience import zero_partners
 from .policy import Publisher, alarm, explain
 from .replay import origin_finding
-from .report import Report, describe_groups, group_by_module
+from .report import Report, frozen_summary
 from .status import Status
 from .trace import NonFiniteTracer
 
@@ -95,6 +95,7 @@ class GradHealth:
         self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every)
                         if self.optimizers else None)
         self._watch = ForwardWatch(model, unwrap(model), self.carry) if o.watch_forward else None
+        self._changes = ModelChanges(model)
 
     # ------------------------------------------------------------------ public
     def check(self, loss: Tensor | None = None, *, step: int | None = None, optimizer=None) -> Report | None:
@@ -119,6 +120,8 @@ class GradHealth:
             return None
         if self.ranks.in_no_sync():
             return None
+        if self._changes.stale():
+            self._refresh()
         if optimizer is not None:
             self.view.optimizer_index(optimizer)  # a clear error for an optimizer the monitor does not know
         s = self._gate(_check_step(step))
@@ -178,6 +181,7 @@ class GradHealth:
         self._closed = True
         if self._watch is not None:
             self._watch.remove()
+        self._changes.close()
         if self.tracker is not None:
             self.tracker.close()
         if self.carry.tracer is not None:
@@ -231,6 +235,22 @@ class GradHealth:
     explain = staticmethod(explain)
 
     # ---------------------------------------------------------------- stages
+    def _refresh(self) -> None:
+        """Rebuild the view of the model's parameters (and what depends on it) if they changed:
+        a registration that put back the same tensors (``module.w += 1`` re-sets the attribute)
+        changes nothing, so every rank keeps the same layout."""
+        view = ParamView(self.model, self.optimizers)
+        if [(n, id(p)) for n, p in view.entries] == [(n, id(p)) for n, p in self.view.entries]:
+            return
+        self.view = view
+        self._plan = None
+        self.carry.armed = None  # its step's numbers would refer to the old parameters
+        if self.tracker is not None:
+            self.tracker.rebind(self.view.entries)
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = ForwardWatch(self.model, unwrap(self.model), self.carry)
+
     def _gate(self, step: int | None) -> int | None:
         s = self.carry.calls if step is None else step
         self.carry.calls += 1
@@ -373,16 +393,9 @@ class GradHealth:
 
     def _log_frozen(self, report: Report) -> None:
         """At the first check: what is frozen, and what trains (adapters, a head) beside it."""
-        frozen = [n for n, s in report.status.items() if s is Status.FROZEN]
-        if frozen:
-            rows = group_by_module(report.status, lambda n, s: s is Status.FROZEN)
-            training = group_by_module(report.status, lambda n, s: s is not Status.FROZEN)
-            shown = describe_groups(training[:4]) + (f" and {len(training) - 4} more groups" if len(training) > 4 else "")
-            adapters = any(k in n.lower() for n in report.status if report.status[n] is not Status.FROZEN
-                           for k in ("lora_", "adapter", "prompt_encoder", "ia3_"))
-            gone = describe_groups(rows[:4]) + (f" and {len(rows) - 4} more groups" if len(rows) > 4 else "")
-            log.info("%s frozen; %d of %d trainable%s: %s", gone, len(report.status) - len(frozen),
-                     len(report.status), " (adapters are training)" if adapters else "", shown)
+        line = frozen_summary(report.status)
+        if line:
+            log.info("%s", line)
 
     def _arm_next(self, report: Report, obs: Observation, optimizer) -> None:
         if self.tracker is not None:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
+import torch.nn.modules.module as module_hooks
 from torch import nn
 
-from .classify import named_parameters, optimizer_param_ids
+from .classify import lazy_names, named_parameters, optimizer_param_ids
 from .naming import module_of
 from .report import ParamMeta
 
-__all__ = ["ParamView", "Selection"]
+__all__ = ["ParamView", "Selection", "ModelChanges"]
 
 
 @dataclass
@@ -78,7 +80,52 @@ class ParamView:
         their param_groups change."""
         if not self.optimizers:
             return None
-        key = tuple((id(g["params"]), len(g["params"])) for o in self.optimizers for g in o.param_groups)
+        key = [id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]]  # exact: in-place edits too
         if key != self._ids_key:
             self._ids_key, self._ids = key, optimizer_param_ids(self.optimizers)
         return self._ids
+
+
+class ModelChanges:
+    """Whether the model's parameters may have changed since the view was built.
+
+    torch's global registration hooks fire whenever any module registers a parameter or a
+    submodule (a head attached, a module replaced, ``load_state_dict(assign=True)``): that marks
+    the view stale, and it is rebuilt at the next check; nothing is paid per check while nothing
+    changes. Lazy parameters materialised by their first forward are looked at by name (few).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.dirty = False
+        self.lazy = lazy_names(model)
+        _install()
+        _LIVE.add(self)
+
+    def stale(self) -> bool:
+        if self.lazy and lazy_names(self.model) != self.lazy:
+            self.dirty = True
+        if not self.dirty:
+            return False
+        self.dirty, self.lazy = False, lazy_names(self.model)
+        return True
+
+    def close(self) -> None:
+        _LIVE.discard(self)
+
+
+# One pair of global hooks for the whole process, however many monitors: each registration marks
+# every live view stale (monitors that are never closed cost nothing once garbage-collected).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_HOOKS: list = []
+
+
+def _mark_all(*_args) -> None:
+    for changes in list(_LIVE):
+        changes.dirty = True
+
+
+def _install() -> None:
+    if not _HOOKS:
+        _HOOKS.append(module_hooks.register_module_parameter_registration_hook(_mark_all))
+        _HOOKS.append(module_hooks.register_module_module_registration_hook(_mark_all))

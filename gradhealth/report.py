@@ -11,7 +11,8 @@ from .naming import plural
 from .stats import combine_norms
 from .status import Status
 
-__all__ = ["Finding", "Report", "ParamMeta", "group_by_module", "describe_groups", "describe_names", "is_problem"]
+__all__ = ["Finding", "Report", "ParamMeta", "group_by_module", "describe_groups", "describe_names", "is_problem",
+           "frozen_summary"]
 
 @dataclass(frozen=True)
 class ParamMeta:
@@ -90,6 +91,21 @@ def describe_names(status: dict[str, Status], names) -> str:
     """``enc.* (24 params), head.weight``: ``names`` grouped by the modules they fill."""
     chosen = set(names)
     return describe_groups(group_by_module(status, lambda n, s: n in chosen))
+
+
+def frozen_summary(status: dict[str, Status]) -> str | None:
+    """``enc.* (24 params) frozen; 4 of 28 trainable: head.* (2 params)``, or None when nothing is
+    frozen; says when the trainable ones are adapters (LoRA, prompt tuning, IA3)."""
+    frozen = [n for n, s in status.items() if s is Status.FROZEN]
+    if not frozen:
+        return None
+    rows = group_by_module(status, lambda n, s: s is Status.FROZEN)
+    training = group_by_module(status, lambda n, s: s is not Status.FROZEN)
+    more = lambda rs: describe_groups(rs[:4]) + (f" and {len(rs) - 4} more groups" if len(rs) > 4 else "")  # noqa: E731
+    adapters = any(k in n.lower() for n in status if status[n] is not Status.FROZEN
+                   for k in ("lora_", "adapter", "prompt_encoder", "ia3_"))
+    return (f"{more(rows)} frozen; {len(status) - len(frozen)} of {len(status)} trainable"
+            f"{' (adapters are training)' if adapters else ''}: {more(training)}")
 
 
 def is_problem(_name: str, state: Status) -> bool:

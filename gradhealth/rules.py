@@ -48,6 +48,8 @@ def _f(x) -> float:
 
 
 def _chunks(t: Tensor, budget: int) -> list[Tensor]:
+    if t.is_complex():  # torch's optimizers update complex tensors as their real views, elementwise
+        t = torch.view_as_real(t)
     flat = t.reshape(-1)
     return [flat] if flat.numel() <= budget else list(flat.split(budget))
 

@@ -40,6 +40,8 @@ def combine_norms(values) -> float:
 def dense_view(grad: Tensor) -> Tensor:
     """The values whose norm equals the gradient's: ``grad`` itself, or a sparse gradient's
     coalesced values (duplicates summed, as densifying would)."""
+    if grad.is_complex():  # a complex norm is the norm of the real and imaginary parts
+        return torch.view_as_real((grad if grad.layout is torch.strided else grad.to_dense()).resolve_conj())
     if grad.layout is torch.strided:
         return grad
     if grad.is_sparse:
@@ -75,6 +77,8 @@ def _plan_fits(plan, tensors: Sequence[Tensor]) -> bool:
 def foreach_norms(members: Sequence[Tensor]) -> list[Tensor]:
     """L2 norms of tensors of one device and dtype, one fused kernel, accumulating in float32
     (float64 for float64 tensors: CPU float64 reductions of float32 data are ~15x slower)."""
+    if any(m.is_complex() for m in members):  # |z| over real and imaginary parts
+        members = [torch.view_as_real(m) if m.is_complex() else m for m in members]
     acc = _acc_dtype(members[0].dtype)
     try:
         return list(torch._foreach_norm(members, 2, dtype=acc))
@@ -132,7 +136,8 @@ def exact_norms(tensors: Sequence[Tensor]) -> list[float]:
         if t.numel() == 0:
             out.append(torch.zeros((), dtype=torch.float64, device=t.device))
             continue
-        x = t.detach().to(torch.float64)
+        x = t.detach()
+        x = (torch.view_as_real(x.resolve_conj()) if x.is_complex() else x).to(torch.float64)
         amax = x.abs().amax()
         # amax == 0: all zeros (-0.0 included); amax == inf: a real infinity; nan propagates.
         special = (amax == 0) | torch.isinf(amax) | torch.isnan(amax)
@@ -150,7 +155,7 @@ def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None
     ``plan`` the grouping to pass back next time.
     """
     strided = torch.strided
-    views = [g if g.layout is strided else dense_view(g) for g in grads]
+    views = [g if g.layout is strided and not g.is_complex() else dense_view(g) for g in grads]
     packed, perm, plan = pack_norms(views, plan)
     values = fetch([packed, *extras] if packed is not None else list(extras))
     n = len(perm)
