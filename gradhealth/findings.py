@@ -32,6 +32,7 @@ class FindingKind(str, enum.Enum):
     UNEXPECTED_TRAINABLE = "UNEXPECTED_TRAINABLE"
     TRANSIENT_GRAD = "TRANSIENT_GRAD"
     FROZEN_NORM = "FROZEN_NORM"
+    CHECKPOINT_NO_GRAD = "CHECKPOINT_NO_GRAD"
 
     def __str__(self) -> str:
         return self.value

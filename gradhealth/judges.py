@@ -18,7 +18,8 @@ from .report import describe_names
 from .status import Status
 
 __all__ = ["loss_cause", "empty_valid_set", "eval_mode", "stale_grad", "expect_frozen", "not_updated",
-           "frozen_but_changed", "skipped_step", "amp_skip", "amp_floor", "transient_grads", "frozen_norms"]
+           "frozen_but_changed", "skipped_step", "amp_skip", "amp_floor", "transient_grads", "frozen_norms",
+           "checkpoint_no_grad"]
 
 K = FindingKind
 _MASKED_MEAN = "gh.masked_mean(..., empty='zero')"
@@ -81,6 +82,22 @@ def frozen_norms(names: Collection[str], step: int) -> list[Finding]:
                     "eval() mode with frozen affine parameters during training: the frozen-BatchNorm idiom of "
                     "fine-tuning, taken as intended (their running statistics stay fixed); not an eval-mode mistake",
                     params=tuple(sorted(names)), level="info", step=step)]
+
+
+def checkpoint_no_grad(no_grad: Collection[str], checkpointing: bool, status: Mapping[str, Status],
+                       step: int) -> list[Finding]:
+    """CHECKPOINT_NO_GRAD (warning): persistent NO_GRAD in a model that uses gradient
+    checkpointing: reentrant checkpointing gives no gradient to a segment whose inputs do not
+    require grad (typically after frozen embeddings)."""
+    if not no_grad or not checkpointing:
+        return []
+    return [Finding(K.CHECKPOINT_NO_GRAD, f"{describe_names(status, no_grad)} get no gradient and the model uses "
+                    "gradient checkpointing: reentrant torch.utils.checkpoint (Hugging Face's "
+                    "gradient_checkpointing_enable() default on older versions) gives no gradient to a checkpointed "
+                    "segment whose inputs do not require grad, e.g. after frozen embeddings. Call "
+                    "model.enable_input_require_grads(), or checkpoint with use_reentrant=False "
+                    "(gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))",
+                    params=_ordered(status, no_grad), level="warning", step=step)]
 
 
 def stale_grad(status: Mapping[str, Status], stale: Collection[str], step: int, where: str = "") -> list[Finding]:

@@ -56,6 +56,12 @@ def _check_scaler(scaler):
     return scaler
 
 
+def _checkpointing(model: nn.Module) -> bool:
+    """Does the model checkpoint its layers (Hugging Face's flag, or checkpoint wrappers)?"""
+    return any(getattr(m, "gradient_checkpointing", False) is True or type(m).__name__ == "CheckpointWrapper"
+               for m in unwrap(model).modules())
+
+
 def _check_step(step) -> int | None:
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise TypeError(f"check(step=...) must be an int >= 0 (e.g. a trainer's global step) or None; got {step!r}")
@@ -333,7 +339,10 @@ class GradHealth:
         found = []
         if self.scaler is not None and obs.scale is not None:
             if nonfinite:
-                found += judges.amp_skip(obs.scale, carry.amp_skips + 1, o.amp_skip_alarm, step, not carry.amp_settled)
+                skip = judges.amp_skip(obs.scale, carry.amp_skips + 1, o.amp_skip_alarm, step, not carry.amp_settled)
+                if skip[0].level == "info":  # the scaler skips this step: nothing for the user to do
+                    report.tolerated = report.tolerated | {n for n, s in report.problems.items() if s is Status.NON_FINITE_GRAD}
+                found += skip
             found += judges.amp_floor(obs.scale, o.amp_scale_floor, step)
         stale = {names[i] for i in obs.stale}
         if across is None:
@@ -350,6 +359,9 @@ class GradHealth:
                 found += judges.stale_grad(report.status, stale or set(report.status), step, where(across.stale_mask))
             found += crossrank.rank_findings(report, across, obs, names)
         found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step)
+        no_grad = [n for n, s in report.errors.items() if s is Status.NO_GRAD]
+        if no_grad:  # only then: is the model checkpointing its layers?
+            found += judges.checkpoint_no_grad(no_grad, _checkpointing(self.model), report.status, step)
         if carry.frozen_norms and not carry.frozen_norms_said:  # said once, at the first check after they ran
             found += judges.frozen_norms(carry.frozen_norms, step)
             carry.frozen_norms_said = True

@@ -1,0 +1,114 @@
+"""Healthy runs of public architectures (tiny configs, random weights, no downloads) stay silent
+under on_problem="raise": warmup from lr 0, bf16 autocast, fp16 with a grad scaler settling from
+2**24."""
+
+import warnings
+
+import pytest
+import torch
+
+import gradhealth as gh
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def models():
+    from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, T5Config,
+                              T5ForConditionalGeneration)
+
+    ids = dict(bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    return {
+        "bert": lambda: BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                   intermediate_size=64, max_position_embeddings=32, pad_token_id=0)),
+        "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=32, **ids)),
+        "t5": lambda: T5ForConditionalGeneration(T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                          num_heads=2, decoder_start_token_id=0, **ids)),
+    }
+
+
+def batches(name, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(2, 100, (4, 16), generator=g)
+        labels = torch.randint(2, 100, (4, 8), generator=g) if name == "t5" else ids
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+@pytest.mark.parametrize("name, precision", [("bert", None), ("gpt2", None), ("t5", None), ("gpt2", "bf16"),
+                                             ("gpt2", "fp16"), ("bert", "bf16")])
+def test_healthy_run_of_a_public_architecture_is_silent(name, precision):
+    from transformers import get_linear_schedule_with_warmup
+
+    torch.manual_seed(0)
+    model = models()[name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = get_linear_schedule_with_warmup(opt, 10, 120)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24) if precision == "fp16" else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    mon = gh.GradHealth(model, opt, on_problem="raise", scaler=scaler)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthWarning)
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        for batch in batches(name, 110):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                loss = model(**batch).loss
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                report = mon.check(loss=loss)
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                report = mon.check(loss=loss)
+                opt.step()
+            sched.step()
+            assert report.ok, str(report)
+        mon.close()
+    assert report.loss is not None and report.total_grad_norm > 0
+
+
+def test_reentrant_checkpointing_after_frozen_embeddings_names_the_cause():
+    """The classic: frozen embeddings, then layers under reentrant torch.utils.checkpoint (the
+    Hugging Face convention: a ``gradient_checkpointing`` flag on the model)."""
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+            self.head = nn.Linear(16, 2)
+            self.gradient_checkpointing = True
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            for block in self.blocks:
+                h = checkpoint(block, h, use_reentrant=True)
+            return self.head(h).mean(1)
+
+    torch.manual_seed(0)
+    model = Net()
+    model.embed.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randint(0, 50, (4, 6))).square().mean().backward()
+            last = mon.check()
+            opt.step()
+    assert {n for n, s in last.errors.items()} == {"blocks.0.weight", "blocks.0.bias", "blocks.1.weight", "blocks.1.bias"}
+    [hint] = last.findings_of("CHECKPOINT_NO_GRAD")
+    assert "enable_input_require_grads" in hint.message and "use_reentrant=False" in hint.message
+    assert "blocks.*" in hint.message
