@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from .errors import GradModeError
 from .naming import ROOT
 
-__all__ = ["ForwardRecord", "ForwardWatch", "diagnose_loss", "check_loss"]
+__all__ = ["ForwardRecord", "ForwardWatch", "diagnose_loss", "check_loss", "uses_checkpointing"]
 
 _CUT_HINT = (
     "the graph was cut between the model and the loss: look for .detach(), .data, .item(), "
@@ -159,3 +159,10 @@ class ForwardWatch:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def uses_checkpointing(module: nn.Module) -> bool:
+    """Does the model checkpoint its layers (Hugging Face's ``gradient_checkpointing`` flag, or
+    torch's checkpoint wrappers)?"""
+    return any(getattr(m, "gradient_checkpointing", False) is True or type(m).__name__ == "CheckpointWrapper"
+               for m in module.modules())

@@ -34,9 +34,9 @@ from .classify import as_optimizers, classify_selection, unwrap
 from .deltas import UpdateTracker
 from .distributed import Ranks, all_reduce_tensor, ranks_of
 from .errors import GradHealthInternalWarning
-from .guards import ForwardRecord, ForwardWatch, diagnose_loss
+from .guards import ForwardRecord, ForwardWatch, diagnose_loss, uses_checkpointing
 from .observe import Observation, failed_observation, observe
-from .options import Options
+from .options import Options, check_scaler, check_step
 from .params import ModelChanges, ParamView, Selection
 from .patience import zero_partners
 from .policy import Publisher, alarm, explain
@@ -48,24 +48,6 @@ from .trace import NonFiniteTracer
 __all__ = ["GradHealth"]
 
 log = logging.getLogger("gradhealth")
-
-
-def _check_scaler(scaler):
-    if scaler is not None and not (hasattr(scaler, "get_scale") and hasattr(scaler, "_per_optimizer_states")):
-        raise TypeError(f"scaler must be a torch.amp.GradScaler or None; got {type(scaler).__name__}")
-    return scaler
-
-
-def _checkpointing(model: nn.Module) -> bool:
-    """Does the model checkpoint its layers (Hugging Face's flag, or checkpoint wrappers)?"""
-    return any(getattr(m, "gradient_checkpointing", False) is True or type(m).__name__ == "CheckpointWrapper"
-               for m in unwrap(model).modules())
-
-
-def _check_step(step) -> int | None:
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise TypeError(f"check(step=...) must be an int >= 0 (e.g. a trainer's global step) or None; got {step!r}")
-    return step
 
 
 class GradHealth:
@@ -89,7 +71,7 @@ class GradHealth:
         self.model = model
         self.optimizers = as_optimizers(optimizer)
         self.view = ParamView(model, self.optimizers)
-        self.scaler = _check_scaler(scaler)
+        self.scaler = check_scaler(scaler)
         self.ranks = Ranks(model, ddp_model, o.rank_origin)
         self.carry = Carry(o.history)
         self.carry.patience = o.grad_patience
@@ -130,7 +112,7 @@ class GradHealth:
             self._refresh()
         if optimizer is not None:
             self.view.optimizer_index(optimizer)  # a clear error for an optimizer the monitor does not know
-        s = self._gate(_check_step(step))
+        s = self._gate(check_step(step))
         if s is None:
             return None
         try:
@@ -361,7 +343,7 @@ class GradHealth:
         found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step)
         no_grad = [n for n, s in report.errors.items() if s is Status.NO_GRAD]
         if no_grad:  # only then: is the model checkpointing its layers?
-            found += judges.checkpoint_no_grad(no_grad, _checkpointing(self.model), report.status, step)
+            found += judges.checkpoint_no_grad(no_grad, uses_checkpointing(unwrap(self.model)), report.status, step)
         if carry.frozen_norms and not carry.frozen_norms_said:  # said once, at the first check after they ran
             found += judges.frozen_norms(carry.frozen_norms, step)
             carry.frozen_norms_said = True

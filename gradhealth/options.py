@@ -8,10 +8,23 @@ from typing import Any
 
 from .history import NormHistory
 
-__all__ = ["Options", "ON_PROBLEM", "DELTA_MODES", "check_choice", "check_positive_int", "check_patterns"]
+__all__ = ["Options", "ON_PROBLEM", "DELTA_MODES", "check_choice", "check_positive_int", "check_patterns",
+           "check_scaler", "check_step"]
 
 ON_PROBLEM = ("warn", "raise", "ignore")
 DELTA_MODES = ("auto", "exact", "off")
+
+
+def check_scaler(scaler):
+    if scaler is not None and not (hasattr(scaler, "get_scale") and hasattr(scaler, "_per_optimizer_states")):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler or None; got {type(scaler).__name__}")
+    return scaler
+
+
+def check_step(step) -> int | None:
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise TypeError(f"check(step=...) must be an int >= 0 (e.g. a trainer's global step) or None; got {step!r}")
+    return step
 
 
 def check_choice(name: str, value, allowed: Sequence) -> Any:

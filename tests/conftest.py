@@ -87,3 +87,12 @@ def run_spawned(fn, attempts=2):
         except ProcessExitedException as exc:
             if "SIGABRT" not in str(exc) or attempt == attempts - 1:
                 raise
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run faster and reproducibly on one thread (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

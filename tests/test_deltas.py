@@ -1,7 +1,6 @@
 """Parameter updates through the optimizer's step hooks: values, timing, memory, NOT_UPDATED,
 FROZEN_BUT_CHANGED and skipped steps."""
 
-import math
 
 import pytest
 import torch

@@ -14,12 +14,7 @@ from torch import nn
 import gradhealth as gh
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(model, opt, batches, loss_fn, sched=None, **kw):

@@ -12,13 +12,7 @@ import gradhealth as gh
 S = gh.Status
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster and reproducibly on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def loop(model, opt, mon, batches, loss_fn):
