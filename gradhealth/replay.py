@@ -31,11 +31,12 @@ __all__ = ["origin_finding", "replay_nonfinite"]
 def origin_finding(tracer: NonFiniteTracer, step: int, context: str, level: str | None = None, **data) -> Finding:
     """NONFINITE_ORIGIN from a resolved tracer (``context`` opens the message): an error when it
     named a module, else info."""
-    named = tracer.forward_origin or tracer.backward_origin
+    named = tracer.forward_origin or tracer.backward_origin or tracer.outside
     return Finding(FindingKind.NONFINITE_ORIGIN, f"{context}{tracer.explain()}",
                    level=level or ("error" if named else "info"), step=step,
                    data={"forward_origin": tracer.forward_origin, "backward_origin": tracer.backward_origin,
-                         "op": tracer.backward_op, "source": tracer.op_source, **data})
+                         "op": tracer.backward_op or (tracer.outside[1] if tracer.outside else None),
+                         "source": tracer.op_source or (tracer.outside[2] if tracer.outside else None), **data})
 
 
 def replay_nonfinite(model: nn.Module, run: Callable[[], object], *, rng: dict | None = None, step: int = 0,
@@ -56,7 +57,7 @@ def replay_nonfinite(model: nn.Module, run: Callable[[], object], *, rng: dict |
             set_rng_state(rng)
         for p in params:
             p.grad = None
-        tracer.arm()
+        tracer.arm(ops=True)
         with torch.enable_grad():
             run()
         tracer.resolve()

@@ -21,10 +21,12 @@ reduction per (device, dtype) and one transfer. No hook exists outside the block
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import re
 import sysconfig
+import types
 from typing import NamedTuple
 
 import torch
@@ -60,8 +62,14 @@ def _tensors(obj, limit: int = 16) -> list[Tensor]:
         elif isinstance(o, (list, tuple)):
             for x in o:
                 walk(x)
-        elif isinstance(o, dict):
+        elif isinstance(o, dict):  # HF ModelOutput is an OrderedDict
             for x in o.values():
+                walk(x)
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            for f in dataclasses.fields(o):
+                walk(getattr(o, f.name, None))
+        elif isinstance(o, types.SimpleNamespace):
+            for x in vars(o).values():
                 walk(x)
 
     walk(obj)
@@ -119,6 +127,9 @@ class NonFiniteTracer:
         self.backward_origin: str | None = None
         self.backward_op: str | None = None
         self.op_source: str | None = None
+        #: where a NaN/inf was born outside any module: (phase, operation, forward source line)
+        self.outside: tuple[str, str, str | None] | None = None
+        self._ops = None
         #: the forward origin, when its own parameters are already NaN/inf
         self.nonfinite_weights: tuple[str, ...] = ()
         self._handles: list = []
@@ -128,10 +139,17 @@ class NonFiniteTracer:
         self._armed = False
 
     # ----------------------------------------------------------------- arming
-    def arm(self) -> NonFiniteTracer:
+    def arm(self, ops: bool = False) -> NonFiniteTracer:
+        """Install the hooks. ``ops=True`` also watches every operation (:mod:`.opwatch`) to name
+        the one where a NaN was born outside any module: only for a bounded block (it makes every
+        operation pay a Python call until ``resolve`` or ``disarm``)."""
         if self._armed:
             return self
         self._armed = True
+        if ops:
+            from .opwatch import OpWatch
+
+            self._ops = OpWatch().start()
         self._events.clear()
         self._inputs.clear()
         for name, module in self.root.named_modules():
@@ -143,6 +161,8 @@ class NonFiniteTracer:
         return self
 
     def disarm(self) -> None:
+        if self._ops is not None:
+            self._ops.stop()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -197,7 +217,14 @@ class NonFiniteTracer:
     # -------------------------------------------------------------- resolving
     def resolve(self) -> NonFiniteTracer:
         """Read every recorded flag in one transfer and name the origins."""
+        ops, self._ops = self._ops, None
         self.disarm()
+        if ops is not None:
+            hit = ops.resolve()
+            if hit is not None:
+                phase, op, node = hit
+                self.outside = (phase, node.name() if node is not None and phase == "backward" else op,
+                                _source(node) if node is not None else None)
         events = self._events
         unique: dict[int, int] = {}
         tensors: list[Tensor] = []
@@ -307,7 +334,14 @@ class NonFiniteTracer:
     def explain(self) -> str:
         """What the origins mean and the usual repairs, in words."""
         if self.forward_origin is None and self.backward_origin is None:
-            return "no module produced a NaN or inf in this step (it may have come from outside the model, e.g. the loss)"
+            if self.outside is not None:
+                phase, op, source = self.outside
+                return (f"no module produced it: the NaN/inf was born outside the model's modules (the loss or "
+                        f"functional code), in the {phase} at {op}" + (f" (forward: {source})" if source else "")
+                        + ". Usual repairs: " + REPAIRS + ".")
+            return ("no module produced a NaN or inf in this step (it may have come from outside the model, e.g. the "
+                    "loss: run the failing step inside gh.trace_nonfinite(model), or gh.replay_nonfinite, to name the "
+                    "operation and its line)")
         parts = []
         if self.forward_origin is not None and self.forward_origin in self.nonfinite_weights:
             return (
@@ -355,7 +389,8 @@ def _source(node) -> str | None:
         return None
     lines = "".join(tb if isinstance(tb, list) else [str(tb)]).splitlines()
     skip = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"], "<frozen")
-    own = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "monitor.py")}
+    here = os.path.dirname(os.path.abspath(__file__))  # gradhealth's own frames (not its demo's models)
+    own = {os.path.join(here, f) for f in ("trace.py", "opwatch.py", "monitor.py", "replay.py")}
     frames = []
     for k, ln in enumerate(lines):
         m = re.match(r'\s*File "(.*)", line (\d+), in (.*)', ln)
@@ -373,7 +408,7 @@ def _source(node) -> str | None:
 @contextlib.contextmanager
 def trace_nonfinite(model: nn.Module):
     """Arm a :class:`NonFiniteTracer` for the forward and backward run inside the block."""
-    tracer = NonFiniteTracer(model).arm()
+    tracer = NonFiniteTracer(model).arm(ops=True)
     try:
         yield tracer
     finally:

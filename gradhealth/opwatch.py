@@ -1,0 +1,112 @@
+"""``OpWatch``: the operation where a NaN or inf was born, wherever it runs (the loss, functional
+code between modules), for one bounded traced step.
+
+While it watches, anomaly mode records the forward stack of every autograd node, a function mode
+sees every torch function of the forward (its output's autograd node then carries that stack), and
+a dispatch mode sees every operation autograd runs in the backward (``_current_autograd_node``).
+For each it keeps a 0-d device flag "finite inputs, non-finite output"; ``resolve`` reads all the
+flags in one transfer and names the first such operation of the forward, else of the backward.
+It is only used for bounded blocks (``trace_nonfinite``, ``replay_nonfinite``, the Lightning
+replay): every operation pays a Python call while it watches.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["OpWatch"]
+
+LIMIT = 200_000  # operations recorded at most (a runaway block keeps working, unrecorded)
+
+
+def _floats(obj) -> list:
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+
+
+def _bad(tensors) -> torch.Tensor | None:
+    """0-d device bool: any NaN or inf among ``tensors`` (min/max: no overflow of finite values)."""
+    flags = [~torch.isfinite(torch.stack(list(torch.aminmax(t.detach())))).all() for t in tensors]
+    if not flags:
+        return None
+    return flags[0] if len(flags) == 1 else torch.stack(flags).any()
+
+
+class _Forward(TorchFunctionMode):
+    def __init__(self, watch: OpWatch):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.watch.note("forward", getattr(func, "__name__", str(func)), args, kwargs, out,
+                        lambda: next((t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                                      and t.grad_fn is not None), None))
+        return out
+
+
+class _Backward(TorchDispatchMode):
+    def __init__(self, watch: OpWatch):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        node = torch._C._current_autograd_node()
+        if node is not None:  # an operation of the backward
+            self.watch.note("backward", str(func), args, kwargs, out, lambda: node)
+        return out
+
+
+class OpWatch:
+    def __init__(self):
+        self.records: list[tuple] = []  # (flag, phase, op, node)
+        self._modes: list = []
+        self._anomaly = None
+
+    def start(self) -> OpWatch:
+        if self._modes:
+            return self
+        self._anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+        torch.autograd.set_detect_anomaly(True, check_nan=False)  # forward stacks on every node
+        self._modes = [_Forward(self), _Backward(self)]
+        for m in self._modes:
+            m.__enter__()
+        return self
+
+    def stop(self) -> None:
+        for m in reversed(self._modes):
+            m.__exit__(None, None, None)
+        self._modes = []
+        if self._anomaly is not None:
+            torch.autograd.set_detect_anomaly(*self._anomaly)
+            self._anomaly = None
+
+    def note(self, phase: str, op: str, args, kwargs, out, node) -> None:
+        if len(self.records) >= LIMIT:
+            return
+        outs = _floats(out)
+        if not outs:
+            return
+        made = _bad(outs)
+        given = _bad(_floats((args, kwargs or {})))
+        flag = made if given is None else made & ~given.to(made.device)
+        self.records.append((flag, phase, op, node()))
+
+    def resolve(self) -> tuple[str, str, object] | None:
+        """(phase, op, autograd node) of the first operation that turned finite inputs into a
+        NaN/inf: in the forward if any, else in the backward; None if none did."""
+        self.stop()
+        if not self.records:
+            return None
+        device = self.records[0][0].device
+        flags = torch.stack([r[0].to(device) for r in self.records]).tolist()
+        hits = [r for r, f in zip(self.records, flags) if f]
+        self.records = []
+        for phase in ("forward", "backward"):
+            for _, p, op, node in hits:
+                if p == phase:
+                    return p, op, node
+        return None
