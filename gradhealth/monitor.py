@@ -84,6 +84,7 @@ class GradHealth:
                         if self.optimizers else None)
         self._watch = ForwardWatch(model, unwrap(model), self.carry) if o.watch_forward else None
         self._changes = ModelChanges(model)
+        self._note_lazy()
 
     # ------------------------------------------------------------------ public
     def check(self, loss: Tensor | None = None, *, step: int | None = None, optimizer=None) -> Report | None:
@@ -223,11 +224,17 @@ class GradHealth:
     explain = staticmethod(explain)
 
     # ---------------------------------------------------------------- stages
+    def _note_lazy(self) -> None:
+        if self._changes.lazy:
+            log.info("lazy parameters not materialised yet, left out until their first forward: %s",
+                     ", ".join(self._changes.lazy))
+
     def _refresh(self) -> None:
         """Rebuild the view of the model's parameters (and what depends on it) if they changed:
         a registration that put back the same tensors (``module.w += 1`` re-sets the attribute)
         changes nothing, so every rank keeps the same layout."""
         view = ParamView(self.model, self.optimizers)
+        self._note_lazy()
         if [(n, id(p)) for n, p in view.entries] == [(n, id(p)) for n, p in self.view.entries]:
             return
         self.view = view

@@ -91,10 +91,14 @@ def test_one_middle_layer_to_float64():
         assert r.grad_norm["2.weight"] == pytest.approx(model[2].weight.grad.norm().item(), rel=1e-12)
 
 
-def test_lazy_parameters_are_left_out_until_materialised():
+def test_lazy_parameters_are_left_out_until_materialised(caplog):
+    import logging
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 2))
-    mon = gh.GradHealth(model, on_problem="ignore")  # before the first forward: no crash
+    with caplog.at_level(logging.INFO, logger="gradhealth"):
+        mon = gh.GradHealth(model, on_problem="ignore")  # before the first forward: no crash
+    assert any("left out until their first forward: 0.weight, 0.bias" in r.getMessage() for r in caplog.records)
     model(torch.randn(2, 4)).sum().backward()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     r = mon.check()
