@@ -153,6 +153,8 @@ class Options:
         check_positive_int("every_n_steps", self.every_n_steps)
         fix("sinks", _check_sinks(self.sinks))
         fix("expect_frozen", check_patterns(self.expect_frozen))
+        if self.deltas == "sample":  # the former default's name: its job is done by "auto" now
+            fix("deltas", "auto")
         check_choice("deltas", self.deltas, DELTA_MODES)
         check_positive_int("update_every", self.update_every)
         fix("history", _check_history(self.history))
