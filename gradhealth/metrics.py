@@ -8,6 +8,7 @@ key                                       value
 ``gradhealth/<norm>/<name>``              L2 norm of one parameter's gradient, or of a module's own
                                           parameters' gradients (``granularity``)
 ``gradhealth/status/<STATE>``             how many parameters are in each state (all six)
+``gradhealth/tolerated``                  how many of the problems the policy tolerated (transient)
 ``gradhealth/loss``                       the loss given to ``check(loss=...)``
 ``gradhealth/valid/<name>``               the valid count recorded with ``track_valid``
 ``gradhealth/findings/<KIND>``            1.0 at a step with that finding (warning or error level)
@@ -58,6 +59,7 @@ def report_metrics(report: Report, granularity: str = "module", norm: str = "gra
             out[f"{PREFIX}/{norm}/{g}"] = combine_norms(vs)
     for state, n in report.counts().items():
         out[f"{PREFIX}/status/{state.value}{suffix}"] = float(n)
+    out[f"{PREFIX}/tolerated{suffix}"] = float(len(report.tolerated))
     if report.loss is not None:
         out[f"{PREFIX}/loss{suffix}"] = report.loss
     for name, n in report.valid_counts.items():

@@ -82,7 +82,11 @@ def summarize_run(frame) -> list[dict]:
     for run, df in frame.groupby("run", sort=True):
         scal = df[df["text"].isna()] if "text" in df else df
         totals = scal[scal["tag"].str.match(rf"{PREFIX}/grad_norm(_preclip)?/total")]
+        # steps whose problems the policy tolerated (a grad scaler's skip, a transient zero gradient)
+        tol = scal[scal["tag"].str.match(rf"{PREFIX}/tolerated(_opt\d+)?$")]
+        tolerated = dict(zip(tol["step"].astype(int), tol["value"]))
         bad = totals[~np.isfinite(totals["value"].to_numpy())]
+        bad = bad[np.array([tolerated.get(int(s), 0) == 0 for s in bad["step"]], dtype=bool)]
         if not bad.empty:
             step = int(bad["step"].min())
             at = scal[(scal["step"] == step) & scal["tag"].str.match(rf"{PREFIX}/grad_norm(_preclip)?/") & ~scal["tag"].str.endswith("/total")]
@@ -99,6 +103,9 @@ def summarize_run(frame) -> list[dict]:
                           "detail": f"first non-finite gradients at step {step} in {', '.join(where) or 'the total norm'}" + (f"; origin: {origin}" if origin else "")})
         for state in ("NO_GRAD", "NOT_IN_OPTIMIZER", "ZERO_GRAD"):
             counts = scal[scal["tag"].str.match(rf"{PREFIX}/status/{state}(_opt\d+)?$") & (scal["value"] > 0)]
+            if state != "NOT_IN_OPTIMIZER":  # only what the policy counted as an error
+                counts = counts[np.array([v > tolerated.get(int(s), 0) for s, v in zip(counts["step"], counts["value"])],
+                                         dtype=bool)]
             if not counts.empty:
                 first = int(counts["step"].min())
                 items.append({"run": run, "kind": state, "step": first,

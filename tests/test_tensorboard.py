@@ -203,3 +203,32 @@ def test_report_on_the_demo_logs_names_the_planted_problems(tmp_path):
     csv_out = subprocess.run([sys.executable, "-m", "gradhealth", "report", str(tmp_path), "--format", "csv"],
                              capture_output=True, text=True, timeout=120).stdout
     assert csv_out.splitlines()[0] == "run,kind,step,detail"
+
+
+def test_report_leaves_out_what_the_policy_tolerated(tmp_path):
+    """A branch used from the second step on is a transient NO_GRAD at step 0: gradhealth report
+    must not list it (it lists the persistent ones)."""
+    from gradhealth.integrations.tbreport import summarize_run
+
+    class Late(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 2)
+            self.b = nn.Linear(4, 2)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.a(x) + (self.b(x) if self.calls > 1 else 0)
+
+    model = Late()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gh.GradHealth(model, opt, sinks=[TensorBoardSink(tmp_path, every_n=1)], on_problem="ignore") as mon:
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).square().mean().backward()
+            mon.check()
+            opt.step()
+    frame = read_run(tmp_path, text=True)
+    assert value(frame, "gradhealth/status/NO_GRAD", 0) == 2.0 and value(frame, "gradhealth/tolerated", 0) == 2.0
+    assert [i["kind"] for i in summarize_run(frame)] == []
