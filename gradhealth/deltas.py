@@ -327,7 +327,8 @@ class UpdateTracker:
         words = []
         for gi, g in enumerate(opt.param_groups):
             lr = g["lr"]
-            lr = float(lr) if not isinstance(lr, Tensor) else float(lr.detach().cpu())
+            if isinstance(lr, Tensor):  # a device lr (capturable optimizers): reading it would sync every step
+                lr = float(lr) if lr.device.type == "cpu" else math.nan
             key = (id(opt), gi)
             words.append("" if lr != 0 else ("again" if self._last_lr.get(key) == 0 else "new"))
             self._last_lr[key] = lr
