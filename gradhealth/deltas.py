@@ -166,8 +166,9 @@ class UpdateTracker:
     def _plan(self, opt) -> _OptPlan | None:
         """The optimizer's monitored parameters, their samples and (device, dtype) groups,
         rebuilt whenever a parameter is replaced, converted (``.half()``) or moved."""
-        ps = [p for g in opt.param_groups for p in g["params"]]
-        ids = [id(p) for p in ps]
+        groups = opt.param_groups
+        ps = groups[0]["params"] if len(groups) == 1 else [p for g in groups for p in g["params"]]
+        ids = list(map(id, ps))
         ptrs = [p.data_ptr() for p in ps]
         plan = self._plans.get(id(opt))
         if plan is not None and plan.ids == ids and plan.ptrs == ptrs:
