@@ -270,7 +270,7 @@ class UpdateTracker:
         # else: fused kernels, writes through .data and DTensor shards move no counter; compare all
         lr_zero = self._lr_zero(opt, plan)
         if rule_of(opt) is not None and any(lr_zero):  # lr 0 in SGD/Adam/AdamW: θ - 0·u is θ, exactly
-            touched = [(t if touched is not None else True) and not z for t, z in zip(touched or [True] * n, lr_zero)]
+            touched = [t and not z for t, z in zip(touched or [True] * n, lr_zero)]
         device = params[0].device
         parts: list[Tensor] = []
         diff = None
@@ -293,7 +293,8 @@ class UpdateTracker:
                 if copies is not None:  # the exact copies decide their parameters
                     copied, packed, before = copies
                     where = torch.tensor(copied, device=device)
-                    moved = moved.index_fill(0, where[packed.changed(before)], True)
+                    # (no boolean-mask indexing: its size would need a host sync)
+                    moved = moved.index_copy(0, where, moved.index_select(0, where) | packed.changed(before).to(device))
                     tested |= set(copied)
                     if measure:
                         exact_norms = packed.diff_norms(before)

@@ -7,7 +7,6 @@ import sys
 import warnings
 
 from .errors import GradHealthError, GradHealthInternalWarning, GradHealthWarning
-from .findings import FindingKind
 from .report import Report, describe_groups, group_by_module
 from .status import HINTS, Status
 
@@ -23,15 +22,9 @@ def _how_long(report: Report, rows) -> str:
 
 
 def alarm(report: Report) -> bool:
-    """Whether the policy acts on this report: any problem or error finding, except gradients
-    that overflowed under a grad scaler which will skip the step (AMP_SKIPPED, info level)."""
-    if report.ok:
-        return False
-    if any(f.level == "error" for f in report.findings):
-        return True
-    amp_expected = any(f.kind is FindingKind.AMP_SKIPPED and f.level == "info" and f.step == report.step
-                       for f in report.findings)
-    return not (amp_expected and set(report.errors.values()) == {Status.NON_FINITE_GRAD})
+    """Whether the policy acts on this report: anything ``report.ok`` counts (problems the policy
+    does not tolerate, error findings; a grad scaler's expected skip is tolerated where it is found)."""
+    return not report.ok
 
 
 def explain(report: Report) -> str:

@@ -66,7 +66,11 @@ def _terms(opt, rule: str, params: list[Tensor]) -> list:
         if rule == "adam":  # every parameter's step count in one read
             have = [p for p in g["params"] if "step" in opt.state.get(p, {})]
             if have:
-                got = torch.stack([torch.as_tensor(opt.state[p]["step"]).detach().float().cpu() for p in have]).tolist()
+                counts = [torch.as_tensor(opt.state[p]["step"]).detach().float().reshape(()) for p in have]
+                if len({t.device for t in counts}) == 1:
+                    got = torch.stack(counts).tolist()  # one read (device steps of capturable/fused Adam)
+                else:
+                    got = [float(t) for t in counts]
                 steps = dict(zip(map(id, have), got))
         for p in g["params"]:
             k = index.get(id(p))

@@ -100,11 +100,10 @@ def test_lazy_parameters_are_left_out_until_materialised(caplog):
         mon = gh.GradHealth(model, on_problem="ignore")  # before the first forward: no crash
     assert any("left out until their first forward: 0.weight, 0.bias" in r.getMessage() for r in caplog.records)
     model(torch.randn(2, 4)).sum().backward()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     r = mon.check()
     assert set(r.status) == {"0.weight", "0.bias", "2.weight", "2.bias"} and r.ok
+    assert r.grad_norm["0.weight"] == pytest.approx(model[0].weight.grad.double().norm().item(), rel=1e-6)
     assert gh.classify(nn.Sequential(nn.LazyLinear(3))) == {}
-    del opt
 
 
 def test_complex_parameters():
