@@ -91,6 +91,9 @@ class Carry:
                      scale: float | None, scaler: bool, amp_alarm: int) -> Delivery | None:
         """What became of the optimizer step after the armed check: its measured updates, or why
         it did not run. ``report`` is the current check's (None at a flush)."""
+        if any(u.skipped for u in updates):  # a fused step that its grad scaler skipped did not run
+            steps_ran = max(0, steps_ran - sum(u.skipped for u in updates))
+            updates = [u for u in updates if not u.skipped]
         if steps_ran:
             self.amp_skips = 0
             self.amp_settled = self.amp_settled or scaler

@@ -11,7 +11,7 @@ from torch import nn
 from . import stats
 from .status import Status
 
-__all__ = ["classify", "classify_selection", "is_lazy", "lazy_names", "decide", "named_parameters", "unwrap", "as_optimizers", "optimizer_param_ids"]
+__all__ = ["classify", "classify_selection", "is_lazy", "lazy_names", "decide", "named_parameters", "unwrap", "unwrap_optimizer", "wrapper_scaler", "as_optimizers", "optimizer_param_ids"]
 
 # Infixes that wrappers put into parameter names; the user knows the wrapped module's names.
 _WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -86,11 +86,33 @@ def lazy_names(model: nn.Module) -> list[str]:
     return [_clean(n) for n, p in unwrap(model).named_parameters() if is_lazy(p)]
 
 
+def unwrap_optimizer(optimizer):
+    """The torch optimizer inside a wrapper that holds it: Accelerate's ``AcceleratedOptimizer``
+    (``.optimizer``), Lightning's ``LightningOptimizer`` (``._optimizer``). Anything else is
+    returned as given."""
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            inner = getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer or not isinstance(getattr(inner, "param_groups", None), list):
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
+def wrapper_scaler(optimizer):
+    """The grad scaler an optimizer wrapper carries (Accelerate's under fp16), or None."""
+    scaler = getattr(optimizer, "scaler", None)
+    return scaler if scaler is not None and callable(getattr(scaler, "get_scale", None)) else None
+
+
 def as_optimizers(optimizer) -> list:
-    """Validate ``optimizer`` (None, one optimizer, or a list/tuple of them) into a list."""
+    """Validate ``optimizer`` (None, one optimizer, or a list/tuple of them; wrappers such as
+    Accelerate's ``AcceleratedOptimizer`` are unwrapped) into a list of torch optimizers."""
     if optimizer is None:
         return []
     items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    items = [unwrap_optimizer(o) for o in items]
     for i, opt in enumerate(items):
         groups = getattr(opt, "param_groups", None)
         if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ import torch
 from torch import Tensor
 
 from .distributed import dtensor_type, to_local
+from .errors import GradHealthInternalWarning
 from .naming import spread
 from .compare import Packed, apply, flat, norms, sample_view, versions_tell, water_fill
 from .rules import rule_norms, rule_of
@@ -93,8 +95,12 @@ class StepStats:
     changed: list[float] = field(default_factory=list)
     update: list[float] = field(default_factory=list)
     param: list[float] = field(default_factory=list)
+    scaler_flag: bool = False  # the last packed value is a grad scaler's found_inf for this step
+    skipped: bool = False  # (after fetched) that flag was set: the step skipped itself
 
     def fetched(self, values: list[float]) -> None:
+        if self.scaler_flag:
+            self.skipped, values = values[-1] > 0, values[:-1]
         n, f = len(self.indices), len(self.flag_pos)
         # touched: undecided unless tested; untouched: unchanged
         changed = [math.nan] * n if self.touched is None else [math.nan if t else 0.0 for t in self.touched]
@@ -257,9 +263,26 @@ class UpdateTracker:
         self.steps_since_check += 1
         state = self._inflight.pop(id(opt), None)
         if state is not None:
-            self.pending.append(self._measure(opt, *state))
+            try:
+                self.pending.append(self._with_found_inf(opt, self._measure(opt, *state)))
+            except Exception as exc:  # inside the user's optimizer.step(): never break it
+                warnings.warn(f"gradhealth: measuring the update of {type(opt).__name__}.step() failed "
+                              f"({type(exc).__name__}: {exc}); this step's update is not reported",
+                              GradHealthInternalWarning, stacklevel=3)
         if self.armed_step is not None:
             self._arm_stale(opt)
+
+    @staticmethod
+    def _with_found_inf(opt, stats: StepStats) -> StepStats:
+        """A fused optimizer under a grad scaler runs its step (and these hooks) even when the
+        scaler found inf/NaN, and skips inside the kernel: the scaler's flag rides with the
+        step's numbers (no host sync) so the check treats that step as skipped, not as one that
+        changed nothing."""
+        flag = getattr(opt, "found_inf", None)
+        if isinstance(flag, Tensor) and getattr(opt, "_step_supports_amp_scaling", False):
+            stats.packed = torch.cat([stats.packed, flag.detach().to(stats.packed.device, torch.float64).reshape(1)])
+            stats.scaler_flag = True
+        return stats
 
     def _measure(self, opt, plan, versions, snap, copies, measure) -> StepStats:
         params, n = plan.params, len(plan.params)

@@ -33,6 +33,7 @@ class FindingKind(str, enum.Enum):
     TRANSIENT_GRAD = "TRANSIENT_GRAD"
     FROZEN_NORM = "FROZEN_NORM"
     CHECKPOINT_NO_GRAD = "CHECKPOINT_NO_GRAD"
+    POSTCLIP = "POSTCLIP"
 
     def __str__(self) -> str:
         return self.value

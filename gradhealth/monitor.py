@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from . import crossrank, judges, stats
 from .carry import Carry, Delivery
-from .classify import as_optimizers, classify_selection, unwrap
+from .classify import as_optimizers, classify_selection, unwrap, unwrap_optimizer, wrapper_scaler
 from .deltas import UpdateTracker
 from .distributed import Ranks, all_reduce_tensor, ranks_of
 from .errors import GradHealthInternalWarning
@@ -69,6 +69,9 @@ class GradHealth:
                  options: Options | None = None, **kwargs):
         self.options = o = Options.build(options, **kwargs)
         self.model = model
+        if scaler is None:  # Accelerate's optimizer wrapper carries the fp16 grad scaler
+            wrappers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+            scaler = next((s for s in map(wrapper_scaler, wrappers) if s is not None), None)
         self.optimizers = as_optimizers(optimizer)
         self.view = ParamView(model, self.optimizers)
         self.scaler = check_scaler(scaler)
@@ -112,6 +115,7 @@ class GradHealth:
         if self._changes.stale():
             self._refresh()
         if optimizer is not None:
+            optimizer = unwrap_optimizer(optimizer)
             self.view.optimizer_index(optimizer)  # a clear error for an optimizer the monitor does not know
         s = self._gate(check_step(step))
         if s is None:

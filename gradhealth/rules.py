@@ -92,6 +92,8 @@ def _terms(opt, rule: str, params: list[Tensor]) -> list:
                 wd = _f(g.get("weight_decay", 0.0))
                 w = wd if g.get("decoupled_weight_decay", type(opt) is torch.optim.AdamW) else 0.0
                 t = steps[id(p)]
+                if t == 0:  # a fused step that skipped itself (a grad scaler's found_inf): no update
+                    continue
                 v = state["max_exp_avg_sq"] if g.get("amsgrad", False) else state["exp_avg_sq"]
                 out[k] = (lr / (1 - lr * w), "adam", (state["exp_avg"], v),
                           (1 - beta1**t, (1 - beta2**t) ** 0.5, _f(g["eps"])), w)

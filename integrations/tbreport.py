@@ -25,6 +25,9 @@ def _event_dirs(path: str) -> list[str]:
     return sorted(dirs)
 
 
+_TRAINER = "train/"  # Hugging Face Trainer's reporters write every training key as train/<key>
+
+
 def read_run(path, *, progress: bool = False, text: bool = False):
     """Every scalar in every event file under ``path``: a DataFrame (step, tag, value, wall_time,
     run). ``text=True`` adds the text events (a ``text`` column, value NaN). Raises
@@ -50,8 +53,9 @@ def read_run(path, *, progress: bool = False, text: bool = False):
         run = os.path.relpath(d, path) if os.path.isdir(path) else "."
         tags = acc.Tags()
         for tag in tags.get("scalars", []):
+            name = tag[len(_TRAINER):] if tag.startswith(_TRAINER + PREFIX + "/") else tag
             for e in acc.Scalars(tag):
-                rows.append((e.step, tag, float(e.value), e.wall_time, run, None))
+                rows.append((e.step, name, float(e.value), e.wall_time, run, None))
         if text:
             for tag in tags.get("tensors", []):
                 if not tag.endswith("/text_summary"):

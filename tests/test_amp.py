@@ -120,3 +120,37 @@ def test_overflow_at_every_scale_is_still_caught_by_the_floor():
         for _ in range(20):
             amp_step(model, opt, scaler, mon, x, overflow=True)
     assert scaler.get_scale() < 1.0
+
+
+def test_fused_optimizer_skipping_inside_its_kernel_is_an_amp_skip_not_a_step_that_changed_nothing():
+    """A fused AdamW under a GradScaler runs step() (and its step hooks) even when the scaler found
+    inf, and skips inside the kernel (Hugging Face Trainer's default optimizer under fp16). Only
+    one layer overflows: the other's finite gradients must not read as a step that ignored them."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"loud": torch.nn.Linear(8, 4), "quiet": torch.nn.Linear(8, 4)})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    assert opt._step_supports_amp_scaling
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+    mon = gh.GradHealth(model, opt, scaler=scaler, on_problem="raise")
+    skipped = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthWarning)
+        for step in range(12):
+            opt.zero_grad()
+            before = [p.detach().clone() for p in model.parameters()]
+            x = torch.randn(4, 8)
+            loss = model["loud"](x).pow(2).mean() * 1e12 + model["quiet"](x).pow(2).mean()
+            scaler.scale(loss).backward()
+            report = mon.check(loss)
+            assert report.ok, str(report)
+            assert torch.isfinite(model["quiet"].weight.grad).all()
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            if scaler.get_scale() < scale:
+                skipped += 1
+                assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        report = mon.check()
+    mon.close()
+    assert skipped >= 4
+    assert not report.findings_of("NOT_UPDATED"), str(report)

@@ -1,0 +1,287 @@
+"""Hugging Face ``Trainer`` adapter: ``GradHealthCallback``, a thin shell over :class:`gradhealth.GradHealth`.
+
+    from gradhealth.integrations.transformers import GradHealthCallback
+    trainer = Trainer(model, args, ..., callbacks=[GradHealthCallback()])
+
+Where each check runs (once per optimizer step, after gradient accumulation):
+
+* at the end of the backward pass of the last micro-batch of the step (an autograd engine
+  callback queued from the model's output, after DDP's own gradient reduction): the gradients
+  are complete and not clipped yet. Every number is **pre-clip**, and under fp16 **unscaled**
+  (the scaler Accelerate's optimizer wrapper carries). Clipping first would hide the answer:
+  ``clip_grad_norm_`` multiplies every gradient by ``max_norm / total``, so one inf gradient
+  makes all the others exactly 0 and one NaN makes them all NaN;
+* ``on_pre_optimizer_step`` (after Trainer's clipping, before the step): the report is
+  published (sinks, warning, raise). When the model's forward was never seen (a custom loop
+  that bypasses the model's ``__call__``), the check runs here instead, on clipped gradients,
+  and its report carries a ``POSTCLIP`` info finding saying so;
+* the optimizer's own step hooks measure the update, reported with the metrics.
+
+Numbers in the logs: Trainer's ``grad_norm`` is the pre-clip total over the parameters it clips
+(``model.parameters()``); ``gradhealth/grad_norm_preclip/total`` is the same quantity over the
+parameters gradhealth watches (equal for a plain model). Post-clip norms are
+``min(1, max_grad_norm / grad_norm)`` times these. Update norms (``gradhealth/update_norm/...``)
+are what the optimizer really applied, after clipping.
+
+Metrics reach every ``report_to`` backend (TensorBoard, W&B, MLflow, ...) through Trainer's own
+logging: at each logging step the latest check's keys (the scheme of :mod:`gradhealth.metrics`,
+the same public keys as the Lightning callback) are merged into the ``logs`` dict of ``on_log``,
+on the main process only (and into ``trainer.state.log_history``). Trainer calls the reporting callbacks before user callbacks, so at
+``on_train_begin`` this callback moves itself just before them in Trainer's callback list. A
+check with a problem or a warning also asks Trainer to log that step (``control.should_log``).
+
+``on_problem``: "warn" (a :class:`gradhealth.GradHealthWarning`, training goes on), "stop" (the
+warning, then ``control.should_training_stop``: Trainer finishes that optimizer step and ends
+training normally, saving as configured), "raise" (a :class:`gradhealth.GradHealthError` from
+``on_pre_optimizer_step``: ``trainer.train()`` raises before the faulty step is applied), or
+"ignore".
+
+State: the callback is an ``ExportableState``. Its norm history and counters ride in every
+checkpoint's ``trainer_state.json`` and are restored by ``resume_from_checkpoint`` (whatever
+``restore_callback_states_from_checkpoint`` says; with it True, Trainer rebuilds the callback
+from its saved options, which cannot include ``sinks``: pass sinks through ``report_to``).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler, ExportableState
+
+from gradhealth.classify import unwrap_optimizer
+from gradhealth.errors import GradModeError
+from gradhealth.findings import Finding
+from gradhealth.metrics import report_metrics, update_metrics
+from gradhealth.monitor import GradHealth
+from gradhealth.options import ON_PROBLEM, Options, check_choice
+from gradhealth.report import Report
+
+__all__ = ["GradHealthCallback", "NORM"]
+
+NORM = "grad_norm_preclip"
+_JSON_OPTIONS = ("on_problem", "every_n_steps", "expect_frozen", "deltas", "update_every", "history",
+                 "amp_skip_alarm", "amp_scale_floor", "trace_on_nonfinite", "watch_forward", "desync_every",
+                 "rank_origin", "grad_patience")
+
+
+def _sync_gradients() -> bool:
+    """Whether this micro-batch ends an accumulation window (Accelerate's shared gradient state,
+    which Trainer sets before each ``training_step``)."""
+    try:
+        from accelerate.state import GradientState
+    except ImportError:  # pragma: no cover - Trainer requires accelerate
+        return True
+    return bool(GradientState().sync_gradients)
+
+
+def _first_tensor(output) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the loss if the model returned one, a tensor of the output that needs a gradient)."""
+    loss = None
+    items: list = []
+    if isinstance(output, torch.Tensor):
+        items = [output]
+    elif isinstance(output, dict):  # ModelOutput is a dict too
+        loss = output.get("loss")
+        items = list(output.values())
+    elif isinstance(output, (tuple, list)):
+        items = list(output)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss, loss
+    grad = next((t for t in items if isinstance(t, torch.Tensor) and t.requires_grad), None)
+    return (loss if isinstance(loss, torch.Tensor) else None), grad
+
+
+class _LogsSink:
+    """Holds the metrics of the latest check until Trainer logs (``on_log``)."""
+
+    def __init__(self, granularity: str):
+        self.granularity = granularity
+        self.pending: dict[str, float] = {}
+        self.loud = False
+
+    def write(self, report: Report) -> None:
+        self.pending = report_metrics(report, granularity=self.granularity, norm=NORM)
+        self.loud = not report.ok or any(f.level != "info" for f in report.findings)
+
+    def write_update(self, report: Report) -> None:
+        self.pending.update(update_metrics(report, granularity=self.granularity))
+
+
+class GradHealthCallback(TrainerCallback, ExportableState):
+    """Runs a :class:`gradhealth.GradHealth` monitor inside ``Trainer.train``.
+
+    Takes the options of :class:`gradhealth.Options` as keywords (``on_problem``,
+    ``every_n_steps``, ``sinks``, ``expect_frozen``, ``deltas``, ``history``, ...); ``on_problem``
+    also accepts "stop" (warn, then end training cleanly). Plus:
+
+    Args:
+        log: merge the ``gradhealth/...`` metrics into Trainer's logs (every ``report_to``).
+        granularity: "module" (default) or "param": one metric key per module or per parameter.
+        check_loss: when the model returns a loss that cannot produce gradients, raise
+            :class:`gradhealth.GradModeError` naming the cause instead of autograd's bare error.
+    """
+
+    def __init__(self, *, log: bool = True, granularity: str = "module", check_loss: bool = True, **options):
+        Options.check_keywords(options)
+        on_problem = options.get("on_problem", "warn")
+        check_choice("on_problem", on_problem, ON_PROBLEM + ("stop",))
+        self.stop = on_problem == "stop"
+        if self.stop:
+            options["on_problem"] = "warn"
+        self.options = Options(**options)
+        self.granularity = check_choice("granularity", granularity, ("module", "param"))
+        self.log = bool(log)
+        self.check_loss = bool(check_loss)
+        self.monitor: GradHealth | None = None
+        self.last_report: Report | None = None
+        self._pending_state: dict | None = None
+        self._sink = _LogsSink(self.granularity)
+        self._hook = None
+        self._in_step = False
+        self._step = 0
+        self._loss: torch.Tensor | None = None
+        self._queued = False
+        self._report: Report | None = None
+
+    # ---------------------------------------------------------- checkpoints
+    def state(self) -> dict:
+        o = self.options
+        args: dict[str, Any] = {k: getattr(o, k) for k in _JSON_OPTIONS}
+        if args["expect_frozen"] is not None:
+            args["expect_frozen"] = list(args["expect_frozen"])
+        args["history"] = o.history is not None  # a tuned NormHistory comes back with default settings
+        if self.stop:
+            args["on_problem"] = "stop"
+        args.update(log=self.log, granularity=self.granularity, check_loss=self.check_loss)
+        monitor = self.monitor.state_dict() if self.monitor is not None else self._pending_state
+        return {"args": args, "attributes": {"_pending_state": monitor}}
+
+    # ---------------------------------------------------------------- hooks
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.monitor is not None:
+            self.monitor.close()
+        if model is None:
+            raise ValueError("GradHealthCallback: Trainer passed no model to on_train_begin; "
+                             "install the callback with Trainer(..., callbacks=[GradHealthCallback()])")
+        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+        if isinstance(saved, list):
+            saved = saved[0] if saved else None
+        if self._pending_state is None and isinstance(saved, dict):
+            self._pending_state = (saved.get("attributes") or {}).get("_pending_state")
+        sinks = self.options.sinks + ((self._sink,) if self.log else ())
+        self.monitor = GradHealth(model, optimizer, options=self.options, sinks=sinks)
+        self.monitor.emit_warnings = bool(state.is_world_process_zero)
+        if self._pending_state:
+            self.monitor.load_state_dict(self._pending_state)
+        self._pending_state = None
+        self._hook = model.register_forward_hook(self._on_forward)
+        if self.log:
+            self._move_before_reporters()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._in_step, self._step = True, state.global_step
+        self._report, self._queued, self._loss = None, False, None
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        mon = self.monitor
+        if mon is None:
+            return
+        report, self._report = self._report, None
+        if report is None and not self._queued:  # the model's forward was not seen: measure clipped grads
+            report = mon.measure(self._loss, step=state.global_step)
+            if report is not None:
+                report.findings.append(Finding(
+                    "POSTCLIP", level="info", step=report.step, message=
+                    "gradhealth measured after Trainer's gradient clipping (the model's forward was not seen): "
+                    "norms are post-clip, and a clipped non-finite gradient hides which parameter it came from"))
+        if report is None:
+            return
+        self.last_report = report
+        mon.publish(report, stacklevel=2)
+        if self.stop and mon.alarm(report):
+            control.should_training_stop = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._in_step = False
+        if self.log and self._sink.loud:
+            control.should_log = True  # a problem reaches the report_to backends at its own step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.log and logs is not None and state.is_world_process_zero and self._sink.pending:
+            if self.monitor is not None:
+                self.monitor.flush()  # the update norms of the step just taken
+            logs.update(self._sink.pending)
+            history = state.log_history  # Trainer stored a copy of logs before calling on_log
+            if history and history[-1].get("step") == state.global_step:
+                history[-1].update(self._sink.pending)
+            self._sink.pending, self._sink.loud = {}, False
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._close()
+
+    # ------------------------------------------------------------ internals
+    def _on_forward(self, module, inputs, output) -> None:
+        if not (self._in_step and module.training and torch.is_grad_enabled()):
+            return  # evaluation, generation, or a forward outside an optimizer step
+        loss, tensor = _first_tensor(output)
+        if loss is not None and loss.dim() == 0:
+            self._loss = loss
+            if self.check_loss and self.monitor is not None and not loss.requires_grad:
+                cause = self.monitor.diagnose_loss(loss)
+                if cause is not None:
+                    raise GradModeError(f"gradhealth: the model's loss cannot produce gradients: {cause}")
+        if tensor is None or not _sync_gradients():
+            return
+        tensor.register_hook(self._on_backward)
+
+    def _on_backward(self, grad):
+        if not self._queued:
+            self._queued = True
+            # Queued twice: the second queue runs after callbacks queued during the backward
+            # (DDP's gradient reduction finishes in one), so the gradients are final.
+            Variable._execution_engine.queue_callback(
+                lambda: Variable._execution_engine.queue_callback(self._measure))
+        return grad
+
+    def _measure(self) -> None:
+        if self.monitor is not None and self._report is None:
+            with torch.enable_grad():  # the engine runs callbacks with grad mode off; the training loop has it on
+                self._report = self.monitor.measure(self._loss, step=self._step)
+            self._loss = None
+
+    def _move_before_reporters(self) -> None:
+        """Put this callback before the ``report_to`` callbacks, so the keys it merges into
+        ``logs`` reach them (Trainer keeps no reference a callback could use; its handler is
+        found as the referrer of its callback list)."""
+        for lst in gc.get_referrers(self):
+            if not isinstance(lst, list) or not any(x is self for x in lst):
+                continue
+            if not any(isinstance(h, CallbackHandler) and h.callbacks is lst for h in gc.get_referrers(lst)):
+                continue
+            reporters = [i for i, cb in enumerate(lst)
+                         if type(cb).__module__.startswith("transformers.integrations")]
+            mine = next(i for i, cb in enumerate(lst) if cb is self)
+            if reporters and reporters[0] < mine:
+                lst.pop(mine)
+                lst.insert(reporters[0], self)
+            return
+
+    def _close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.monitor is not None:
+            self.monitor.flush()
+            self._pending_state = self.monitor.state_dict()
+            self.monitor.close()
+            self.monitor = None
+
+    def __del__(self):  # hooks must not outlive a callback dropped without on_train_end
+        hook = getattr(self, "_hook", None)
+        if hook is not None:
+            hook.remove()
+

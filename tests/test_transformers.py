@@ -1,0 +1,403 @@
+"""The Hugging Face Trainer callback, on real ``Trainer`` runs (CPU, tiny BERT, random weights),
+and the core's handling of Accelerate's optimizer wrapper in a plain ``accelerate`` loop."""
+
+import json
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+import gradhealth as gh
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+transformers = pytest.importorskip("transformers")
+
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from gradhealth.integrations.transformers import GradHealthCallback  # noqa: E402
+from gradhealth.report import frozen_summary  # noqa: E402
+
+
+def tiny_bert(seed=0):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    return BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=64, max_position_embeddings=32, pad_token_id=0))
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=96):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randint(2, 100, (n, 16), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def arguments(out, **kw):
+    base = dict(use_cpu=True, report_to=[], max_steps=20, per_device_train_batch_size=4, logging_steps=5,
+                warmup_steps=5, save_strategy="no", disable_tqdm=True, seed=0, data_seed=0)
+    base.update(kw)
+    return TrainingArguments(str(out), **base)
+
+
+def names(report, status):
+    return [n for n, s in report.status.items() if s is status]
+
+
+def train_strict(trainer):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthWarning)
+        trainer.train()
+
+
+class FixedScaler(Trainer):
+    """fp16 with a real grad scaler on CPU: Accelerate makes one (and unscales before clipping)
+    only on accelerators, so the test turns that path on before ``prepare``; the rest is Trainer's
+    and Accelerate's own code. The scale starts at 2**24 so that the first steps overflow and
+    are skipped while it settles (with Trainer's default fused AdamW, which runs its step hooks
+    and skips inside the kernel)."""
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+        self.accelerator.native_amp = True
+
+
+@pytest.mark.parametrize("case", ["warmup_clip", "accumulate4", "bf16", "checkpointing", "lora", "fp16_scaler"])
+def test_healthy_trainer_runs_are_silent_under_raise(tmp_path, case):
+    model = tiny_bert()
+    kw: dict = {"max_grad_norm": 0.5}
+    options: dict = {}
+    cls = Trainer
+    if case == "accumulate4":
+        kw["gradient_accumulation_steps"] = 4
+    elif case == "bf16":
+        kw["bf16"] = True
+    elif case == "checkpointing":
+        kw["activation_checkpointing"] = True
+    elif case == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["query", "value"]))
+        # every HF name but the adapters'
+        options["expect_frozen"] = ["*.base_layer.*", "*embeddings*", "*.self.key.*", "*.output.*", "*.intermediate.*",
+                                    "*predictions*"]
+    elif case == "fp16_scaler":
+        kw["fp16"] = True
+        cls = FixedScaler
+    cb = GradHealthCallback(on_problem="raise", **options)
+    trainer = cls(model=model, args=arguments(tmp_path, **kw), train_dataset=Tokens(), callbacks=[cb])
+    train_strict(trainer)
+    report = cb.last_report
+    assert report is not None and report.ok and report.step == 19, str(report)
+    if case == "lora":
+        frozen = names(report, gh.Status.FROZEN)
+        assert frozen and all("lora_" not in n for n in frozen)
+        assert {n for n, s in report.status.items() if s is gh.Status.OK} == {
+            n for n, p in model.named_parameters() if p.requires_grad}
+        # the frozen part is one summary line in the words a user reads
+        line = frozen_summary(report.status)
+        assert len(line.splitlines()) == 1 and "42 frozen" not in line and "(adapters are training)" in line
+    if case == "fp16_scaler":
+        assert trainer.accelerator.scaler is not None
+        # unscaled pre-clip norms: Trainer's own grad_norm (unscaled before clipping) once the
+        # scale has settled; the first steps overflowed, were skipped and tolerated (info)
+        rows = [h for h in trainer.state.log_history if "gradhealth/grad_norm_preclip/total" in h]
+        assert rows and all(h["gradhealth/status/OK"] == 42 for h in rows[1:])
+        for h in rows[1:]:
+            assert h["gradhealth/grad_norm_preclip/total"] == pytest.approx(h["grad_norm"], rel=1e-4)
+        assert trainer.accelerator.scaler.get_scale() < 2.0**24  # it did skip steps
+
+
+class PreClipReference(TrainerCallback):
+    """The oracle: every parameter's gradient norm, read after each accumulation into ``.grad``
+    (the last reading of a step is the complete, unclipped gradient), per optimizer step."""
+
+    def __init__(self, model):
+        self.latest: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(
+                    lambda p, name=name: self.latest.__setitem__(name, float(p.grad.double().norm())))
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.steps.append(dict(self.latest))
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_norms_are_pre_clip_and_equal_a_hand_computed_reference(tmp_path, accumulation):
+    model = tiny_bert()
+    ref = PreClipReference(model)
+    seen = []
+
+    class Keep(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            seen.append(cb.last_report)
+
+    cb = GradHealthCallback(granularity="param")
+    # max_grad_norm far below the gradient norm: every step is clipped hard
+    args = arguments(tmp_path, max_steps=6, max_grad_norm=1e-3, logging_steps=1,
+                     gradient_accumulation_steps=accumulation)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb, ref, Keep()])
+    train_strict(trainer)
+    assert len(ref.steps) == len(seen) == 6
+    for expected, report in zip(ref.steps, seen):
+        assert set(report.grad_norm) == set(expected)
+        for name, v in expected.items():
+            assert report.grad_norm[name] == pytest.approx(v, rel=1e-5), name
+        total = math.sqrt(sum(v * v for v in expected.values()))
+        assert report.total_grad_norm == pytest.approx(total, rel=1e-5)
+        assert report.total_grad_norm > 100 * 1e-3  # far above what clipping left
+    # the logged key equals Trainer's own pre-clip grad_norm at every logging step
+    logged = [h for h in trainer.state.log_history if "grad_norm" in h]
+    assert len(logged) == 6
+    for h in logged:
+        assert h["gradhealth/grad_norm_preclip/total"] == pytest.approx(h["grad_norm"], rel=1e-5)
+
+
+class HeadOutOfOptimizer(Trainer):
+    """Planted bug: a custom optimizer that leaves the prediction head's transform out."""
+
+    def create_optimizer(self, model=None):
+        params = [p for n, p in self.model.named_parameters() if "cls.predictions.transform" not in n]
+        self.optimizer = torch.optim.AdamW(params, lr=1e-3)
+        return self.optimizer
+
+
+def test_head_left_out_of_the_optimizer_raises_at_step_0_before_the_step(tmp_path):
+    model = tiny_bert()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cb = GradHealthCallback(on_problem="raise")
+    trainer = HeadOutOfOptimizer(model=model, args=arguments(tmp_path), train_dataset=Tokens(), callbacks=[cb])
+    with pytest.raises(gh.GradHealthError) as info:
+        trainer.train()
+    report = info.value.report
+    assert report.step == 0
+    assert set(names(report, gh.Status.NOT_IN_OPTIMIZER)) == {
+        n for n in before if "cls.predictions.transform" in n}
+    assert "cls.predictions.transform" in str(info.value)
+    # raised from on_pre_optimizer_step: the faulty step was never applied
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_stop_warns_once_and_ends_training_cleanly(tmp_path):
+    cb = GradHealthCallback(on_problem="stop")
+    trainer = HeadOutOfOptimizer(model=tiny_bert(), args=arguments(tmp_path), train_dataset=Tokens(), callbacks=[cb])
+    with pytest.warns(gh.GradHealthWarning, match="NOT_IN_OPTIMIZER") as got:
+        out = trainer.train()
+    assert trainer.state.global_step == 1 and out.global_step == 1
+    assert len([w for w in got if issubclass(w.category, gh.GradHealthWarning)]) == 1
+    # a problem is logged at its own step even between logging steps (logging_steps=5)
+    [row] = [h for h in trainer.state.log_history if "gradhealth/status/NOT_IN_OPTIMIZER" in h]
+    assert row["step"] == 1 and row["gradhealth/status/NOT_IN_OPTIMIZER"] == 4.0
+
+
+class NaNLossOnce(Trainer):
+    """Planted bug: a token-mean loss whose mask selects nothing on one optimizer step (0/0: the
+    loss and every gradient are NaN). Trainer's ``logging_nan_inf_filter`` replaces that loss
+    with the running average in its logs, so the run looks fine."""
+
+    bad_step = 7
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs["labels"]
+        out = model(input_ids=inputs["input_ids"])
+        per_token = torch.nn.functional.cross_entropy(out.logits.transpose(1, 2), labels, reduction="none")
+        mask = (labels >= 0) & (self.state.global_step != self.bad_step)
+        loss = (per_token * mask).sum() / mask.sum()
+        return (loss, out) if return_outputs else loss
+
+
+def test_nan_loss_hidden_by_trainer_filter_is_named_at_its_step(tmp_path):
+    cb = GradHealthCallback(on_problem="warn")
+    trainer = NaNLossOnce(model=tiny_bert(), args=arguments(tmp_path, logging_steps=1), train_dataset=Tokens(),
+                          callbacks=[cb])
+    with pytest.warns(gh.GradHealthWarning) as got:
+        trainer.train()
+    texts = [str(w.message) for w in got if issubclass(w.category, gh.GradHealthWarning)]
+    assert texts and texts[0].startswith("gradhealth step 7:") and "NON_FINITE_GRAD" in texts[0]
+    # Trainer's own loss log stays finite; gradhealth's status says what happened
+    row = next(h for h in trainer.state.log_history if h.get("step") == 8)
+    assert math.isfinite(row["loss"])
+    assert row["gradhealth/status/NON_FINITE_GRAD"] == 42
+
+
+def test_one_nan_gradient_is_named_alone_although_clipping_spreads_it(tmp_path):
+    """Clipping multiplies every gradient by max_norm/NaN: measured after it, every parameter
+    would be NON_FINITE. Pre-clip, the report names the one parameter that really had it."""
+    model = tiny_bert()
+    target = "bert.encoder.layer.1.output.dense.weight"
+    state = {"step": -1}
+
+    class Poison(TrainerCallback):
+        def on_step_begin(self, args, st, control, **kwargs):
+            state["step"] = st.global_step
+
+    dict(model.named_parameters())[target].register_hook(
+        lambda g: torch.full_like(g, float("nan")) if state["step"] == 3 else g)
+    kept = Kept()
+    cb = GradHealthCallback(on_problem="warn", trace_on_nonfinite=False, sinks=[kept])
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=5, max_grad_norm=1.0), train_dataset=Tokens(),
+                      callbacks=[Poison(), cb])
+    with pytest.warns(gh.GradHealthWarning, match="step 3"):
+        trainer.train()
+    [bad] = [r for r in kept.reports if r.step == 3]
+    assert names(bad, gh.Status.NON_FINITE_GRAD) == [target]
+    assert all(r.ok for r in kept.reports if r.step < 3)
+    # (Trainer's clipping then spread it: the step wrote NaN into every weight, and step 4 says so)
+    [after] = [r for r in kept.reports if r.step == 4]
+    assert len(names(after, gh.Status.NON_FINITE_GRAD)) == 42
+
+
+class Kept:
+    """A sink that keeps every report."""
+
+    def __init__(self):
+        self.reports = []
+
+    def write(self, report):
+        self.reports.append(report)
+
+
+def test_metrics_reach_tensorboard_through_report_to(tmp_path, monkeypatch):
+    from gradhealth.integrations.tbreport import read_run
+
+    logdir = tmp_path / "tb"
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(logdir))
+    cb = GradHealthCallback()
+    trainer = Trainer(model=tiny_bert(), args=arguments(tmp_path / "out", report_to=["tensorboard"]),
+                      train_dataset=Tokens(), callbacks=[cb])
+    train_strict(trainer)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    # Trainer's reporters prefix training keys with train/; gradhealth report reads them back
+    assert "train/gradhealth/grad_norm_preclip/total" in acc.Tags()["scalars"]
+    frame = read_run(str(logdir))
+    scalars = {tag: dict(zip(rows.step, rows.value)) for tag, rows in frame.groupby("tag")}
+    for key in ("gradhealth/grad_norm_preclip/total", "gradhealth/status/OK", "gradhealth/loss",
+                "gradhealth/grad_norm_preclip/cls.predictions.transform.dense"):
+        assert key in scalars, sorted(scalars)[:20]
+    assert sorted(scalars["gradhealth/grad_norm_preclip/total"]) == [5, 10, 15, 20]
+    logged = {h["step"]: h["gradhealth/grad_norm_preclip/total"] for h in trainer.state.log_history
+              if "gradhealth/grad_norm_preclip/total" in h}
+    assert scalars["gradhealth/grad_norm_preclip/total"] == pytest.approx(logged, rel=1e-6)
+    assert scalars["gradhealth/status/OK"] == {5: 42.0, 10: 42.0, 15: 42.0, 20: 42.0}
+
+
+def test_state_rides_in_checkpoints_and_resume_continues_the_history(tmp_path):
+    kw = dict(max_steps=20, save_strategy="steps", save_steps=10)
+    whole = GradHealthCallback()
+    Trainer(model=tiny_bert(), args=arguments(tmp_path / "a", **kw), train_dataset=Tokens(), callbacks=[whole]).train()
+    expected = whole.state()["attributes"]["_pending_state"]
+
+    first = GradHealthCallback()
+    Trainer(model=tiny_bert(), args=arguments(tmp_path / "b", **kw), train_dataset=Tokens(), callbacks=[first]).train()
+    saved = json.load(open(tmp_path / "b" / "checkpoint-10" / "trainer_state.json"))["stateful_callbacks"]
+    assert saved["GradHealthCallback"]["attributes"]["_pending_state"]["checks"] == 10
+
+    resumed = GradHealthCallback()  # a fresh process would build a fresh callback
+    Trainer(model=tiny_bert(seed=1), args=arguments(tmp_path / "b", **kw), train_dataset=Tokens(),
+            callbacks=[resumed]).train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-10"))
+    got = resumed.state()["attributes"]["_pending_state"]
+    assert got["checks"] == expected["checks"] == 20
+    assert got["history"]["seen"] == expected["history"]["seen"]
+    assert got["history"]["total"] == pytest.approx(expected["history"]["total"], rel=1e-4)
+
+
+def test_restore_callback_states_rebuilds_the_same_options(tmp_path):
+    kw = dict(max_steps=12, save_strategy="steps", save_steps=6)
+    cb = GradHealthCallback(on_problem="stop", expect_frozen=["nothing.*"], every_n_steps=2)
+    Trainer(model=tiny_bert(), args=arguments(tmp_path, **kw), train_dataset=Tokens(), callbacks=[cb]).train()
+    trainer = Trainer(model=tiny_bert(), args=arguments(tmp_path, restore_callback_states_from_checkpoint=True, **kw),
+                      train_dataset=Tokens(), callbacks=[GradHealthCallback()])
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-6"))
+    [rebuilt] = [c for c in trainer.callback_handler.callbacks if isinstance(c, GradHealthCallback)]
+    assert rebuilt.stop and rebuilt.options.every_n_steps == 2 and rebuilt.options.expect_frozen == ("nothing.*",)
+    assert rebuilt.state()["attributes"]["_pending_state"]["checks"] == 6  # 3 before, 3 after (every 2nd step)
+
+
+def test_bad_options_are_refused_by_name():
+    with pytest.raises(ValueError, match="on_problem"):
+        GradHealthCallback(on_problem="panic")
+    with pytest.raises(TypeError, match="unknown"):
+        GradHealthCallback(on_problme="raise")
+    with pytest.raises(ValueError, match="granularity"):
+        GradHealthCallback(granularity="layer")
+
+
+def test_core_accepts_accelerates_optimizer_wrapper():
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    model, wrapped = acc.prepare(model, opt)
+    assert type(wrapped).__name__ == "AcceleratedOptimizer"
+    mon = gh.GradHealth(acc.unwrap_model(model), wrapped)
+    assert mon.optimizers == [opt]
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    report = mon.measure(optimizer=wrapped)
+    assert names(report, gh.Status.NOT_IN_OPTIMIZER) == ["1.weight", "1.bias"]
+    with pytest.raises(ValueError, match="not one of the monitor"):
+        mon.measure(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    mon.close()
+
+
+def accelerate_loop(bug: bool, steps=12, accumulation=2):
+    """The README recipe: the plain-loop monitor inside an ``accelerate`` loop."""
+    from accelerate import Accelerator
+    from transformers import get_linear_schedule_with_warmup
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    model = tiny_bert()
+    params = [p for n, p in model.named_parameters() if not (bug and "cls.predictions.transform" in n)]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 3, steps)
+    data = torch.utils.data.DataLoader(Tokens(n=4 * steps * accumulation), batch_size=4)
+    model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
+    monitor = gh.GradHealth(accelerator.unwrap_model(model), optimizer, scaler=accelerator.scaler,
+                            on_problem="raise")
+    reports = []
+    for step, batch in enumerate(data):
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                reports.append(monitor.check(loss))
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    monitor.close()
+    return reports
+
+
+def test_accelerate_recipe_is_silent_when_healthy_and_names_the_bug():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthWarning)
+        reports = accelerate_loop(bug=False)
+    assert len(reports) == 12 and all(r.ok for r in reports)
+    assert [r.step for r in reports] == list(range(12))
+    with pytest.raises(gh.GradHealthError, match="cls.predictions.transform") as info:
+        accelerate_loop(bug=True)
+    assert info.value.report.step == 0
+
+
+def test_import_gradhealth_loads_no_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, gradhealth; print([m for m in sys.modules if m.split('.')[0] in ('transformers', 'accelerate', 'peft')])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
