@@ -346,13 +346,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shapes", default="all", help="comma-separated shape indexes (0,1,2) or 'all'")
     ap.add_argument("--sections", default="all",
-                    help="comma-separated: checks,budget,deltas,tracer,distributed,lightning,tensorboard (default: all)")
+                    help="comma-separated: checks,budget,deltas,tracer,distributed,lightning,transformers,tensorboard (default: all)")
     args = ap.parse_args(argv)
     print(f"gradhealth bench: torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
     chosen = list(SHAPES.items())
     if args.shapes != "all":
         chosen = [chosen[int(i)] for i in args.shapes.split(",")]
-    sections = ({"checks", "budget", "deltas", "tracer", "distributed", "lightning", "tensorboard"} if args.sections == "all"
+    sections = ({"checks", "budget", "deltas", "tracer", "distributed", "lightning", "transformers", "tensorboard"}
+                if args.sections == "all"
                 else set(args.sections.split(",")))
     for label, (blocks, width) in chosen:
         if "checks" in sections:
@@ -382,4 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             bench_lightning = None
         if bench_lightning is not None:
             bench_lightning(rounds=max(5, args.rounds))
+    if "transformers" in sections and args.device == "cpu":
+        try:
+            from gradhealth.integrations.bench_transformers import main as bench_transformers
+        except ImportError:
+            bench_transformers = None
+        if bench_transformers is not None:
+            bench_transformers(rounds=max(5, args.rounds))
     return 0

@@ -8,7 +8,8 @@ USAGE = """usage: gradhealth COMMAND [options]
 
 commands:
   demo    Trainer.fit runs with planted bugs on synthetic data, and what gradhealth says
-          (--plain: the same in a plain PyTorch loop, without Lightning)
+          (--plain: the same in a plain PyTorch loop, without Lightning;
+          --transformers: a tiny BERT through Hugging Face Trainer)
   bench   time a check against the naive per-parameter loop and a single fused norm pass
   report  LOGDIR [--format text|csv|json]: what gradhealth saw in a run, from its TensorBoard logs
 """
@@ -21,7 +22,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
-        if "--plain" in rest:
+        if "--transformers" in rest:
+            rest = [a for a in rest if a != "--transformers"]
+            try:
+                from gradhealth.integrations.transformers_demo import main as run
+            except ImportError as exc:
+                print(f"gradhealth demo --transformers needs transformers ({exc}); "
+                      "pip install 'transformers>=5,<6' accelerate", file=sys.stderr)
+                return 2
+        elif "--plain" in rest:
             rest = [a for a in rest if a != "--plain"]
             from .demo import main as run
         else:

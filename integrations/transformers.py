@@ -211,9 +211,9 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             control.should_log = True  # a problem reaches the report_to backends at its own step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.log and self.monitor is not None and self._sink.pending:
+            self.monitor.flush()  # the update norms of the step just taken (on every rank: it may reduce)
         if self.log and logs is not None and state.is_world_process_zero and self._sink.pending:
-            if self.monitor is not None:
-                self.monitor.flush()  # the update norms of the step just taken
             logs.update(self._sink.pending)
             history = state.log_history  # Trainer stored a copy of logs before calling on_log
             if history and history[-1].get("step") == state.global_step:

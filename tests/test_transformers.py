@@ -17,27 +17,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from gradhealth.integrations.transformers import GradHealthCallback  # noqa: E402
+from gradhealth.integrations.transformers_demo import HeadOutOfOptimizer, NaNLossOnce, Tokens, tiny_bert  # noqa: E402
 from gradhealth.report import frozen_summary  # noqa: E402
-
-
-def tiny_bert(seed=0):
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(seed)
-    return BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                      intermediate_size=64, max_position_embeddings=32, pad_token_id=0))
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=96):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randint(2, 100, (n, 16), generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
 def arguments(out, **kw):
@@ -163,15 +144,6 @@ def test_norms_are_pre_clip_and_equal_a_hand_computed_reference(tmp_path, accumu
         assert h["gradhealth/grad_norm_preclip/total"] == pytest.approx(h["grad_norm"], rel=1e-5)
 
 
-class HeadOutOfOptimizer(Trainer):
-    """Planted bug: a custom optimizer that leaves the prediction head's transform out."""
-
-    def create_optimizer(self, model=None):
-        params = [p for n, p in self.model.named_parameters() if "cls.predictions.transform" not in n]
-        self.optimizer = torch.optim.AdamW(params, lr=1e-3)
-        return self.optimizer
-
-
 def test_head_left_out_of_the_optimizer_raises_at_step_0_before_the_step(tmp_path):
     model = tiny_bert()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -198,22 +170,6 @@ def test_stop_warns_once_and_ends_training_cleanly(tmp_path):
     # a problem is logged at its own step even between logging steps (logging_steps=5)
     [row] = [h for h in trainer.state.log_history if "gradhealth/status/NOT_IN_OPTIMIZER" in h]
     assert row["step"] == 1 and row["gradhealth/status/NOT_IN_OPTIMIZER"] == 4.0
-
-
-class NaNLossOnce(Trainer):
-    """Planted bug: a token-mean loss whose mask selects nothing on one optimizer step (0/0: the
-    loss and every gradient are NaN). Trainer's ``logging_nan_inf_filter`` replaces that loss
-    with the running average in its logs, so the run looks fine."""
-
-    bad_step = 7
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        labels = inputs["labels"]
-        out = model(input_ids=inputs["input_ids"])
-        per_token = torch.nn.functional.cross_entropy(out.logits.transpose(1, 2), labels, reduction="none")
-        mask = (labels >= 0) & (self.state.global_step != self.bad_step)
-        loss = (per_token * mask).sum() / mask.sum()
-        return (loss, out) if return_outputs else loss
 
 
 def test_nan_loss_hidden_by_trainer_filter_is_named_at_its_step(tmp_path):
@@ -247,8 +203,9 @@ def test_one_nan_gradient_is_named_alone_although_clipping_spreads_it(tmp_path):
     cb = GradHealthCallback(on_problem="warn", trace_on_nonfinite=False, sinks=[kept])
     trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=5, max_grad_norm=1.0), train_dataset=Tokens(),
                       callbacks=[Poison(), cb])
-    with pytest.warns(gh.GradHealthWarning, match="step 3"):
+    with pytest.warns(gh.GradHealthWarning) as got:
         trainer.train()
+    assert [str(w.message).split(":")[0] for w in got][:2] == ["gradhealth step 3", "gradhealth step 4"]
     [bad] = [r for r in kept.reports if r.step == 3]
     assert names(bad, gh.Status.NON_FINITE_GRAD) == [target]
     assert all(r.ok for r in kept.reports if r.step < 3)
@@ -401,3 +358,19 @@ def test_import_gradhealth_loads_no_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_demo_transformers_names_both_bugs_and_is_silent_when_healthy(tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "gradhealth", "demo", "--transformers", "--steps", "9", "--logdir",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    blocks = out.split("\n[")
+    assert "NOT_IN_OPTIMIZER: cls.predictions.transform.* (4 params)" in blocks[1]
+    assert "gradhealth step 7: 42 NON_FINITE_GRAD" in blocks[2] and "Trainer's own log at that step: loss 0" in blocks[2]
+    assert "gradhealth said nothing" in blocks[3]
+    assert f"gradhealth report {tmp_path}" in out and f"tensorboard --logdir {tmp_path}" in out
+    assert "{'loss'" not in out  # Trainer's per-step log lines are off

@@ -1,0 +1,46 @@
+"""Hugging Face Trainer under torchrun: 2 CPU processes (gloo), the callback on each rank."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from conftest import free_port  # noqa: E402
+
+HERE = os.path.dirname(__file__)
+
+
+def torchrun(out, mode):
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           os.path.join(HERE, "hf_ddp_worker.py"), str(out), mode]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return [json.load(open(out / f"rank{r}.json")) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_checks_see_the_reduced_pre_clip_gradients_on_every_rank(tmp_path):
+    r0, r1 = torchrun(tmp_path, "ok")
+    assert r0["world"] == 2 and r0["ddp"] == "DistributedDataParallel"
+    # Trainer's grad_norm is over the DDP-averaged gradients (each rank saw different data): the
+    # check ran after DDP's reduction finished, before clipping (max_grad_norm=0.1 clips every step)
+    assert len(r0["rows"]) == 6
+    for step, grad_norm, ours, _ in r0["rows"]:
+        assert ours == pytest.approx(grad_norm, rel=1e-5) and ours > 0.1
+    assert r0["last"] == r1["last"] and "healthy" in r0["last"]
+    assert r0["warnings"] == r1["warnings"] == []
+    # metrics go to Trainer's logs on the main process only
+    assert all(ours is None for _, _, ours, _ in r1["rows"])
+
+
+@pytest.mark.slow
+def test_every_rank_reaches_the_same_verdict_and_rank_zero_says_it(tmp_path):
+    r0, r1 = torchrun(tmp_path, "bug")
+    assert r0["last"] == r1["last"] and "4 NOT_IN_OPTIMIZER" in r0["last"]
+    assert r0["warnings"][:2] == ["gradhealth step 0: 4 NOT_IN_OPTIMIZER", "gradhealth step 1: 4 NOT_IN_OPTIMIZER"]
+    assert r1["warnings"] == []
