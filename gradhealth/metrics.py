@@ -71,8 +71,13 @@ def report_metrics(report: Report, granularity: str = "module", norm: str = "gra
 
 
 def update_metrics(report: Report, granularity: str = "module", suffix: str = "") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for f in report.findings:  # known once the step ran, with or without measured norms
+        if f.kind in (FindingKind.NOT_UPDATED, FindingKind.FROZEN_BUT_CHANGED) and f.step == report.step \
+                and f.level != "info":  # a warmup's lr 0 at its first step is not a finding to chart
+            out[f"{PREFIX}/findings/{f.kind}"] = 1.0
     if not report.update_norm:
-        return {}
+        return out
     upd: dict[str, list[float]] = {}
     par: dict[str, list[float]] = {}
     for name, u in report.update_norm.items():
@@ -80,12 +85,9 @@ def update_metrics(report: Report, granularity: str = "module", suffix: str = ""
         g = group_name(name, granularity)
         upd.setdefault(g, []).append(u)
         par.setdefault(g, []).append(u / r if r and math.isfinite(r) and r > 0 else 0.0)
-    out = {f"{PREFIX}/update_norm/total{suffix}": combine_norms([u for us in upd.values() for u in us])}
+    out[f"{PREFIX}/update_norm/total{suffix}"] = combine_norms([u for us in upd.values() for u in us])
     for g, us in upd.items():
         theta = combine_norms(par[g])
         out[f"{PREFIX}/update_norm/{g}"] = combine_norms(us)
         out[f"{PREFIX}/update_ratio/{g}"] = combine_norms(us) / theta if theta > 0 else 0.0
-    for f in report.findings:
-        if f.kind in (FindingKind.NOT_UPDATED, FindingKind.FROZEN_BUT_CHANGED) and f.step == report.step:
-            out[f"{PREFIX}/findings/{f.kind}"] = 1.0
     return out

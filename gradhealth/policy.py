@@ -81,6 +81,7 @@ class Publisher:
             return
         message = explain(report)
         if self.on_problem == "raise" and loud:
+            self.write_stop(report.step, f"GradHealthError: {message}")
             raise GradHealthError(message, report)
         if self.emit_warnings:
             # warn_explicit with a throwaway registry: warnings.warn would keep every distinct
@@ -88,6 +89,17 @@ class Publisher:
             frame = sys._getframe(stacklevel)
             warnings.warn_explicit(message, GradHealthWarning, frame.f_code.co_filename, frame.f_lineno,
                                    module=frame.f_globals.get("__name__"), registry={}, module_globals=frame.f_globals)
+
+    def write_stop(self, step: int | None, message: str) -> None:
+        """Tell the sinks (``write_stop(step, message)``, where they have it) the error that is
+        about to stop training, so the logs say why the run ended. Never raises itself."""
+        for sink in self.sinks:
+            fn = getattr(sink, "write_stop", None)
+            if callable(fn):
+                try:
+                    fn(step, message)
+                except Exception:  # the error being raised is the one the user must see
+                    pass
 
     def publish_update(self, report: Report) -> None:
         """A report again, once its step's update norms (and findings) are known."""

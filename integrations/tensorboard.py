@@ -27,7 +27,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from gradhealth.metrics import PREFIX, report_metrics, update_metrics
 from gradhealth.naming import module_of
-from gradhealth.report import Report
+from gradhealth.report import Report, describe_groups, group_by_module
 from gradhealth.stats import combine_norms
 from gradhealth.status import Status
 
@@ -103,6 +103,7 @@ class TensorBoardSink:
         self._modules: dict[str, None] = {}
         self._writes = 0
         self._texts: dict[int, set[int]] = {}
+        self._states: list[str] = []
         self._module_of: dict[str, str] = {}
         self._row: dict[str, int] = {}
 
@@ -143,15 +144,32 @@ class TensorBoardSink:
             w.flush()  # a failing step is on disk before any error propagates
 
     def _write_text(self, report: Report) -> None:
-        """The step's own findings not written yet (those of its optimizer step come later)."""
-        done = self._texts.setdefault(report.step, set())
+        """The step's own findings not written yet (those of its optimizer step come later), and
+        at its first writing, the parameters in each error state, grouped by module."""
+        done = self._texts.get(report.step)
+        parts = []
+        if done is None:
+            done = self._texts[report.step] = set()
+            errors = report.errors
+            by_state: dict[Status, list] = {}
+            for row in group_by_module(report.status, lambda n, s: n in errors):
+                by_state.setdefault(row[2], []).append(row)
+            states = [f"**{state.value}** (error, step {{}}): {describe_groups(rows)}" for state, rows in by_state.items()]
+            if states != self._states:  # written when they change, not at every step of a long problem
+                self._states = states
+                parts += [t.format(report.step) for t in states]
         new = [f for f in report.findings if f.level != "info" and f.step == report.step and id(f) not in done]
-        if new:
-            done.update(id(f) for f in new)
-            text = "\n\n".join(f"**{f.kind}** ({f.level}, step {f.step}): {f.message}" for f in new)
-            self.writer.add_text(f"{PREFIX}/findings_text", text, report.step)
+        done.update(id(f) for f in new)
+        parts += [f"**{f.kind}** ({f.level}, step {f.step}): {f.message}" for f in new]
+        if parts:
+            self.writer.add_text(f"{PREFIX}/findings_text", "\n\n".join(parts), report.step)
         while len(self._texts) > 8:
             self._texts.pop(next(iter(self._texts)))
+
+    def write_stop(self, step: int | None, message: str) -> None:
+        """The error that stops training, as text (``gradhealth/stopped``), flushed to disk."""
+        self.writer.add_text(f"{PREFIX}/stopped", message, step if step is not None else 0)
+        self.writer.flush()
 
     def write_update(self, report: Report) -> None:
         if report.step not in self._written and not any(f.level != "info" for f in report.findings):
@@ -164,6 +182,8 @@ class TensorBoardSink:
     def _scalars(self, metrics: dict[str, float], step: int) -> None:
         """All of a step's scalars in ONE event (one protobuf, one record): a SummaryWriter's
         add_scalar writes one event per value, which costs more than the check itself."""
+        if not metrics:
+            return
         file_writer = getattr(self.writer, "_get_file_writer", None)
         if file_writer is None:  # another writer type: the portable, slower path
             for tag, value in metrics.items():

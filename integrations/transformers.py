@@ -3,6 +3,10 @@
     from gradhealth.integrations.transformers import GradHealthCallback
     trainer = Trainer(model, args, ..., callbacks=[GradHealthCallback()])
 
+Step numbers are Trainer's: the check before the optimizer step that makes ``state.global_step``
+N is step N, the step at which Trainer logs it (gradhealth's warnings, the logged metrics and the
+dashboards agree).
+
 Where each check runs (once per optimizer step, after gradient accumulation):
 
 * at the end of the backward pass of the last micro-batch of the step (an autograd engine
@@ -183,7 +187,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             self._move_before_reporters()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._in_step, self._step = True, state.global_step
+        self._in_step, self._step = True, state.global_step + 1
         self._report, self._queued, self._loss = None, False, None
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
@@ -192,7 +196,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             return
         report, self._report = self._report, None
         if report is None and not self._queued:  # the model's forward was not seen: measure clipped grads
-            report = mon.measure(self._loss, step=state.global_step)
+            report = mon.measure(self._loss, step=state.global_step + 1)
             if report is not None:
                 report.findings.append(Finding(
                     "POSTCLIP", level="info", step=report.step, message=

@@ -72,7 +72,7 @@ class NaNLossOnce(Trainer):
 
 SCENARIOS = [
     ("not_in_optimizer", HeadOutOfOptimizer, "a custom create_optimizer leaves cls.predictions.transform out"),
-    ("nan_batch", NaNLossOnce, f"a token mean over an empty mask at step {NaNLossOnce.bad_step} (0/0), which "
+    ("nan_batch", NaNLossOnce, f"a token mean over an empty mask at step {NaNLossOnce.bad_step + 1} (0/0), which "
                                "Trainer's NaN filter hides from its loss log"),
     ("healthy", Trainer, "the same tiny BERT, nothing planted"),
 ]
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         said, history = run_scenario(name, cls, args.logdir, args.steps)
         show(said)
         if name == "nan_batch":
-            step = NaNLossOnce.bad_step + 1  # Trainer logs after the step, at global_step + 1
+            step = NaNLossOnce.bad_step + 1  # the step Trainer logs it at, and gradhealth's number for it
             row = next((h for h in history if h.get("step") == step and "loss" in h), None)
             if row is not None:
                 print(f"    (Trainer's own log at that step: loss {row['loss']:.4g}, grad_norm {row.get('grad_norm')})")

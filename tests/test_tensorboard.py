@@ -202,7 +202,7 @@ def test_report_on_the_demo_logs_names_the_planted_problems(tmp_path):
     assert "module 'norm', at DivBackward0" in where["detail"]
     csv_out = subprocess.run([sys.executable, "-m", "gradhealth", "report", str(tmp_path), "--format", "csv"],
                              capture_output=True, text=True, timeout=120).stdout
-    assert csv_out.splitlines()[0] == "run,kind,step,detail"
+    assert csv_out.splitlines()[0] == "run,kind,step,detail,names"
 
 
 def test_report_leaves_out_what_the_policy_tolerated(tmp_path):

@@ -77,7 +77,7 @@ def test_healthy_trainer_runs_are_silent_under_raise(tmp_path, case):
     trainer = cls(model=model, args=arguments(tmp_path, **kw), train_dataset=Tokens(), callbacks=[cb])
     train_strict(trainer)
     report = cb.last_report
-    assert report is not None and report.ok and report.step == 19, str(report)
+    assert report is not None and report.ok and report.step == 20, str(report)
     if case == "lora":
         frozen = names(report, gh.Status.FROZEN)
         assert frozen and all("lora_" not in n for n in frozen)
@@ -152,7 +152,7 @@ def test_head_left_out_of_the_optimizer_raises_at_step_0_before_the_step(tmp_pat
     with pytest.raises(gh.GradHealthError) as info:
         trainer.train()
     report = info.value.report
-    assert report.step == 0
+    assert report.step == 1  # Trainer's numbering: the check before the step that makes global_step 1
     assert set(names(report, gh.Status.NOT_IN_OPTIMIZER)) == {
         n for n in before if "cls.predictions.transform" in n}
     assert "cls.predictions.transform" in str(info.value)
@@ -179,7 +179,7 @@ def test_nan_loss_hidden_by_trainer_filter_is_named_at_its_step(tmp_path):
     with pytest.warns(gh.GradHealthWarning) as got:
         trainer.train()
     texts = [str(w.message) for w in got if issubclass(w.category, gh.GradHealthWarning)]
-    assert texts and texts[0].startswith("gradhealth step 7:") and "NON_FINITE_GRAD" in texts[0]
+    assert texts and texts[0].startswith("gradhealth step 8:") and "NON_FINITE_GRAD" in texts[0]
     # Trainer's own loss log stays finite; gradhealth's status says what happened
     row = next(h for h in trainer.state.log_history if h.get("step") == 8)
     assert math.isfinite(row["loss"])
@@ -205,12 +205,12 @@ def test_one_nan_gradient_is_named_alone_although_clipping_spreads_it(tmp_path):
                       callbacks=[Poison(), cb])
     with pytest.warns(gh.GradHealthWarning) as got:
         trainer.train()
-    assert [str(w.message).split(":")[0] for w in got][:2] == ["gradhealth step 3", "gradhealth step 4"]
-    [bad] = [r for r in kept.reports if r.step == 3]
+    assert [str(w.message).split(":")[0] for w in got][:2] == ["gradhealth step 4", "gradhealth step 5"]
+    [bad] = [r for r in kept.reports if r.step == 4]
     assert names(bad, gh.Status.NON_FINITE_GRAD) == [target]
-    assert all(r.ok for r in kept.reports if r.step < 3)
+    assert all(r.ok for r in kept.reports if r.step < 4)
     # (Trainer's clipping then spread it: the step wrote NaN into every weight, and step 4 says so)
-    [after] = [r for r in kept.reports if r.step == 4]
+    [after] = [r for r in kept.reports if r.step == 5]
     assert len(names(after, gh.Status.NON_FINITE_GRAD)) == 42
 
 
@@ -370,7 +370,7 @@ def test_demo_transformers_names_both_bugs_and_is_silent_when_healthy(tmp_path):
     out = res.stdout
     blocks = out.split("\n[")
     assert "NOT_IN_OPTIMIZER: cls.predictions.transform.* (4 params)" in blocks[1]
-    assert "gradhealth step 7: 42 NON_FINITE_GRAD" in blocks[2] and "Trainer's own log at that step: loss 0" in blocks[2]
+    assert "gradhealth step 8: 42 NON_FINITE_GRAD" in blocks[2] and "Trainer's own log at that step: loss 0" in blocks[2]
     assert "gradhealth said nothing" in blocks[3]
     assert f"gradhealth report {tmp_path}" in out and f"tensorboard --logdir {tmp_path}" in out
     assert "{'loss'" not in out  # Trainer's per-step log lines are off
