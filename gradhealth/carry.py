@@ -176,15 +176,28 @@ class Carry:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.calls = int(state.get("calls", 0))
-        self.checks = int(state.get("checks", 0))
-        self.amp_skips = int(state.get("amp_skips", 0))
-        self.amp_settled = bool(state.get("amp_settled", False))
-        self.streaks.load_state_dict(state.get("streaks") or {})
-        self.still = int(state.get("still", 0))
-        if self.history is not None:
-            if state.get("history") is not None:
-                self.history.load_state_dict(state["history"])
-            self.histories = {}
-            for i, h in (state.get("histories") or {}).items():
-                self.history_for(int(i)).load_state_dict(h)
+        """All or nothing: everything is read and checked into new objects first; a malformed
+        state raises ValueError and leaves this carry as it was."""
+        try:
+            counts = {k: int(state.get(k, 0)) for k in ("calls", "checks", "amp_skips", "still")}
+            if min(counts.values()) < 0:
+                raise ValueError(f"negative counters {counts}")
+            settled = state.get("amp_settled", False)
+            if not isinstance(settled, bool):
+                raise TypeError(f"amp_settled must be a bool, got {type(settled).__name__}")
+            streaks = Streaks()
+            streaks.load_state_dict(state.get("streaks") or {})
+            history, histories = self.history, self.histories
+            if self.history is not None:
+                history = copy.deepcopy(self._template)
+                if state.get("history") is not None:
+                    history.load_state_dict(state["history"])
+                histories = {}
+                for i, h in (state.get("histories") or {}).items():
+                    histories[int(i)] = copy.deepcopy(self._template)
+                    histories[int(i)].load_state_dict(h)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise ValueError(f"load_state_dict: not a state from GradHealth.state_dict() ({type(exc).__name__}: {exc}); "
+                             "the monitor was left unchanged") from None
+        self.calls, self.checks, self.amp_skips, self.still = (counts[k] for k in ("calls", "checks", "amp_skips", "still"))
+        self.amp_settled, self.streaks, self.history, self.histories = settled, streaks, history, histories

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .errors import EmptyValidSetError
+from .options import check_tensor
 
 __all__ = ["masked_mean", "safe_div", "safe_log", "safe_sqrt", "safe_where", "EMPTY_POLICIES"]
 
@@ -71,6 +72,9 @@ def safe_div(numerator: Tensor, denominator: Tensor, valid: Tensor | None = None
 
     Default ``valid``: finite numerator, finite and nonzero denominator (NaN is not "nonzero").
     """
+    for name, value in (("numerator", numerator), ("denominator", denominator)):
+        if not isinstance(value, (Tensor, int, float)) or isinstance(value, bool):
+            raise TypeError(f"safe_div: {name} must be a torch.Tensor or a number; got {type(value).__name__}")
     num = torch.as_tensor(numerator)
     den = torch.as_tensor(denominator, device=num.device)
     if valid is None:
@@ -85,6 +89,7 @@ def safe_div(numerator: Tensor, denominator: Tensor, valid: Tensor | None = None
 
 def safe_log(x: Tensor, valid: Tensor | None = None, fill: float = 0.0) -> Tensor:
     """``log(x)`` where valid (default: finite and > 0), ``fill`` elsewhere, zero gradient there."""
+    check_tensor("safe_log: x", x)
     if valid is None:
         valid = torch.isfinite(x) & (x > 0)
     valid = _as_bool_mask(valid, x, "valid")
@@ -97,6 +102,7 @@ def safe_sqrt(x: Tensor, valid: Tensor | None = None) -> Tensor:
 
     0 itself is excluded by default: sqrt's derivative is infinite there; its value, 0, is kept.
     """
+    check_tensor("safe_sqrt: x", x)
     if valid is None:
         valid = torch.isfinite(x) & (x > 0)
     valid = _as_bool_mask(valid, x, "valid")
@@ -110,6 +116,9 @@ def safe_where(condition: Tensor, fn: Callable[[Tensor], Tensor], input: Tensor,
     The "double where": ``fn`` sees ``safe_value`` at the other positions, so an overflow or a
     singular derivative there cannot reach the gradient. ``safe_value`` must lie in ``fn``'s domain.
     """
+    check_tensor("safe_where: input", input)
+    if not callable(fn):
+        raise TypeError(f"safe_where: fn must be a callable (e.g. torch.exp); got {type(fn).__name__}")
     cond = _as_bool_mask(condition, input, "condition")
     guarded = torch.where(cond, input, torch.full((), safe_value, dtype=input.dtype, device=input.device))
     other = torch.as_tensor(other, dtype=input.dtype, device=input.device) if not isinstance(other, Tensor) else other

@@ -36,7 +36,7 @@ from .distributed import Ranks, all_reduce_tensor, ranks_of
 from .errors import GradHealthInternalWarning
 from .guards import ForwardRecord, ForwardWatch, diagnose_loss, uses_checkpointing
 from .observe import Observation, failed_observation, observe
-from .options import Options, check_scaler, check_step
+from .options import Options, check_scaler, check_step, check_tensor
 from .params import ModelChanges, ParamView, Selection
 from .patience import zero_partners
 from .policy import Publisher, alarm, explain
@@ -114,6 +114,7 @@ class GradHealth:
             return None
         if self._changes.stale():
             self._refresh()
+        check_tensor("check(loss=...)", loss, optional=True)
         if optimizer is not None:
             optimizer = unwrap_optimizer(optimizer)
             self.view.optimizer_index(optimizer)  # a clear error for an optimizer the monitor does not know
@@ -144,6 +145,8 @@ class GradHealth:
         """
         if not isinstance(mask, Tensor):
             raise TypeError(f"track_valid: mask must be a torch.Tensor; got {type(mask).__name__}")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"track_valid: name must be a non-empty str (the key in report.valid_counts); got {name!r}")
         count = (mask if mask.dtype == torch.bool else mask != 0).sum()
         prev = self.carry.valid.get(name)
         self.carry.valid[name] = count if prev is None else prev + count.to(prev.device)

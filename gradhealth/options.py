@@ -8,7 +8,7 @@ from typing import Any
 
 from .history import NormHistory
 
-__all__ = ["Options", "ON_PROBLEM", "DELTA_MODES", "check_choice", "check_positive_int", "check_patterns",
+__all__ = ["Options", "ON_PROBLEM", "DELTA_MODES", "check_choice", "check_positive_int", "check_patterns", "check_tensor",
            "check_scaler", "check_step"]
 
 ON_PROBLEM = ("warn", "raise", "ignore")
@@ -22,9 +22,23 @@ def check_scaler(scaler):
 
 
 def check_step(step) -> int | None:
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise TypeError(f"check(step=...) must be an int >= 0 (e.g. a trainer's global step) or None; got {step!r}")
+    if step is not None and step < 0:
+        raise ValueError(f"check(step=...) must be an int >= 0 (e.g. a trainer's global step) or None; got {step!r}")
     return step
+
+
+def check_tensor(name: str, value, optional: bool = False):
+    """``value`` is a torch.Tensor (or None when optional), else a TypeError naming ``name``."""
+    import torch
+
+    if value is None and optional:
+        return value
+    if not isinstance(value, torch.Tensor):
+        hint = " (pass the tensor itself, not .item())" if isinstance(value, (int, float)) else ""
+        raise TypeError(f"{name} must be a torch.Tensor{' or None' if optional else ''}{hint}; got {type(value).__name__}")
+    return value
 
 
 def check_choice(name: str, value, allowed: Sequence) -> Any:
@@ -89,7 +103,9 @@ def _check_history(history) -> NormHistory | None:
 
 def _check_float(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number; got {value!r}")
+        raise TypeError(f"{name} must be a number >= 0; got {value!r}")
+    if not value >= 0:
+        raise ValueError(f"{name} must be a number >= 0; got {value!r}")
     return float(value)
 
 

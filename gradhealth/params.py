@@ -54,9 +54,11 @@ class ParamView:
         for i, o in enumerate(self.optimizers):
             if o is optimizer:
                 return i
+        n = len(self.optimizers)
         raise ValueError(
-            f"check(optimizer=...) got a {type(optimizer).__name__} that is not one of the monitor's "
-            f"{len(self.optimizers)} optimizer(s): pass one of the optimizers given to GradHealth(model, optimizer)"
+            f"check(optimizer=...) got a {type(optimizer).__name__} object that is not "
+            f"{'the monitor' + chr(39) + 's optimizer' if n == 1 else f'one of the monitor' + chr(39) + f's {n} optimizers'}: "
+            "pass an optimizer given to GradHealth(model, optimizer)"
         )
 
     def selection(self, optimizer=None) -> Selection:

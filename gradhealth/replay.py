@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from . import stats
+from .classify import check_model
 from .errors import GradHealthInternalWarning
 from .findings import Finding, FindingKind
 from .snapshot import ModuleState, rng_state, set_rng_state
@@ -48,6 +49,10 @@ def replay_nonfinite(model: nn.Module, run: Callable[[], object], *, rng: dict |
     dropout masks and random draws. Returns the NONFINITE_ORIGIN finding, which also says whether
     the NaN reproduced; None (with a warning) if the replay itself failed.
     """
+    check_model(model)
+    if not callable(run):
+        raise TypeError(f"replay_nonfinite: run must be a callable that does the step's forward and backward; got "
+                        f"{type(run).__name__}")
     params = list(model.parameters())
     saved = ModuleState(model)
     now = rng_state()

@@ -25,8 +25,12 @@ class LoggingSink:
     """
 
     def __init__(self, logger: logging.Logger | str = "gradhealth", level: int = logging.INFO, every_n: int = 1):
-        if not isinstance(every_n, int) or every_n < 1:
-            raise ValueError(f"every_n must be a positive int; got {every_n!r}")
+        if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
+            raise ValueError(f"LoggingSink: every_n must be a positive int; got {every_n!r}")
+        if not isinstance(logger, (str, logging.Logger, logging.LoggerAdapter)):
+            raise TypeError(f"LoggingSink: logger must be a logging.Logger or a logger name; got {type(logger).__name__}")
+        if isinstance(level, bool) or not isinstance(level, int):
+            raise TypeError(f"LoggingSink: level must be a logging level int (e.g. logging.INFO); got {level!r}")
         self.logger = logging.getLogger(logger) if isinstance(logger, str) else logger
         self.level = level
         self.every_n = every_n

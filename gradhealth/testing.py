@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .classify import as_optimizers, classify, named_parameters
+from .classify import as_optimizers, check_model, classify, named_parameters
 from .guards import diagnose_loss
 from .naming import matches
 from .options import check_patterns
@@ -36,6 +36,7 @@ def assert_trains(
     parameters, buffers and gradients, the optimizer's state and the RNG are restored afterwards
     unless ``restore=False``. Returns the statuses when everything trains.
     """
+    check_model(model)
     entries = named_parameters(model)
     optimizers = as_optimizers(optimizer)
     if not optimizers:

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .classify import unwrap
+from .classify import check_model, unwrap
 from .naming import ROOT
 
 __all__ = ["NonFiniteTracer", "trace_nonfinite", "REPAIRS"]
@@ -122,7 +122,7 @@ class NonFiniteTracer:
     """Hooks for one traced step; see the module docstring. Results are final after ``resolve()``."""
 
     def __init__(self, model: nn.Module):
-        self.root = unwrap(model)
+        self.root = check_model(model)
         self.forward_origin: str | None = None
         self.backward_origin: str | None = None
         self.backward_op: str | None = None

@@ -221,6 +221,9 @@ def read_run(path, *, progress: bool = False, text: bool = False):
     ``gradhealth report`` streams instead."""
     import pandas as pd
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"read_run: path must be a str or os.PathLike (a log directory or an event file); got "
+                        f"{type(path).__name__}")
     path = os.fspath(path)
     runs, notes = scan(path)
     if not any(r.files for r in runs.values()):

@@ -52,6 +52,21 @@ def layout(norm: str = "grad_norm") -> dict:
     }
 
 
+def _writable(path: str) -> None:
+    """Create ``path`` and prove a file can be written there now, in the caller's thread: else
+    SummaryWriter fails deep inside its writer thread, after training started."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".gradhealth-write-test-{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise OSError(exc.errno, f"TensorBoardSink cannot write to the log directory {path!r} "
+                                 f"({exc.strerror or type(exc).__name__}{': ' + exc.filename if exc.filename and exc.filename != path else ''}); "
+                                 "pass a writable directory") from None
+
+
 class TensorBoardSink:
     """Writes each report to TensorBoard.
 
@@ -73,8 +88,13 @@ class TensorBoardSink:
                  heatmap_every: int = 50, heatmap_window: int = 200, scalars: bool = True, norm: str = "grad_norm",
                  close_writer: bool | None = None, every_n: int = 10):
         if isinstance(logdir_or_writer, (str, os.PathLike)):
+            path = os.fspath(logdir_or_writer)
+            if not str(path).strip():
+                raise ValueError("TensorBoardSink: the log directory is empty (''); pass a directory such as "
+                                 "'runs/exp1' (an empty one would make SummaryWriter invent runs/<date_host>)")
+            _writable(str(path))
             # a deep queue: the writer thread serialises events while training runs
-            self.writer = SummaryWriter(str(logdir_or_writer), max_queue=256)
+            self.writer = SummaryWriter(str(path), max_queue=256)
             owned = True
         elif hasattr(logdir_or_writer, "add_scalar"):
             self.writer = logdir_or_writer
