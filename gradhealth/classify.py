@@ -101,9 +101,13 @@ def unwrap_optimizer(optimizer):
 
 
 def wrapper_scaler(optimizer):
-    """The grad scaler an optimizer wrapper carries (Accelerate's under fp16), or None."""
-    scaler = getattr(optimizer, "scaler", None)
-    return scaler if scaler is not None and callable(getattr(scaler, "get_scale", None)) else None
+    """The grad scaler an optimizer wrapper (or the first of a list of them) carries: Accelerate's
+    under fp16. None without one."""
+    for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+        scaler = getattr(opt, "scaler", None)
+        if scaler is not None and callable(getattr(scaler, "get_scale", None)):
+            return scaler
+    return None
 
 
 def as_optimizers(optimizer) -> list:

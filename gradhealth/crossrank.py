@@ -21,7 +21,7 @@ from . import distributed as dist
 from .findings import Finding, FindingKind
 from .guards import ForwardRecord
 from .layout import Layout
-from .naming import on_ranks
+from .naming import agree, on_ranks
 from .observe import Observation
 from .report import Report, describe_names
 from .stats import SMALLEST_SUBNORMAL
@@ -185,7 +185,7 @@ def desync_findings(params: list[Tensor], names: list[str], status, step: int, d
     if not differ:
         return []
     ranks = sorted({r for rs in differ.values() for r in rs})
-    return [Finding(FindingKind.DESYNC, f"{describe_names(status, differ)} differ between rank 0 and {on_ranks(ranks)}: "
+    return [Finding(FindingKind.DESYNC, f"{describe_names(status, differ)} {agree(differ, 'differ', 'differs')} between rank 0 and {on_ranks(ranks)}: "
                     "the replicas have drifted apart (a parameter changed on one rank only, a different initialisation "
                     "seed, a non-deterministic update, or a skipped all-reduce); broadcast from rank 0 or fix the code "
                     "that changes one rank", params=tuple(differ), step=step, data={"ranks": differ})]

@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 shown.append(first)
                 print(textwrap.indent(first, "    "))
             if len(outcome.said) > len(shown):
-                print(f"    (and {len(outcome.said) - len(shown)} more warnings like these on the following steps)")
+                extra = len(outcome.said) - len(shown)
+                print(f"    (and {extra} more warning{'' if extra == 1 else 's'} like these on the following steps)")
         print()
     return 0

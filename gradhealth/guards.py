@@ -81,7 +81,7 @@ def diagnose_loss(loss, model: nn.Module | None = None, forward: ForwardRecord |
         params = list(model.parameters())
         if params and not any(p.requires_grad for p in params):
             return (
-                f"every parameter of the model ({len(params)} tensors) has requires_grad=False, so "
+                f"every parameter of the model ({len(params)} tensor{'' if len(params) == 1 else 's'}) has requires_grad=False, so "
                 "nothing can get a gradient: unfreeze what should train (requires_grad_(True))."
             )
     if forward is not None:

@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping
 
 from .findings import Finding, FindingKind
 from .guards import ForwardRecord
-from .naming import matches
+from .naming import agree, matches
 from .report import describe_names
 from .status import Status
 
@@ -91,7 +91,7 @@ def checkpoint_no_grad(no_grad: Collection[str], checkpointing: bool, status: Ma
     require grad (typically after frozen embeddings)."""
     if not no_grad or not checkpointing:
         return []
-    return [Finding(K.CHECKPOINT_NO_GRAD, f"{describe_names(status, no_grad)} get no gradient and the model uses "
+    return [Finding(K.CHECKPOINT_NO_GRAD, f"{describe_names(status, no_grad)} {agree(no_grad, 'get', 'gets')} no gradient and the model uses "
                     "gradient checkpointing: reentrant torch.utils.checkpoint (Hugging Face's "
                     "gradient_checkpointing_enable() default on older versions) gives no gradient to a checkpointed "
                     "segment whose inputs do not require grad, e.g. after frozen embeddings. Call "
@@ -119,12 +119,13 @@ def expect_frozen(status: Mapping[str, Status], patterns: tuple[str, ...] | None
     wrong_frozen = tuple(n for n, s in status.items() if s is Status.FROZEN and not matches(n, patterns))
     wrong_trainable = tuple(n for n, s in status.items() if s is not Status.FROZEN and matches(n, patterns))
     if wrong_frozen:
-        out.append(Finding(K.UNEXPECTED_FROZEN, f"{describe_names(status, wrong_frozen)} frozen but not matched by "
-                           f"expect_frozen={list(patterns)}: unfreeze them (requires_grad_(True)) or add them to "
-                           "expect_frozen", params=wrong_frozen, step=step))
+        out.append(Finding(K.UNEXPECTED_FROZEN, f"{describe_names(status, wrong_frozen)} {agree(wrong_frozen, 'are', 'is')} frozen but not matched by "
+                           f"expect_frozen={list(patterns)}: unfreeze {agree(wrong_frozen, 'them', 'it')} (requires_grad_(True)) or add "
+                           f"{agree(wrong_frozen, 'them', 'it')} to expect_frozen", params=wrong_frozen, step=step))
     if wrong_trainable:
-        out.append(Finding(K.UNEXPECTED_TRAINABLE, f"{describe_names(status, wrong_trainable)} match "
-                           f"expect_frozen={list(patterns)} but are trainable: freeze them (requires_grad_(False)) or "
+        out.append(Finding(K.UNEXPECTED_TRAINABLE, f"{describe_names(status, wrong_trainable)} {agree(wrong_trainable, 'match', 'matches')} "
+                           f"expect_frozen={list(patterns)} but {agree(wrong_trainable, 'are', 'is')} trainable: freeze "
+                           f"{agree(wrong_trainable, 'them', 'it')} (requires_grad_(False)) or "
                            "change expect_frozen", params=wrong_trainable, step=step))
     return out
 
@@ -146,24 +147,27 @@ def not_updated(status: Mapping[str, Status], unchanged: Mapping[str, str], step
     stuck = {n for n, w in unchanged.items() if w == "again"}
     rest = set(unchanged) - scheduled - stuck
     if rest and still < patience:
-        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, rest)} were left exactly unchanged by "
-                           f"optimizer.step() at step {step} although their gradients are not zero: their updates fell "
+        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, rest)} {agree(rest, 'were', 'was')} left exactly unchanged by "
+                           f"optimizer.step() at step {step} although {agree(rest, 'their gradients are', 'its gradient is')} "
+                           f"not zero: {agree(rest, 'their updates', 'its update')} fell "
                            "below the precision of the weights (a converged parameter, vanishing gradients); an error "
                            f"only if a step changes nothing at all {patience} times in a row",
                            params=_ordered(status, rest), level="info", step=step))
         rest = set()
     if scheduled:
-        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, scheduled)} were not changed by optimizer.step() at "
-                           f"step {step} because their learning rate was 0 at that step: expected when a warmup "
+        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, scheduled)} {agree(scheduled, 'were', 'was')} not changed by optimizer.step() "
+                           f"at step {step} because {agree(scheduled, 'their', 'its')} learning rate was 0 at that step: expected when a warmup "
                            "schedule starts at 0 (an error if it stays 0)", params=_ordered(status, scheduled),
                            level="info", step=step, data={"lr": 0.0}))
     if stuck:
-        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, stuck)} had finite, non-zero gradients at step {step} "
-                           "yet optimizer.step() left them unchanged: their learning rate has been 0 for two steps in a "
-                           "row; check the scheduler (a warmup that never rises, a decay that reached 0) and the lr of "
-                           "their param group", params=_ordered(status, stuck), step=step, data={"lr": 0.0}))
+        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, stuck)} had {agree(stuck, 'finite, non-zero gradients', 'a finite, non-zero gradient')} "
+                           f"at step {step} "
+                           f"yet optimizer.step() left {agree(stuck, 'them', 'it')} unchanged: {agree(stuck, 'their', 'its')} "
+                           "learning rate has been 0 for two steps in a row; check the scheduler (a warmup that never rises, "
+                           f"a decay that reached 0) and the lr of {agree(stuck, 'their', 'its')} param group", params=_ordered(status, stuck), step=step, data={"lr": 0.0}))
     if rest:
-        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, rest)} had finite, non-zero gradients at step {step} "
+        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, rest)} had {agree(rest, 'finite, non-zero gradients', 'a finite, non-zero gradient')} "
+                           f"at step {step} "
                            f"yet optimizer.step() has changed no parameter for {still} steps in a row although the "
                            "learning rate is not 0: an update rule that does nothing, or updates smaller than the "
                            "precision of the weights (bf16/fp16 weights with a small learning rate: keep fp32 master "
@@ -175,7 +179,8 @@ def frozen_but_changed(status: Mapping[str, Status], moved: Collection[str], ste
     """FROZEN_BUT_CHANGED: frozen parameters left in the optimizer that its step moved."""
     if not moved:
         return []
-    return [Finding(K.FROZEN_BUT_CHANGED, f"{describe_names(status, moved)} are frozen but optimizer.step() moved them "
+    return [Finding(K.FROZEN_BUT_CHANGED, f"{describe_names(status, moved)} {agree(moved, 'are', 'is')} frozen but optimizer.step() moved "
+                    f"{agree(moved, 'them', 'it')} "
                     f"at step {step}: weight decay or momentum still acts on frozen parameters left in the optimizer; "
                     "build the optimizer from the trainable parameters only ([p for p in model.parameters() if "
                     "p.requires_grad])", params=_ordered(status, moved), step=step)]
@@ -189,8 +194,8 @@ def skipped_step(status: Mapping[str, Status], in_optimizer: Mapping[str, bool] 
     chosen = {n for n, s in status.items() if s is Status.OK and in_optimizer.get(n)}
     if not chosen:
         return []
-    return [Finding(K.NOT_UPDATED, f"{describe_names(status, chosen)} had gradients at step {step} but no "
-                    "optimizer.step() ran before they were zeroed: the step was skipped (a condition around "
+    return [Finding(K.NOT_UPDATED, f"{describe_names(status, chosen)} had {agree(chosen, 'gradients', 'a gradient')} at step {step} but "
+                    f"no optimizer.step() ran before {agree(chosen, 'they were', 'it was')} zeroed: the step was skipped (a condition around "
                     "optimizer.step(), or an exception swallowed)", params=_ordered(status, chosen), step=step)]
 
 
@@ -228,8 +233,9 @@ def transient_grads(status: Mapping[str, Status], streak: Mapping[str, int], pat
     out = []
     partnered = tolerated & set(partners)
     if partnered:
-        out.append(Finding(K.TRANSIENT_GRAD, f"{describe_names(status, partnered)} got exactly zero gradients at step {step} "
-                           "because a partner weight beside them is exactly zero (a zero-initialised LoRA B / adapter "
+        out.append(Finding(K.TRANSIENT_GRAD, f"{describe_names(status, partnered)} got {agree(partnered, 'exactly zero gradients', 'an exactly zero gradient')} "
+                           f"at step {step} "
+                           f"because a partner weight beside {agree(partnered, 'them', 'it')} is exactly zero (a zero-initialised LoRA B / adapter "
                            "up-projection or residual branch): expected at the first step; they train once the partner "
                            "has moved", params=_ordered(status, partnered), level="info", step=step))
     rest = tolerated - partnered

@@ -69,9 +69,7 @@ class GradHealth:
                  options: Options | None = None, **kwargs):
         self.options = o = Options.build(options, **kwargs)
         self.model = model
-        if scaler is None:  # Accelerate's optimizer wrapper carries the fp16 grad scaler
-            wrappers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
-            scaler = next((s for s in map(wrapper_scaler, wrappers) if s is not None), None)
+        scaler = wrapper_scaler(optimizer) if scaler is None else scaler  # Accelerate's wrapper carries one
         self.optimizers = as_optimizers(optimizer)
         self.view = ParamView(model, self.optimizers)
         self.scaler = check_scaler(scaler)

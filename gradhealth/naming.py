@@ -23,6 +23,13 @@ def matches(name: str, patterns: Iterable[str] | None) -> bool:
     return patterns is not None and any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def agree(count, many: str, one: str) -> str:
+    """The verb (or phrase) that agrees with ``count`` things (a number or a collection):
+    ``agree(names, "were", "was")``."""
+    n = count if isinstance(count, int) else len(count)
+    return one if n == 1 else many
+
+
 def plural(n: int, word: str, many: str | None = None) -> str:
     """``1 parameter``, ``2 parameters``."""
     return f"{n} {word if n == 1 else (many or word + 's')}"

@@ -8,7 +8,7 @@ import warnings
 
 from .errors import GradHealthError, GradHealthInternalWarning, GradHealthWarning
 from .report import Report, describe_groups, group_by_module
-from .status import HINTS, Status
+from .status import Status, hint
 
 __all__ = ["alarm", "explain", "Publisher"]
 
@@ -35,7 +35,8 @@ def explain(report: Report) -> str:
     for row in group_by_module(report.status, lambda n, s: n in errors):
         by_state.setdefault(row[2], []).append(row)
     for state, rows in by_state.items():
-        lines.append(f"  {state.value}: {describe_groups(rows)}{_how_long(report, rows)} {HINTS[state]}")
+        count = sum(len(names) for _, names, _ in rows)
+        lines.append(f"  {state.value}: {describe_groups(rows)}{_how_long(report, rows)} {hint(state, count)}")
         experts = [label for label, _, _ in rows if _EXPERT.search(label)]
         if experts and state in (Status.NO_GRAD, Status.ZERO_GRAD):
             lines.append(f"    expert{'s' if len(experts) > 1 else ''} {', '.join(experts)} received no tokens"

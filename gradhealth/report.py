@@ -79,7 +79,7 @@ def describe_groups(rows) -> str:
     parts = []
     for label, names, _ in rows:
         if label == "*":
-            parts.append(f"every parameter ({plural(len(names), 'param')})")
+            parts.append(f"all {len(names)} parameters" if len(names) > 1 else "the only parameter")
         elif label.endswith(".*"):
             parts.append(f"{label} ({plural(len(names), 'param')})")
         else:
@@ -221,7 +221,7 @@ class Report:
 
     def summary_line(self) -> str:
         counts = ", ".join(f"{k} {s.value}" for s, k in self.counts().items() if k)
-        return f"{len(self.status)} parameters: {counts}; total grad norm {_fmt(self.total_grad_norm)}"
+        return f"{plural(len(self.status), 'parameter')}: {counts}; total grad norm {_fmt(self.total_grad_norm)}"
 
     def __str__(self) -> str:
         head = f"gradhealth step {self.step}: "

@@ -49,3 +49,27 @@ HINTS = {
     ),
     Status.OK: "train normally.",
 }
+
+# The same words for a single parameter.
+HINTS_ONE = {
+    Status.FROZEN: (
+        "requires_grad is False, so this parameter never trains. Usually intended (a frozen "
+        "backbone); if not, call requires_grad_(True) on it, or list the intended ones in "
+        "expect_frozen= so any other frozen parameter is reported."
+    ),
+    Status.NO_GRAD: HINTS[Status.NO_GRAD].replace("they are not on", "it is not on").replace(
+        "If they are unused on purpose, freeze them", "If it is unused on purpose, freeze it"),
+    Status.NON_FINITE_GRAD: "has" + HINTS[Status.NON_FINITE_GRAD][len("have"):].replace("inf gradients", "inf gradient", 1),
+    Status.NOT_IN_OPTIMIZER: (
+        "gets gradients but no optimizer updates it: it is in none of the optimizer's param_groups. Build "
+        "the optimizer from model.parameters() after every submodule exists, or add it with "
+        "optimizer.add_param_group(...)."
+    ),
+    Status.ZERO_GRAD: "has a gradient that is exactly zero" + HINTS[Status.ZERO_GRAD][len("have gradients that are exactly zero"):],
+    Status.OK: "trains normally.",
+}
+
+
+def hint(state: Status, count: int) -> str:
+    """The causes and fix of ``state``, worded for ``count`` parameters."""
+    return (HINTS_ONE if count == 1 else HINTS)[state]

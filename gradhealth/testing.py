@@ -13,7 +13,7 @@ from .guards import diagnose_loss
 from .naming import matches
 from .options import check_patterns
 from .snapshot import ModuleState, rng_state, set_rng_state
-from .status import HINTS, Status
+from .status import Status, hint
 
 __all__ = ["assert_trains"]
 
@@ -73,7 +73,7 @@ def assert_trains(
                 if expected_frozen:
                     failures.append(f"{name}: trainable but matched by expect_frozen {list(pats)}")
                 if state is not Status.OK:
-                    failures.append(f"{name}: {state.value}: {HINTS[state]}")
+                    failures.append(f"{name}: {state.value}: {hint(state, 1)}")
                 elif torch.equal(p.detach(), b):
                     failures.append(
                         f"{name}: did not change after optimizer.step() although its gradient is finite and non-zero "

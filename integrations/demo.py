@@ -37,7 +37,7 @@ SCENARIOS = [
 ]
 
 
-def run_scenario(bug: str, root: str, steps: int, progress: bool = True) -> list[str]:
+def run_scenario(bug: str, root: str, steps: int, progress: bool = False) -> list[str]:
     pl.seed_everything(0, verbose=False)
     options = {"expect_frozen": []} if bug == "frozen" else {}
     callback = GradHealthCallback(**options)
@@ -67,7 +67,8 @@ def show(said: list[str]) -> None:
     for message in seen.values():
         print(textwrap.indent(message, "    "))
     if len(said) > len(seen):
-        print(f"    (and {len(said) - len(seen)} more warnings like these on the following steps)")
+        extra = len(said) - len(seen)
+        print(f"    (and {extra} more warning{'' if extra == 1 else 's'} like these on the following steps)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,17 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per scenario")
     ap.add_argument("--logdir", default="gradhealth_runs/demo", help="where the TensorBoard logs go")
     ap.add_argument("--only", default=None, help="comma-separated scenario names (default: all)")
-    ap.add_argument("--no-progress", action="store_true", help="hide Lightning's progress bar")
+    ap.add_argument("--progress", action="store_true", help="show Lightning's progress bar (off: one line per scenario)")
+    ap.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)  # the default now
     args = ap.parse_args(argv)
     for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
-        logging.getLogger(name).setLevel(logging.ERROR)  # keep the progress bar, drop the banners
+        logging.getLogger(name).setLevel(logging.ERROR)  # drop the banners
     chosen = [s for s in SCENARIOS if args.only is None or s[0] in args.only.split(",")]
-    print(f"gradhealth demo: Trainer.fit of a 3-layer classifier on synthetic data, {len(chosen)} scenarios\n")
+    print(f"gradhealth demo: Trainer.fit of a 3-layer classifier on synthetic data, {len(chosen)} scenario{'' if len(chosen) == 1 else 's'}\n")
     for i, (bug, title, what) in enumerate(chosen, 1):
         print(f"[{i}/{len(chosen)}] {title}: {what}", flush=True)
-        said = run_scenario(bug, args.logdir, args.steps, progress=not args.no_progress)
+        said = run_scenario(bug, args.logdir, args.steps, progress=args.progress and not args.no_progress)
         show(said)
         print(flush=True)
-    print(f"TensorBoard logs of every scenario are in {os.path.abspath(args.logdir)}; open them with:\n"
+    print(f"TensorBoard logs of every scenario are in {os.path.abspath(args.logdir)}. What gradhealth saw, per run:\n"
+          f"    gradhealth report {args.logdir}\nThe dashboards:\n"
           f"    tensorboard --logdir {args.logdir}\nthen browse http://localhost:6006 (the SCALARS tab, tags gradhealth/...).")
     return 0

@@ -193,7 +193,9 @@ class GradHealthCallback(Callback):
         if self.check_loss and self.monitor is not None:
             cause = self.monitor.diagnose_loss(loss)
             if cause is not None:
-                raise GradModeError(f"gradhealth: the training_step's loss cannot produce gradients: {cause}")
+                message = f"gradhealth: the training_step's loss cannot produce gradients: {cause}"
+                self.monitor.publisher.write_stop(trainer.global_step, f"GradModeError: {message}")
+                raise GradModeError(message)
 
     @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:

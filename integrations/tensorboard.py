@@ -87,6 +87,12 @@ class TensorBoardSink:
     def __init__(self, logdir_or_writer, *, granularity: str | None = None, histograms: bool = False,
                  heatmap_every: int = 50, heatmap_window: int = 200, scalars: bool = True, norm: str = "grad_norm",
                  close_writer: bool | None = None, every_n: int = 10):
+        if granularity not in (None, "param", "module"):
+            raise ValueError(f"granularity must be one of None, 'param', 'module'; got {granularity!r}")
+        if not isinstance(heatmap_every, int) or heatmap_every < 0:
+            raise ValueError(f"heatmap_every must be an int >= 0; got {heatmap_every!r}")
+        if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
+            raise ValueError(f"every_n must be a positive int; got {every_n!r}")
         if isinstance(logdir_or_writer, (str, os.PathLike)):
             path = os.fspath(logdir_or_writer)
             if not str(path).strip():
@@ -101,12 +107,6 @@ class TensorBoardSink:
             owned = False
         else:
             raise TypeError(f"TensorBoardSink needs a log directory or a SummaryWriter; got {type(logdir_or_writer).__name__}")
-        if granularity not in (None, "param", "module"):
-            raise ValueError(f"granularity must be one of None, 'param', 'module'; got {granularity!r}")
-        if not isinstance(heatmap_every, int) or heatmap_every < 0:
-            raise ValueError(f"heatmap_every must be an int >= 0; got {heatmap_every!r}")
-        if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
-            raise ValueError(f"every_n must be a positive int; got {every_n!r}")
         self.every_n = every_n
         self._seen = 0
         self._written: list[int] = []  # the steps written lately (their updates follow them)

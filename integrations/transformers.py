@@ -237,7 +237,9 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             if self.check_loss and self.monitor is not None and not loss.requires_grad:
                 cause = self.monitor.diagnose_loss(loss)
                 if cause is not None:
-                    raise GradModeError(f"gradhealth: the model's loss cannot produce gradients: {cause}")
+                    message = f"gradhealth: the model's loss cannot produce gradients: {cause}"
+                    self.monitor.publisher.write_stop(self._step, f"GradModeError: {message}")
+                    raise GradModeError(message)
         if tensor is None or not _sync_gradients():
             return
         tensor.register_hook(self._on_backward)

@@ -104,7 +104,8 @@ def show(said: list[str]) -> None:
     for message in seen.values():
         print(textwrap.indent(message, "    "))
     if len(said) > len(seen):
-        print(f"    (and {len(said) - len(seen)} more warnings like these on the following steps)")
+        extra = len(said) - len(seen)
+        print(f"    (and {extra} more warning{'' if extra == 1 else 's'} like these on the following steps)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ def test_layer_missing_from_optimizer():
 def test_division_by_zero_is_non_finite_everywhere():
     out = demo.scenario_division_by_zero(1)
     assert set(out.report.status.values()) == {"NON_FINITE_GRAD"}
-    assert "every parameter (6 params)" in out.said[0]
+    assert "all 6 parameters have NaN" in out.said[0]
 
 
 def test_healthy_run_is_silent():
@@ -46,9 +46,12 @@ def test_demo_command_runs_the_lightning_scenarios(tmp_path):
     out = res.stdout
     for words in ["GradModeError", "UNEXPECTED_FROZEN", "NOT_IN_OPTIMIZER", "STALE_GRAD", "NOT_UPDATED", "EMPTY_VALID_SET",
                   "GRAD_MODE", "module 'norm', at DivBackward0", "module 'act', at ExpBackward0", "it reproduced",
-                  "gradhealth said nothing", f"tensorboard --logdir {tmp_path}"]:
+                  "gradhealth said nothing", f"tensorboard --logdir {tmp_path}", f"gradhealth report {tmp_path}"]:
         assert words in out, words
-    assert "Epoch 0" in res.stdout + res.stderr  # Lightning's progress display is kept
+    # one line per scenario: Lightning's progress bar is off, each scenario's verdict under its title
+    assert "Epoch 0" not in res.stdout + res.stderr and "it/s" not in res.stderr
+    titles = [line for line in out.splitlines() if line.startswith("[")]
+    assert len(titles) == 12 and all(line.startswith(f"[{i}/12] ") for i, line in enumerate(titles, 1))
     runs = {d for d in os.listdir(tmp_path)}
     assert {"none", "nan_batch", "frozen"} <= runs
 

@@ -193,7 +193,7 @@ def test_report_on_the_demo_logs_names_the_planted_problems(tmp_path):
     kinds = {(i["run"].split(os.sep)[0], i["kind"]) for i in items}
     for expected in [("not_in_optimizer", "NOT_IN_OPTIMIZER"), ("lr_zero", "NOT_UPDATED"), ("all_masked", "EMPTY_VALID_SET"),
                      ("missing_zero_grad", "STALE_GRAD"), ("frozen", "UNEXPECTED_FROZEN"), ("eval_mode", "GRAD_MODE"),
-                     ("nan_batch", "NON_FINITE_GRAD"), ("division_by_zero", "NON_FINITE_GRAD")]:
+                     ("nan_batch", "NON_FINITE_GRAD"), ("division_by_zero", "NON_FINITE_GRAD"), ("detached", "STOPPED")]:
         assert expected in kinds, expected
     assert not [i for i in items if i["run"].startswith("none")]
     nan = next(i for i in items if i["run"].startswith("nan_batch") and i["kind"] == "NON_FINITE_GRAD")

@@ -305,7 +305,7 @@ def test_core_accepts_accelerates_optimizer_wrapper():
     model(torch.randn(8, 4)).pow(2).mean().backward()
     report = mon.measure(optimizer=wrapped)
     assert names(report, gh.Status.NOT_IN_OPTIMIZER) == ["1.weight", "1.bias"]
-    with pytest.raises(ValueError, match="not one of the monitor"):
+    with pytest.raises(ValueError, match="not the monitor's optimizer"):
         mon.measure(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     mon.close()
 
