@@ -80,6 +80,8 @@ def describe_groups(rows) -> str:
     for label, names, _ in rows:
         if label == "*":
             parts.append(f"all {len(names)} parameters" if len(names) > 1 else "the only parameter")
+        elif label.endswith(".*") and len(names) == 1:
+            parts.append(names[0])  # a module with one parameter: its name says more than "m.* (1 param)"
         elif label.endswith(".*"):
             parts.append(f"{label} ({plural(len(names), 'param')})")
         else:
