@@ -59,6 +59,7 @@ UPDATE_EVERY = 100
 #: the change test compares the samples of at most this many tensors per step, in turns: on the
 #: CPU every tensor touched costs a kernel launch, as much as a small tensor's whole norm
 WINDOW = 64
+_VERSION = operator.attrgetter("_version")
 _MIN_BUDGET = 1 << 18  # elements: the floor of the transient budget for tiny models (1 MiB of fp32)
 
 
@@ -175,7 +176,7 @@ class UpdateTracker:
         groups = opt.param_groups
         ps = groups[0]["params"] if len(groups) == 1 else [p for g in groups for p in g["params"]]
         ids = list(map(id, ps))
-        ptrs = [p.data_ptr() for p in ps]
+        ptrs = list(map(Tensor.data_ptr, ps))
         plan = self._plans.get(id(opt))
         if plan is not None and plan.ids == ids and plan.ptrs == ptrs:
             return plan
@@ -195,7 +196,7 @@ class UpdateTracker:
             views = [v if v is not None else p.new_empty(0) for v, p in zip(views, params)]
             for start in range(0, len(views), WINDOW):
                 ks = list(range(start, min(start + WINDOW, len(views))))
-                windows.append((ks, Packed([views[k] for k in ks])))
+                windows.append((ks, Packed([views[k] for k in ks], reuse=True)))
         dtensor = dtensor_type()
         local = dtensor is not None and any(isinstance(self.entries[i][1], dtensor) for i in idx)
         plan = _OptPlan(ids, ptrs, idx, params, windows, whole, [g for _, _, g in plan_groups(params)], group_of, local)
@@ -217,7 +218,7 @@ class UpdateTracker:
             plan = self._plan(opt)
             if plan is None:
                 continue
-            versions = [p._version for p in plan.params]
+            versions = list(map(_VERSION, plan.params))
             if self.mode == "exact":
                 snap = apply(torch._foreach_mul, plan.groups, plan.params, 1)
             else:  # this step's window of samples
@@ -288,7 +289,7 @@ class UpdateTracker:
         params, n = plan.params, len(plan.params)
         touched: list[bool] | None = None  # None: every parameter touched (the common case)
         if versions_tell(opt) and not plan.local:
-            moved_on = list(map(operator.ne, [p._version for p in params], versions))
+            moved_on = list(map(operator.ne, map(_VERSION, params), versions))
             touched = None if all(moved_on) else moved_on
         # else: fused kernels, writes through .data and DTensor shards move no counter; compare all
         lr_zero = self._lr_zero(opt, plan)

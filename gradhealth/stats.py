@@ -69,7 +69,13 @@ def _plan_fits(plan, tensors: Sequence[Tensor]) -> bool:
     if plan is None or sum(len(idx) for _, _, idx in plan) != len(tensors):
         return False
     for device, dtype, idx in plan:
-        if any(tensors[i].dtype != dtype for i in idx) or any(tensors[i].device != device for i in idx):
+        if any(tensors[i].dtype != dtype for i in idx):
+            return False
+        if device.type in ("cpu", "cuda"):  # get_device() is an int: no device object per tensor
+            where = -1 if device.type == "cpu" else device.index
+            if any(tensors[i].get_device() != where for i in idx):
+                return False
+        elif any(tensors[i].device != device for i in idx):
             return False
     return True
 
@@ -77,7 +83,7 @@ def _plan_fits(plan, tensors: Sequence[Tensor]) -> bool:
 def foreach_norms(members: Sequence[Tensor]) -> list[Tensor]:
     """L2 norms of tensors of one device and dtype, one fused kernel, accumulating in float32
     (float64 for float64 tensors: CPU float64 reductions of float32 data are ~15x slower)."""
-    if any(m.is_complex() for m in members):  # |z| over real and imaginary parts
+    if members[0].is_complex():  # |z| over real and imaginary parts (members share one dtype)
         members = [torch.view_as_real(m) if m.is_complex() else m for m in members]
     acc = _acc_dtype(members[0].dtype)
     try:
