@@ -190,6 +190,22 @@ SCENARIOS: list[tuple[str, str, Callable[[int], Outcome]]] = [
 ]
 
 
+def show(said: list[str]) -> None:
+    """What gradhealth said in one scenario, each different message once (the same words come on
+    many steps), indented under the scenario's title. Used by every demo."""
+    if not said:
+        print("    gradhealth said nothing: every parameter trains normally.")
+        return
+    seen: dict[str, str] = {}
+    for message in said:
+        seen.setdefault(re.sub(r"step \d+|batch \d+", "N", message), message)
+    for message in seen.values():
+        print(textwrap.indent(message, "    "))
+    extra = len(said) - len(seen)
+    if extra:
+        print(f"    (and {extra} more warning{'' if extra == 1 else 's'} like these on the following steps)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gradhealth demo", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5, help="training steps per scenario")
@@ -197,18 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     print("gradhealth demo: a 3-layer classifier on synthetic data, one planted bug per scenario\n")
     for i, (title, what, fn) in enumerate(SCENARIOS, 1):
         print(f"[{i}/{len(SCENARIOS)}] {title}: {what}")
-        outcome = fn(args.steps)
-        if not outcome.said:
-            print("    gradhealth said nothing: every parameter trains normally.")
-        else:  # the same words come on many steps: show each different message once
-            distinct = list(dict.fromkeys(re.sub(r"step \d+", "step N", m) for m in outcome.said))
-            shown = []
-            for text in distinct:
-                first = next(m for m in outcome.said if re.sub(r"step \d+", "step N", m) == text)
-                shown.append(first)
-                print(textwrap.indent(first, "    "))
-            if len(outcome.said) > len(shown):
-                extra = len(outcome.said) - len(shown)
-                print(f"    (and {extra} more warning{'' if extra == 1 else 's'} like these on the following steps)")
+        show(fn(args.steps).said)
         print()
     return 0

@@ -55,11 +55,9 @@ class ParamView:
             if o is optimizer:
                 return i
         n = len(self.optimizers)
-        raise ValueError(
-            f"check(optimizer=...) got a {type(optimizer).__name__} object that is not "
-            f"{'the monitor' + chr(39) + 's optimizer' if n == 1 else f'one of the monitor' + chr(39) + f's {n} optimizers'}: "
-            "pass an optimizer given to GradHealth(model, optimizer)"
-        )
+        theirs = "the monitor's optimizer" if n == 1 else f"one of the monitor's {n} optimizers"
+        raise ValueError(f"check(optimizer=...) got a {type(optimizer).__name__} object that is not {theirs}: "
+                         "pass an optimizer given to GradHealth(model, optimizer)")
 
     def selection(self, optimizer=None) -> Selection:
         """Every parameter, or (``optimizer`` given) that optimizer's plus those in no optimizer;

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .classify import check_model, unwrap
+from .classify import check_model
 from .naming import ROOT
 
 __all__ = ["NonFiniteTracer", "trace_nonfinite", "REPAIRS"]

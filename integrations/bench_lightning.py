@@ -114,11 +114,17 @@ def main(rounds: int = 5, steps: int = 20, width: int = 1536, depth: int = 4, ba
             clock = _Clock()
             _fit(steps, data, width, depth, GradHealthCallback(every_n_steps=every, log=False), clock)
             inside[name] = clock.total / steps
+    print_overhead(f"GradHealthCallback on Trainer.fit: {n_params / 1e6:.1f}M-parameter MLP, batch {batch}, AdamW, CPU, "
+                   f"median step over {rounds} interleaved runs:", times, inside)
+
+
+def print_overhead(title: str, times: dict[str, list[float]], inside: dict[str, float]) -> None:
+    """A callback's cost side by side: step times without it and with it, and the time spent
+    inside gradhealth's own code as a share of a step (shared by the framework benchmarks)."""
     base = statistics.median(times["without"])
-    print(f"\nGradHealthCallback on Trainer.fit: {n_params / 1e6:.1f}M-parameter MLP, batch {batch}, AdamW, CPU, "
-          f"median step over {rounds} interleaved runs:")
+    print(f"\n{title}")
     print(f"  without the callback {base * 1e3:.1f} ms/step")
-    for name in ("every step", "every_n_steps=10"):
+    for name in inside:
         t = statistics.median(times[name])
         print(f"  {name:<18} {t * 1e3:.1f} ms/step ({100 * (t / base - 1):+.1f}% wall clock); time inside gradhealth's "
               f"code {inside[name] * 1e3:.2f} ms/step = {100 * inside[name] / base:.2f}% of a step")

@@ -12,7 +12,7 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from .bench_lightning import _Clock
+from .bench_lightning import _Clock, print_overhead
 from .transformers import GradHealthCallback
 
 
@@ -89,13 +89,7 @@ def main(rounds: int = 5, steps: int = 15, hidden: int = 256, layers: int = 4, b
             clock = _Clock()
             _train(steps, GradHealthCallback(every_n_steps=every), clock, hidden, layers, batch, length)
             inside[name] = clock.total / steps
-    base = statistics.median(times["without"])
     n = layers * 12 * hidden * hidden / 1e6
-    print(f"\nGradHealthCallback on Hugging Face Trainer.train: BERT {layers} layers x {hidden} (~{n:.1f}M in the "
-          f"layers), batch {batch} x {length} tokens, fused AdamW, CPU, median step over {rounds} interleaved runs:")
-    print(f"  without the callback {base * 1e3:.1f} ms/step")
-    for name in ("every step", "every_n_steps=10"):
-        t = statistics.median(times[name])
-        print(f"  {name:<18} {t * 1e3:.1f} ms/step ({100 * (t / base - 1):+.1f}% wall clock); time inside gradhealth's "
-              f"code {inside[name] * 1e3:.2f} ms/step = {100 * inside[name] / base:.2f}% of a step")
-    print("  (wall-clock differences below the machine's noise, a few %, are not meaningful)")
+    print_overhead(f"GradHealthCallback on Hugging Face Trainer.train: BERT {layers} layers x {hidden} (~{n:.1f}M in the "
+                   f"layers), batch {batch} x {length} tokens, fused AdamW, CPU, median step over {rounds} interleaved runs:",
+                   times, inside)

@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
-import textwrap
 import warnings
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from gradhealth.demo import show
 from gradhealth.errors import GradHealthWarning, GradModeError
 
 from .lightning import GradHealthCallback
@@ -55,20 +54,6 @@ def run_scenario(bug: str, root: str, steps: int, progress: bool = False) -> lis
             said.append(f"GradModeError: {exc}")
     said += [str(w.message) for w in caught if issubclass(w.category, GradHealthWarning)]
     return said
-
-
-def show(said: list[str]) -> None:
-    if not said:
-        print("    gradhealth said nothing: every parameter trains normally.")
-        return
-    seen: dict[str, str] = {}
-    for message in said:  # the same words come on many steps: each different message once
-        seen.setdefault(re.sub(r"step \d+|batch \d+", "N", message), message)
-    for message in seen.values():
-        print(textwrap.indent(message, "    "))
-    if len(said) > len(seen):
-        extra = len(said) - len(seen)
-        print(f"    (and {extra} more warning{'' if extra == 1 else 's'} like these on the following steps)")
 
 
 def main(argv: list[str] | None = None) -> int:

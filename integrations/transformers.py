@@ -49,6 +49,7 @@ from its saved options, which cannot include ``sinks``: pass sinks through ``rep
 from __future__ import annotations
 
 import gc
+import warnings
 from typing import Any
 
 import torch
@@ -56,8 +57,7 @@ from torch.autograd import Variable
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
 
-from gradhealth.classify import unwrap_optimizer
-from gradhealth.errors import GradModeError
+from gradhealth.errors import GradHealthInternalWarning, GradModeError
 from gradhealth.findings import Finding
 from gradhealth.metrics import report_metrics, update_metrics
 from gradhealth.monitor import GradHealth
@@ -180,7 +180,11 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self.monitor = GradHealth(model, optimizer, options=self.options, sinks=sinks)
         self.monitor.emit_warnings = bool(state.is_world_process_zero)
         if self._pending_state:
-            self.monitor.load_state_dict(self._pending_state)
+            try:
+                self.monitor.load_state_dict(self._pending_state)
+            except (TypeError, ValueError) as exc:  # a checkpoint from elsewhere: start afresh, say so
+                warnings.warn(f"gradhealth: the callback state in this checkpoint was not restored ({exc}); the "
+                              "norm history starts afresh", GradHealthInternalWarning, stacklevel=2)
         self._pending_state = None
         self._hook = model.register_forward_hook(self._on_forward)
         if self.log:

@@ -9,14 +9,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
-import textwrap
 import warnings
 
 import torch
 from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from gradhealth.demo import show
 from gradhealth.errors import GradHealthWarning
 
 from .transformers import GradHealthCallback
@@ -92,20 +91,6 @@ def run_scenario(name: str, cls, root: str, steps: int = 12) -> tuple[list[str],
         trainer.train()
     os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
     return [str(w.message) for w in caught if issubclass(w.category, GradHealthWarning)], trainer.state.log_history
-
-
-def show(said: list[str]) -> None:
-    if not said:
-        print("    gradhealth said nothing: every parameter trains normally.")
-        return
-    seen: dict[str, str] = {}
-    for message in said:  # the same words on many steps: each different message once
-        seen.setdefault(re.sub(r"step \d+", "N", message), message)
-    for message in seen.values():
-        print(textwrap.indent(message, "    "))
-    if len(said) > len(seen):
-        extra = len(said) - len(seen)
-        print(f"    (and {extra} more warning{'' if extra == 1 else 's'} like these on the following steps)")
 
 
 def main(argv: list[str] | None = None) -> int:

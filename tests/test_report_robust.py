@@ -19,7 +19,7 @@ from tensorboard.compat.proto.event_pb2 import Event  # noqa: E402
 from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: E402
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c  # noqa: E402
 
-from gradhealth.integrations.tbreport import records  # noqa: E402
+from gradhealth.integrations.tbread import records  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

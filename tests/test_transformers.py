@@ -374,3 +374,12 @@ def test_demo_transformers_names_both_bugs_and_is_silent_when_healthy(tmp_path):
     assert "gradhealth said nothing" in blocks[3]
     assert f"gradhealth report {tmp_path}" in out and f"tensorboard --logdir {tmp_path}" in out
     assert "{'loss'" not in out  # Trainer's per-step log lines are off
+
+
+def test_a_state_that_cannot_be_restored_warns_and_training_goes_on(tmp_path):
+    cb = GradHealthCallback()
+    cb._pending_state = {"checks": "not a number"}  # as from a checkpoint of something else
+    trainer = Trainer(model=tiny_bert(), args=arguments(tmp_path, max_steps=3), train_dataset=Tokens(), callbacks=[cb])
+    with pytest.warns(gh.GradHealthInternalWarning, match="not restored"):
+        trainer.train()
+    assert cb.state()["attributes"]["_pending_state"]["checks"] == 3
