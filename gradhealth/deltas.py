@@ -58,8 +58,7 @@ SAMPLE = 256
 UPDATE_EVERY = 100
 #: the change test compares the samples of at most this many tensors per step, in turns: on the
 #: CPU every tensor touched costs a kernel launch, as much as a small tensor's whole norm
-WINDOW = 64
-_VERSION = operator.attrgetter("_version")
+WINDOW, _VERSION = 64, operator.attrgetter("_version")
 _MIN_BUDGET = 1 << 18  # elements: the floor of the transient budget for tiny models (1 MiB of fp32)
 
 
@@ -275,10 +274,9 @@ class UpdateTracker:
 
     @staticmethod
     def _with_found_inf(opt, stats: StepStats) -> StepStats:
-        """A fused optimizer under a grad scaler runs its step (and these hooks) even when the
-        scaler found inf/NaN, and skips inside the kernel: the scaler's flag rides with the
-        step's numbers (no host sync) so the check treats that step as skipped, not as one that
-        changed nothing."""
+        """A fused optimizer under a grad scaler runs its step (and these hooks) even when the scaler
+        found inf and skips inside the kernel: the scaler's flag rides with the step's numbers
+        (no host sync), so the check treats that step as skipped, not as one that changed nothing."""
         flag = getattr(opt, "found_inf", None)
         if isinstance(flag, Tensor) and getattr(opt, "_step_supports_amp_scaling", False):
             stats.packed = torch.cat([stats.packed, flag.detach().to(stats.packed.device, torch.float64).reshape(1)])
