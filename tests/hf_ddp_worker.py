@@ -29,3 +29,7 @@ rank = int(os.environ.get("RANK", 0))
 rows = [(h["step"], h.get("grad_norm"), h.get("gradhealth/grad_norm_preclip/total"), h.get("gradhealth/status/NOT_IN_OPTIMIZER")) for h in tr.state.log_history if "grad_norm" in h]
 json.dump({"rank": rank, "world": int(os.environ.get("WORLD_SIZE", 1)), "ddp": type(tr.model_wrapped).__name__,
            "rows": rows, "warnings": [str(x.message).split("\n")[0] for x in w], "last": str(cb.last_report)}, open(f"{out}/rank{rank}.json", "w"))
+# a clean teardown: without it gloo's threads can abort the process at exit (exit code -6)
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
