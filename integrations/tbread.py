@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 
 from gradhealth.metrics import PREFIX
 
-__all__ = ["EVENT_FILE", "Run", "scan", "records", "events", "read_run", "safe"]
+__all__ = ["EVENT_FILE", "NAMES", "Run", "scan", "records", "events", "read_run", "safe"]
 
 EVENT_FILE = "events.out.tfevents"
 _TRAINER = "train/"  # Hugging Face Trainer's reporters write every training key as train/<key>
+NAMES = " — parameters: "  # in the sink's text of a state: the grouped description, then every name
 
 
 # ----------------------------------------------------------------- finding the runs

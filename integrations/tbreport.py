@@ -13,7 +13,7 @@ from gradhealth.naming import plural
 from gradhealth.report import describe_groups, group_by_module
 from gradhealth.status import Status
 
-from .tbread import Run, events, read_run, safe, scan
+from .tbread import NAMES, Run, events, read_run, safe, scan
 
 __all__ = ["read_run", "summarize_run", "scan", "main", "Summary"]
 
@@ -127,7 +127,8 @@ class Summary:
             if state in self.states:
                 first, most, checks = self.states[state]
                 names = self._names(state)
-                count = f"{plural(int(most), 'parameter')}" if names is None else names[0]
+                count = plural(int(most), "parameter") if names is None else (
+                    ", ".join(names[1]) if verbose and names[1] else names[0])
                 out.append(self._item(state, first, f"{count} {state} from step {first} on "
                                                     f"({plural(checks, 'check')})", names[1] if names else []))
         for kind, what in FINDING_WORDS:
@@ -145,12 +146,11 @@ class Summary:
         return out
 
     def _names(self, state: str) -> tuple[str, list[str]] | None:
-        """(``head.* (2 params)``, the names) from the problem text the sink wrote, if any."""
+        """(``head.* (2 params)``, every name) from the problem text the sink wrote, if any."""
         if state not in self.texts:
             return None
-        text = self.texts[state][1]
-        described = text.split(": ", 1)[0] if ": " in text else text
-        return described, [n.strip() for n in described.split(",")]
+        described, _, listed = self.texts[state][1].partition(NAMES)
+        return described.strip(), [n.strip() for n in listed.split(",") if n.strip()]
 
     def _item(self, kind: str, step: int | None, detail: str, names: list[str] | None = None) -> dict:
         return {"run": self.name, "kind": kind, "step": step, "detail": detail, "names": list(names or [])}

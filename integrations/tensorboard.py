@@ -32,7 +32,7 @@ from gradhealth.stats import combine_norms
 from gradhealth.status import Status
 
 from .gradient_flow import CODES, WORST, image, labelled
-from .tbreport import read_run
+from .tbread import NAMES, read_run
 
 __all__ = ["TensorBoardSink", "read_run", "layout"]
 
@@ -50,6 +50,11 @@ def layout(norm: str = "grad_norm") -> dict:
             "loss and findings": ["Multiline", [rf"{PREFIX}/loss.*", rf"{PREFIX}/findings/.*"]],
         }
     }
+
+
+def _listed(rows, most: int = 256) -> str:
+    names = [n for _, ns, _ in rows for n in ns]
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _writable(path: str) -> None:
@@ -174,7 +179,8 @@ class TensorBoardSink:
             by_state: dict[Status, list] = {}
             for row in group_by_module(report.status, lambda n, s: n in errors):
                 by_state.setdefault(row[2], []).append(row)
-            states = [f"**{state.value}** (error, step {{}}): {describe_groups(rows)}" for state, rows in by_state.items()]
+            states = [f"**{state.value}** (error, step {{}}): {describe_groups(rows)}{NAMES}{_listed(rows)}"
+                      for state, rows in by_state.items()]
             if states != self._states:  # written when they change, not at every step of a long problem
                 self._states = states
                 parts += [t.format(report.step) for t in states]

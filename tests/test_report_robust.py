@@ -19,7 +19,7 @@ from tensorboard.compat.proto.event_pb2 import Event  # noqa: E402
 from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: E402
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c  # noqa: E402
 
-from gradhealth.integrations.tbread import records  # noqa: E402
+from gradhealth.integrations.tbread import NAMES, records  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,7 +52,8 @@ def problem_run(directory, name="events.out.tfevents.1.host", steps=4, module="h
                             "gradhealth/status/OK": 2.0 - bad, "gradhealth/status/NOT_IN_OPTIMIZER": float(bad),
                             "gradhealth/tolerated": 0.0})
         if s == 1:
-            data += text(s, "gradhealth/findings_text", f"**NOT_IN_OPTIMIZER** (error, step 1): {module}.weight")
+            data += text(s, "gradhealth/findings_text",
+                         f"**NOT_IN_OPTIMIZER** (error, step 1): {module}.weight{NAMES}{module}.weight")
     path = os.path.join(directory, name)
     with open(path, "wb") as f:
         f.write(data)
@@ -175,6 +176,31 @@ def test_long_texts_are_cut_at_a_word_and_names_grouped_with_verbose_listing_all
     assert "NEVER_UPDATED: never updated in any measured step: enc.* (12 modules)" in out
     verbose = report(tmp_path, "--verbose").stdout
     assert "enc.layer0.proj, enc.layer1.proj, enc.layer10.proj" in verbose
+
+
+def test_problem_parameters_are_named_grouped_and_listed_with_verbose(tmp_path):
+    import torch
+
+    import gradhealth as gh
+    from gradhealth.integrations.tensorboard import TensorBoardSink
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)  # the whole second block is left out
+    sink = TensorBoardSink(tmp_path)
+    mon = gh.GradHealth(model, opt, sinks=[sink], on_problem="ignore")
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        mon.check()
+        opt.step()
+    mon.close()
+    out = report(tmp_path).stdout
+    assert "NOT_IN_OPTIMIZER: 1.* (4 params) NOT_IN_OPTIMIZER from step 0 on (3 checks)" in out
+    verbose = report(tmp_path, "--verbose").stdout
+    assert "NOT_IN_OPTIMIZER: 1.0.weight, 1.0.bias, 1.1.weight, 1.1.bias NOT_IN_OPTIMIZER from step 0" in verbose
+    rows = json.loads(report(tmp_path, "--format", "json").stdout)
+    [row] = [r for r in rows if r["kind"] == "NOT_IN_OPTIMIZER"]
+    assert row["names"] == ["1.0.weight", "1.0.bias", "1.1.weight", "1.1.bias"]
 
 
 def test_the_error_that_stopped_a_run_is_shown(tmp_path):
