@@ -73,7 +73,8 @@ def test_healthy_trainer_runs_are_silent_under_raise(tmp_path, case):
     elif case == "fp16_scaler":
         kw["fp16"] = True
         cls = FixedScaler
-    cb = GradHealthCallback(on_problem="raise", **options)
+    kept = Kept()
+    cb = GradHealthCallback(on_problem="raise", sinks=[kept], **options)
     trainer = cls(model=model, args=arguments(tmp_path, **kw), train_dataset=Tokens(), callbacks=[cb])
     train_strict(trainer)
     report = cb.last_report
@@ -95,6 +96,9 @@ def test_healthy_trainer_runs_are_silent_under_raise(tmp_path, case):
         for h in rows[1:]:
             assert h["gradhealth/grad_norm_preclip/total"] == pytest.approx(h["grad_norm"], rel=1e-4)
         assert trainer.accelerator.scaler.get_scale() < 2.0**24  # it did skip steps
+        skipped = [r.step for r in kept.reports if r.findings_of("AMP_SKIPPED")]
+        assert skipped and skipped == list(range(1, len(skipped) + 1))  # labelled, as info, while settling
+        assert all(f.level == "info" for r in kept.reports for f in r.findings_of("AMP_SKIPPED"))
 
 
 class PreClipReference(TrainerCallback):
