@@ -69,13 +69,11 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     Returns the observation and the grouping plan to pass back next time.
     """
     params = view.params
-    grads: list[Tensor] = []
-    with_grad: list[int] = []
-    for i in sel.idx:
-        g = params[i].grad
-        if g is not None:
-            grads.append(g)
-            with_grad.append(i)
+    grads: list[Tensor] = [params[i].grad for i in sel.idx]
+    with_grad: list[int] = list(sel.idx)
+    if any(g is None for g in grads):
+        with_grad = [i for i, g in zip(sel.idx, grads) if g is not None]
+        grads = [g for g in grads if g is not None]
     sharded: set[int] = set()
     if distributed:
         for k, i in enumerate(with_grad):

@@ -161,7 +161,9 @@ def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None
     ``plan`` the grouping to pass back next time.
     """
     strided = torch.strided
-    views = [g if g.layout is strided and not g.is_complex() else dense_view(g) for g in grads]
+    views = grads  # the common case: every gradient dense and real, no new list
+    if any(g.layout is not strided or g.is_complex() for g in grads):
+        views = [g if g.layout is strided and not g.is_complex() else dense_view(g) for g in grads]
     packed, perm, plan = pack_norms(views, plan)
     values = fetch([packed, *extras] if packed is not None else list(extras))
     n = len(perm)
