@@ -99,23 +99,30 @@ def main(rounds: int = 5, steps: int = 20, width: int = 1536, depth: int = 4, ba
         logging.getLogger(name).setLevel(logging.ERROR)
     data = TensorDataset(torch.randn(batch * steps, width))
     n_params = depth * (width * width + width)
+    times, inside = measure_overhead(
+        lambda cb, clock: _fit(steps, data, width, depth, cb, clock),
+        lambda every: GradHealthCallback(every_n_steps=every, log=False), rounds, steps)
+    print_overhead(f"GradHealthCallback on Trainer.fit: {n_params / 1e6:.1f}M-parameter MLP, batch {batch}, AdamW, CPU, "
+                   f"median step over {rounds} interleaved runs:", times, inside)
+
+
+def measure_overhead(run, make, rounds: int, steps: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Interleaved runs without the callback, checking every step and every 10th step
+    (``run(callback or None, clock or None)`` returns the median step time; ``make(every)``
+    builds a callback), then the time inside gradhealth's code per step, measured by a clock."""
     configs = {"without": None, "every step": 1, "every_n_steps=10": 10}
     times: dict[str, list[float]] = {k: [] for k in configs}
+    inside: dict[str, float] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(rounds):
             for name, every in configs.items():
-                cb = None if every is None else GradHealthCallback(every_n_steps=every, log=False)
-                times[name].append(_fit(steps, data, width, depth, cb))
-    inside = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+                times[name].append(run(None if every is None else make(every), None))
         for name, every in (("every step", 1), ("every_n_steps=10", 10)):
             clock = _Clock()
-            _fit(steps, data, width, depth, GradHealthCallback(every_n_steps=every, log=False), clock)
+            run(make(every), clock)
             inside[name] = clock.total / steps
-    print_overhead(f"GradHealthCallback on Trainer.fit: {n_params / 1e6:.1f}M-parameter MLP, batch {batch}, AdamW, CPU, "
-                   f"median step over {rounds} interleaved runs:", times, inside)
+    return times, inside
 
 
 def print_overhead(title: str, times: dict[str, list[float]], inside: dict[str, float]) -> None:

@@ -6,13 +6,12 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-import warnings
 
 import torch
 from transformers import BertConfig, BertForMaskedLM, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from .bench_lightning import _Clock, print_overhead
+from .bench_lightning import _Clock, measure_overhead, print_overhead
 from .transformers import GradHealthCallback
 
 
@@ -76,19 +75,8 @@ def _train(steps: int, callback: GradHealthCallback | None, clock: _Clock | None
 
 def main(rounds: int = 5, steps: int = 15, hidden: int = 256, layers: int = 4, batch: int = 16, length: int = 64) -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    configs = {"without": None, "every step": 1, "every_n_steps=10": 10}
-    times: dict[str, list[float]] = {k: [] for k in configs}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(rounds):
-            for name, every in configs.items():
-                cb = None if every is None else GradHealthCallback(every_n_steps=every)
-                times[name].append(_train(steps, cb, None, hidden, layers, batch, length))
-        inside = {}
-        for name, every in (("every step", 1), ("every_n_steps=10", 10)):
-            clock = _Clock()
-            _train(steps, GradHealthCallback(every_n_steps=every), clock, hidden, layers, batch, length)
-            inside[name] = clock.total / steps
+    times, inside = measure_overhead(lambda cb, clock: _train(steps, cb, clock, hidden, layers, batch, length),
+                                     lambda every: GradHealthCallback(every_n_steps=every), rounds, steps)
     n = layers * 12 * hidden * hidden / 1e6
     print_overhead(f"GradHealthCallback on Hugging Face Trainer.train: BERT {layers} layers x {hidden} (~{n:.1f}M in the "
                    f"layers), batch {batch} x {length} tokens, fused AdamW, CPU, median step over {rounds} interleaved runs:",
