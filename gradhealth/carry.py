@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from . import judges
-from .deltas import WITNESSES, StepStats
+from .deltas import StepStats
+from .stale import WITNESSES
 from .findings import Finding, FindingKind
 from .guards import ForwardRecord
 from .history import NormHistory
@@ -144,6 +145,8 @@ class Carry:
                     if d == d:
                         target.update_norm[names[i]] = d
                         target.update_ratio[names[i]] = (d / b if b > 0 else math.inf) if d else 0.0
+            if not u.decided:  # a step between change tests
+                continue
             # the decisions: only the few unchanged ones, and the frozen ones, are looked at
             for k in [k for k, c in enumerate(u.changed) if c == 0.0]:
                 if status.get(names[u.indices[k]]) is Status.OK:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -14,6 +15,7 @@ from .status import Status
 __all__ = ["classify", "classify_selection", "is_lazy", "lazy_names", "decide", "named_parameters", "unwrap", "unwrap_optimizer", "wrapper_scaler", "as_optimizers", "optimizer_param_ids"]
 
 # Infixes that wrappers put into parameter names; the user knows the wrapped module's names.
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -166,17 +168,23 @@ def classify(model: nn.Module, optimizer=None) -> dict[str, Status]:
 
 
 def classify_selection(names: list[str], params: list, pids: list[int], idx: list[int], norm_of: list,
-                       ids: set[int] | None):
+                       ids: set[int] | None, dense: list[float] | None = None):
     """The decision tree over a check's judged entries, from their exact norms.
 
     Returns ``(status, in_optimizer, not_ok)``: every judged name's state (OK first, the common
     case, without walking the full tree), whether each is in an optimizer (None without one), and
-    the names whose state is not OK.
+    the names whose state is not OK. ``dense``: the norms of the judged entries in order, when
+    every one has a gradient: all of them finite and non-zero, in the optimizers and trainable
+    is decided in a few C-level passes.
     """
-    sel_names = [names[i] for i in idx]
+    sel_names = names if len(idx) == len(names) else [names[i] for i in idx]  # idx: sorted, distinct
     status: dict[str, Status] = dict.fromkeys(sel_names, Status.OK)
     in_opt: dict[str, bool] | None = dict.fromkeys(sel_names, True) if ids is not None else None
     inf = math.inf
+    if dense is not None and len(dense) == len(idx) and dense and 0.0 < min(dense) and sum(dense) < inf \
+            and (ids is None or ids.issuperset(map(pids.__getitem__, idx))) \
+            and all(map(_REQUIRES_GRAD, map(params.__getitem__, idx))):
+        return status, in_opt, []  # every one OK (NaN fails both comparisons): no walk needed
     not_ok: list[str] = []
     for i in idx:
         p = params[i]

@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 import operator
 import warnings
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -41,21 +40,21 @@ from torch import Tensor
 
 from .distributed import dtensor_type, to_local
 from .errors import GradHealthInternalWarning
-from .naming import spread
 from .compare import Packed, apply, flat, norms, sample_view, versions_tell, water_fill
 from .rules import rule_norms, rule_of
+from .stale import WITNESSES, StaleWatch
 from .stats import plan_groups
 
-__all__ = ["UpdateTracker", "StepStats", "WITNESSES", "SAMPLE", "UPDATE_EVERY"]
+__all__ = ["UpdateTracker", "StepStats", "WITNESSES", "SAMPLE", "UPDATE_EVERY", "CHANGE_EVERY"]
 
-#: gradients watched per optimizer for STALE_GRAD and skipped steps: zero_grad clears all of an
-#: optimizer's gradients together, so a few, spread over the parameter list, tell the same as all
-WITNESSES = 8
 #: at most this many elements per tensor are compared exactly across a step to prove it changed
 #: (the samples together stay within 1% of the parameters, the rule's temporaries within another 1%)
 SAMPLE = 256
-#: default: update norms measured at every this many checks (the change test runs every step)
+#: default: update norms measured at every this many checks
 UPDATE_EVERY = 100
+#: default: the change test (version counters, samples, exact copies) runs on the step after every
+#: this many checks; a learning rate of 0 is seen at every step
+CHANGE_EVERY = 4
 #: the change test compares the samples of at most this many tensors per step, in turns: on the
 #: CPU every tensor touched costs a kernel launch, as much as a small tensor's whole norm
 WINDOW, _VERSION = 64, operator.attrgetter("_version")
@@ -96,6 +95,7 @@ class StepStats:
     update: list[float] = field(default_factory=list)
     param: list[float] = field(default_factory=list)
     scaler_flag: bool = False  # the last packed value is a grad scaler's found_inf for this step
+    decided: bool = False  # (after fetched) some parameter was decided, changed or not
     skipped: bool = False  # (after fetched) that flag was set: the step skipped itself
 
     def fetched(self, values: list[float]) -> None:
@@ -107,6 +107,7 @@ class StepStats:
         for j, k in enumerate(self.flag_pos):
             changed[k] = 1.0 if values[j] > 0 else (0.0 if self.sure[j] else math.nan)
         self.changed = changed
+        self.decided = bool(self.flag_pos) or self.touched is not None
         if self.measured:
             self.update, self.param = list(values[f : f + n]), list(values[f + n : f + 2 * n])
         else:
@@ -119,16 +120,18 @@ class StepStats:
     def set_triple(self, values: list[float]) -> None:
         n = len(self.indices)
         self.update, self.param, self.changed = values[:n], values[n : 2 * n], values[2 * n :]
+        self.decided = any(c == c for c in self.changed)  # every rank tests the same steps
 
 
 class UpdateTracker:
     """Installs a step post-hook on each optimizer; measures the steps that follow a check."""
 
     def __init__(self, entries, optimizers, mode: str = "auto", update_every: int = UPDATE_EVERY,
-                 budget: float = 0.02, seed: int = 0):
+                 budget: float = 0.02, seed: int = 0, change_every: int = CHANGE_EVERY):
         self.entries = entries
         self.mode = mode
         self.update_every = update_every
+        self.change_every = change_every
         sizes = [to_local(p.detach()).numel() for _, p in entries]
         self.budget = max(_MIN_BUDGET, int(budget / 2 * sum(sizes)))  # elements of rule temporaries
         self.sample = water_fill(sizes, int(budget / 2 * sum(sizes)), SAMPLE)
@@ -136,15 +139,15 @@ class UpdateTracker:
         self.armed_step: int | None = None
         self.steps_since_check = 0
         self.pending: list[StepStats] = []
-        self.stale: set[int] = set()
         self.watched: set[int] = set()  # entries whose change test uses the checksum
         self._seed = seed
         self._arms = 0
+        self._tests = 0  # change tests armed: the windows take turns over them
         self._turn: dict[int, int] = {}  # per optimizer: where the next generic exact copy starts
         self._last_lr: dict[tuple[int, int], float] = {}
         self._inflight: dict[int, tuple] = {}
         self._plans: dict[int, _OptPlan] = {}
-        self._grad_hooks: dict[int, list] = {}
+        self.witness = StaleWatch()
         self._handles = [opt.register_step_post_hook(self._post) for opt in optimizers]
 
     def rebind(self, entries) -> None:
@@ -155,6 +158,8 @@ class UpdateTracker:
         self._plans.clear()
         self.watched.clear()
         self.pending.clear()
+        self.witness.clear()
+        self.witness = StaleWatch()  # its entry indices were the old ones
         self.disarm()
 
     def settle(self, stats: StepStats) -> None:
@@ -203,36 +208,43 @@ class UpdateTracker:
         return plan
 
     # ------------------------------------------------------------------ arming
-    def arm(self, step: int, optimizers) -> None:
-        """Prepare the change test (and, every ``update_every`` checks, the update norms) of the
-        step that follows check ``step``."""
+    def arm(self, step: int, optimizers, due: bool = False) -> None:
+        """Prepare the change test (every ``change_every`` checks, or now if ``due``) and the
+        update norms (every ``update_every`` checks) of the step that follows check ``step``; the
+        other steps are counted and their learning rates read, nothing else."""
         self.armed_step = step
         self.steps_since_check = 0
         self._inflight.clear()
         if self.mode == "off":
             return
-        measure = self.mode == "exact" or self._arms % self.update_every == 0
+        exact = self.mode == "exact"
+        measure = exact or self._arms % self.update_every == 0
+        due = due or measure or self._arms % self.change_every == 0
+        self._tests += due
         self._arms += 1
         for opt in optimizers:
+            if not due:  # a light step: the plan is not even re-validated
+                self._inflight[id(opt)] = (None, None, None, None, False)
+                continue
             plan = self._plan(opt)
             if plan is None:
                 continue
             versions = list(map(_VERSION, plan.params))
-            if self.mode == "exact":
+            if exact:
                 snap = apply(torch._foreach_mul, plan.groups, plan.params, 1)
-            else:  # this step's window of samples
-                ks, packed = plan.windows[self._arms % len(plan.windows)]
+            else:  # this test's window of samples
+                ks, packed = plan.windows[self._tests % len(plan.windows)]
                 snap = (ks, packed, packed.snapshot())
             # exact copies, within the budget and in turns: the watched parameters (undecided by
             # their sample before), and for an optimizer without a known rule, the ones measured
-            generic = measure and self.mode != "exact" and rule_of(opt) is None
+            generic = measure and not exact and rule_of(opt) is None
             if generic:
                 wanted = list(range(len(plan.idx)))
             elif self.watched:
                 wanted = [k for k, i in enumerate(plan.idx) if i in self.watched and not plan.whole[k]]
             else:
                 wanted = []
-            copies = self._copies_in_turn(opt, plan, wanted) if wanted and self.mode != "exact" else None
+            copies = self._copies_in_turn(opt, plan, wanted) if wanted and not exact else None
             self._inflight[id(opt)] = (plan, versions, snap, copies, measure)
 
     def _copies_in_turn(self, opt, plan, wanted: list[int]):
@@ -264,13 +276,16 @@ class UpdateTracker:
         state = self._inflight.pop(id(opt), None)
         if state is not None:
             try:
-                self.pending.append(self._with_found_inf(opt, self._measure(opt, *state)))
+                stats = self._measure(opt, *state) if state[0] is not None else self._light(opt)
+                if stats is not None:
+                    self.pending.append(self._with_found_inf(opt, stats))
             except Exception as exc:  # inside the user's optimizer.step(): never break it
                 warnings.warn(f"gradhealth: measuring the update of {type(opt).__name__}.step() failed "
                               f"({type(exc).__name__}: {exc}); this step's update is not reported",
                               GradHealthInternalWarning, stacklevel=3)
         if self.armed_step is not None:
-            self._arm_stale(opt)
+            plan = self._plans.get(id(opt)) or self._plan(opt)
+            self.witness.arm(opt, plan.idx if plan else [], self.entries)
 
     @staticmethod
     def _with_found_inf(opt, stats: StepStats) -> StepStats:
@@ -282,6 +297,17 @@ class UpdateTracker:
             stats.packed = torch.cat([stats.packed, flag.detach().to(stats.packed.device, torch.float64).reshape(1)])
             stats.scaler_flag = True
         return stats
+
+    def _light(self, opt) -> StepStats | None:
+        """A step between change tests: only what the learning rates decide (lr 0 in SGD/Adam/AdamW
+        changes nothing, exactly); every other parameter is undecided."""
+        plan = self._plans.get(id(opt)) or self._plan(opt)
+        if plan is None:
+            return None
+        lr_zero = self._lr_zero(opt, plan)
+        touched = [not z for z in lr_zero] if rule_of(opt) is not None and any(lr_zero) else None
+        empty = torch.empty(0, dtype=torch.float64, device=plan.params[0].device)
+        return StepStats(plan.idx, empty, touched, [], [], False, lr_zero)
 
     def _measure(self, opt, plan, versions, snap, copies, measure) -> StepStats:
         params, n = plan.params, len(plan.params)
@@ -360,59 +386,11 @@ class UpdateTracker:
             return [""] * len(plan.group_of)
         return [words[g] for g in plan.group_of]
 
-    # ------------------------------------------------------------ stale grads
-    def _arm_stale(self, opt) -> None:
-        """After a step, watch each consumed gradient: if the next backward finds it untouched
-        (same tensor, same version: neither set to None nor zeroed), it is being added onto.
-
-        The hooks only record Python state; the monitor removes them at its next check.
-        """
-        for h in self._grad_hooks.pop(id(opt), ()):
-            h.remove()
-        handles = []
-        plan = self._plans.get(id(opt)) or self._plan(opt)
-        entries = self.entries
-        usable = lambda i: entries[i][1].grad is not None and entries[i][1].requires_grad  # noqa: E731
-        idx = plan.idx if plan else []
-        chosen = [i for i in spread(idx, WITNESSES) if usable(i)]
-        if len(chosen) < min(WITNESSES, len(idx)) // 2:  # many without gradients: look at them all
-            chosen = spread([i for i in idx if usable(i)], WITNESSES)
-        for i in chosen:
-            p = self.entries[i][1]
-            grad = p.grad
-            fired = [False]
-
-            def hook(_, p=p, ref=weakref.ref(grad), version=grad._version, fired=fired, key=id(opt)):
-                if not fired[0]:
-                    fired[0] = True
-                    current = p.grad
-                    if current is not None and current is ref() and current._version == version:
-                        self.stale.add(key)
-
-            handles.append(p.register_hook(hook))
-        self._grad_hooks[id(opt)] = handles
-
-    def clear_grad_hooks(self) -> None:
-        for handles in self._grad_hooks.values():
-            for h in handles:
-                h.remove()
-        self._grad_hooks.clear()
-
-    def take_stale(self) -> set[int]:
-        """Entry indices of the parameters (with gradients) of every optimizer found stale."""
-        found, self.stale = self.stale, set()
-        out: set[int] = set()
-        for opt_id in found:
-            plan = self._plans.get(opt_id)
-            if plan is not None:
-                out |= {i for i in plan.idx if self.entries[i][1].grad is not None}
-        return out
-
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.clear_grad_hooks()
+        self.witness.clear()
         self._inflight.clear()
         self._plans.clear()
 

@@ -54,10 +54,17 @@ class NormHistory:
         self.seen = 0
         self._medians: list[float] = []
         self._medians_at = -1
+        self._table: torch.Tensor | None = None  # the rows as of check ``_table_seen``, for the medians
+        self._table_seen = 0
         self._spiked = False  # the previous check was a spike
 
     # --------------------------------------------------------------- storage
     def _row(self, module_norms: dict[str, float]) -> list[float]:
+        if len(module_norms) == len(self.modules) and list(module_norms) == self.modules:  # the usual check
+            row = list(module_norms.values())
+            if math.isfinite(sum(row)):
+                return row
+            return [v if math.isfinite(v) else math.nan for v in row]
         col = self._col
         for n in module_norms:
             if n not in col:
@@ -75,7 +82,16 @@ class NormHistory:
             if not self._rows or not width:
                 self._medians, self._medians_at = [math.nan] * width, self.seen
                 return self._medians
-            table = torch.tensor([r + [math.nan] * (width - len(r)) for r in self._rows], dtype=torch.float64)
+            # the table of the window's rows as a tensor, extended by the rows added since the last
+            # refresh only (converting 100 rows of Python floats costs more than the check itself)
+            fresh, rows = self.seen - self._table_seen, self._rows
+            pad = lambda r: r + [math.nan] * (width - len(r)) if len(r) < width else r  # noqa: E731
+            if self._table is None or self._table.shape[1] != width or fresh >= len(rows):
+                table = torch.tensor([pad(r) for r in rows], dtype=torch.float64)
+            else:
+                new = [pad(rows[k]) for k in range(len(rows) - fresh, len(rows))]
+                table = torch.cat([self._table, torch.tensor(new, dtype=torch.float64).reshape(-1, width)])[-len(rows):]
+            self._table, self._table_seen = table, self.seen
             counts = (~torch.isnan(table)).sum(0)
             meds = table.nanmedian(dim=0).values
             meds[counts < self.warmup] = math.nan  # not enough history for that module yet
@@ -148,4 +164,4 @@ class NormHistory:
         self.modules = [str(m) for m in state["modules"]]
         self._col = {m: c for c, m in enumerate(self.modules)}
         self._rows = deque(([float(v) for v in r] for r in state["rows"]), maxlen=self.window)
-        self._medians_at = -1
+        self._medians_at, self._table = -1, None

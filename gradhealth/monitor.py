@@ -81,7 +81,8 @@ class GradHealth:
         self.last_report: Report | None = None
         self._closed = False
         self._plan = None
-        self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every)
+        self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every,
+                                      change_every=o.change_every)
                         if self.optimizers else None)
         self._watch = ForwardWatch(model, unwrap(model), self.carry) if o.watch_forward else None
         self._changes = ModelChanges(model)
@@ -273,7 +274,8 @@ class GradHealth:
         report.findings += self._patience(report)
         report.findings += self._judge(report, obs, across, sel)
         v = self.view
-        report.module_grad_norm = stats.module_norms(obs.with_grad, obs.norms, v.module_index, v.modules)
+        report.module_grad_norm = stats.module_norms(obs.with_grad, obs.norms, v.module_index, v.modules,
+                                                      v.module_runs)
         history = self.carry.history_for(report.optimizer_index)
         if history is not None:
             report.findings += history.update(step, report.total_grad_norm, report.module_grad_norm)
@@ -285,8 +287,8 @@ class GradHealth:
         tracker, carry = self.tracker, self.carry
         updates, stale, steps_ran = [], set(), None
         if tracker is not None:
-            tracker.clear_grad_hooks()
-            stale = tracker.take_stale()
+            tracker.witness.clear()
+            stale = tracker.witness.take(self.view.entries)
             updates, tracker.pending = tracker.pending, []
             steps_ran = tracker.steps_since_check
         valid = carry.take_valid()
@@ -320,9 +322,8 @@ class GradHealth:
     def _classify(self, step: int, sel: Selection, obs: Observation, optimizer) -> Report:
         v = self.view
         ids = sel.opt_ids if optimizer is not None else v.optimizer_ids()
-        status, in_opt, not_ok = classify_selection(v.names, v.params, v.pids, sel.idx, obs.norm_of, ids)
-        names = v.names
-        return Report(step=step, status=status, grad_norm={names[i]: n for i, n in zip(obs.with_grad, obs.norms)},
+        status, in_opt, not_ok = classify_selection(v.names, v.params, v.pids, sel.idx, obs.norm_of, ids, obs.norms)
+        return Report(step=step, status=status, grad_norm=dict(zip(map(v.names.__getitem__, obs.with_grad), obs.norms)),
                       total_grad_norm=stats.combine_norms(obs.norms), meta=v.meta,
                       in_optimizer=in_opt, loss=obs.loss, valid_counts=obs.valid, not_ok=not_ok,
                       optimizer_index=v.optimizer_index(optimizer) if optimizer is not None else None)
@@ -359,8 +360,9 @@ class GradHealth:
         if carry.frozen_norms and not carry.frozen_norms_said:  # said once, at the first check after they ran
             found += judges.frozen_norms(carry.frozen_norms, step)
             carry.frozen_norms_said = True
-        if carry.checks == 0:
-            self._log_frozen(report)
+        line = frozen_summary(report.status) if carry.checks == 0 else None
+        if line:  # at the first check: what is frozen, and what trains (adapters, a head) beside it
+            log.info("%s", line)
         found += judges.expect_frozen(report.status, o.expect_frozen, step)
         found += self._trace(report, nonfinite)
         if across is not None and self._desync_due(nonfinite):
@@ -397,15 +399,12 @@ class GradHealth:
         every, checks = self.options.desync_every, self.carry.checks
         return checks == 0 or nonfinite or (every > 0 and checks % every == 0)
 
-    def _log_frozen(self, report: Report) -> None:
-        """At the first check: what is frozen, and what trains (adapters, a head) beside it."""
-        line = frozen_summary(report.status)
-        if line:
-            log.info("%s", line)
-
     def _arm_next(self, report: Report, obs: Observation, optimizer) -> None:
-        if self.tracker is not None:
-            self.tracker.arm(report.step, [optimizer] if optimizer is not None else self.optimizers)
+        if self.tracker is not None:  # the change test runs now after a step that changed nothing, or
+            # while a frozen parameter holds a gradient (momentum or weight decay may move it)
+            due = self.carry.still > 0 or any(report.status[n] is Status.FROZEN and n in report.grad_norm
+                                              for n in report.not_ok or ())
+            self.tracker.arm(report.step, [optimizer] if optimizer is not None else self.optimizers, due)
             self.carry.arm(report, self.view.params, obs.with_grad, obs.scale)
         self.carry.last_scale = obs.scale
 

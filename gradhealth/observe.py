@@ -10,7 +10,9 @@ eval-mode forward, stale gradients) rides along as plain Python.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from torch import Tensor
 
@@ -22,6 +24,8 @@ from .layout import Layout
 from .params import ParamView, Selection
 
 __all__ = ["Observation", "observe", "unscaled_params"]
+
+_GRAD = operator.attrgetter("grad")
 
 
 @dataclass
@@ -69,9 +73,10 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     Returns the observation and the grouping plan to pass back next time.
     """
     params = view.params
-    grads: list[Tensor] = [params[i].grad for i in sel.idx]
+    everything = len(sel.idx) == len(params)  # (idx: sorted, distinct)
+    grads: list[Tensor] = list(map(_GRAD, params)) if everything else [params[i].grad for i in sel.idx]
     with_grad: list[int] = list(sel.idx)
-    if any(g is None for g in grads):
+    if any(map(operator.is_, grads, repeat(None))):
         with_grad = [i for i, g in zip(sel.idx, grads) if g is not None]
         grads = [g for g in grads if g is not None]
     sharded: set[int] = set()
@@ -108,9 +113,12 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         norms = [v if pids[i] in done else v / scale for i, v in zip(with_grad, norms)]
     for j, u in enumerate(updates):
         u.fetched(got[f"update{j}"])
-    norm_of: list[float | None] = [None] * len(view)
-    for i, v in zip(with_grad, norms):
-        norm_of[i] = v
+    if len(norms) == len(view):  # every entry has a gradient
+        norm_of: list[float | None] = list(norms)
+    else:
+        norm_of = [None] * len(view)
+        for i, v in zip(with_grad, norms):
+            norm_of[i] = v
     obs = Observation(sel.idx, norm_of, loss=got["loss"][0] if loss_t is not None else None,
                       valid={name: int(got[f"valid{j}"][0]) for j, name in enumerate(valid)},
                       updates=updates, scale=scale, sharded=sharded, with_grad=with_grad, norms=norms)

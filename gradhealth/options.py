@@ -130,6 +130,9 @@ class Options:
             copies within 2% of parameter memory, in turns); "exact": a transient 1x copy of the
             parameters across every step, exact norms every step; "off": no step measurement.
         update_every: with ``deltas="auto"``, measure update norms at every this many checks.
+        change_every: with ``deltas="auto"``, test whether each parameter changed (exactly) on the
+            step after every this many checks (and at every update measurement); a learning rate
+            of 0 is seen at every step. 1: every step.
         history: True (default baseline), False, or a :class:`NormHistory` to tune
             EXPLODING_GRAD / VANISHING_GRAD.
         amp_skip_alarm: with a grad scaler, AMP_SKIPPED is an error after this many skips in a row.
@@ -154,6 +157,7 @@ class Options:
     expect_frozen: Any = None
     deltas: str = "auto"
     update_every: int = 100
+    change_every: int = 4
     history: Any = True
     amp_skip_alarm: int = 3
     amp_scale_floor: float = 1.0
@@ -173,6 +177,7 @@ class Options:
             fix("deltas", "auto")
         check_choice("deltas", self.deltas, DELTA_MODES)
         check_positive_int("update_every", self.update_every)
+        check_positive_int("change_every", self.change_every)
         fix("history", _check_history(self.history))
         check_positive_int("amp_skip_alarm", self.amp_skip_alarm)
         fix("amp_scale_floor", _check_float("amp_scale_floor", self.amp_scale_floor))

@@ -41,6 +41,11 @@ class ParamView:
         self.modules = list(dict.fromkeys(module_of(n) for n in self.names))
         slot = {m: k for k, m in enumerate(self.modules)}
         self.module_index = [slot[module_of(n)] for n in self.names]
+        #: (start, end) entries of each module when every module's entries are consecutive (the usual
+        #: ``named_parameters()`` order), else None
+        mi = self.module_index
+        self.module_runs = ([(mi.index(k), len(mi) - mi[::-1].index(k)) for k in range(len(self.modules))]
+                            if all(a <= b for a, b in zip(mi, mi[1:])) else None)
         everything = list(range(len(self.entries)))
         self.everything = Selection(None, everything, self.names, None)
         self._selections: dict[int, Selection] = {}
@@ -80,7 +85,7 @@ class ParamView:
         their param_groups change."""
         if not self.optimizers:
             return None
-        key = [id(p) for o in self.optimizers for g in o.param_groups for p in g["params"]]  # exact: in-place edits too
+        key = [list(map(id, g["params"])) for o in self.optimizers for g in o.param_groups]  # exact: in-place edits too
         if key != self._ids_key:
             self._ids_key, self._ids = key, optimizer_param_ids(self.optimizers)
         return self._ids

@@ -48,6 +48,8 @@ def _f(x) -> float:
 
 
 def _chunks(t: Tensor, budget: int) -> list[Tensor]:
+    if t.numel() <= budget and not t.is_complex():  # the common case: the tensor itself
+        return [t]
     if t.is_complex():  # torch's optimizers update complex tensors as their real views, elementwise
         t = torch.view_as_real(t)
     flat = t.reshape(-1)
@@ -66,37 +68,40 @@ def _terms(opt, rule: str, params: list[Tensor]) -> list:
         if rule == "adam":  # every parameter's step count in one read
             have = [p for p in g["params"] if "step" in opt.state.get(p, {})]
             if have:
-                counts = [torch.as_tensor(opt.state[p]["step"]).detach().float().reshape(()) for p in have]
-                if len({t.device for t in counts}) == 1:
-                    got = torch.stack(counts).tolist()  # one read (device steps of capturable/fused Adam)
+                counts = [opt.state[p]["step"] for p in have]
+                if all(isinstance(t, Tensor) for t in counts) and len({(t.device, t.dtype, t.dim()) for t in counts}) == 1:
+                    got = torch.stack(counts).reshape(-1).tolist()  # one read (device steps of capturable/fused Adam)
                 else:
-                    got = [float(t) for t in counts]
+                    got = [_f(t) for t in counts]
                 steps = dict(zip(map(id, have), got))
+        sign = -1.0 if g.get("maximize", False) else 1.0
+        wd = _f(g.get("weight_decay", 0.0))
+        if rule == "sgd":
+            mom, nesterov = _f(g.get("momentum", 0.0)), g.get("nesterov", False)
+        else:
+            beta1, beta2 = (_f(b) for b in g["betas"])
+            w = wd if g.get("decoupled_weight_decay", type(opt) is torch.optim.AdamW) else 0.0
+            eps, second = _f(g["eps"]), "max_exp_avg_sq" if g.get("amsgrad", False) else "exp_avg_sq"
+        state_of = opt.state
         for p in g["params"]:
             k = index.get(id(p))
             if k is None or p.grad is None:
                 continue
-            state = opt.state.get(p, {})
-            sign = -1.0 if g.get("maximize", False) else 1.0
+            state = state_of.get(p, {})
             if rule == "sgd":
-                mom, wd = _f(g.get("momentum", 0.0)), _f(g.get("weight_decay", 0.0))
                 buf = state.get("momentum_buffer")
-                if mom and buf is not None and not g.get("nesterov", False):
+                if mom and buf is not None and not nesterov:
                     out[k] = (lr, "sum", (buf,), (1.0,), 0.0)
                 elif mom and buf is not None:
                     out[k] = (lr / (1 - lr * wd), "sum", (p.grad, buf), (sign, mom), wd)
                 else:
                     out[k] = (lr / (1 - lr * wd), "sum", (p.grad,), (sign,), wd)
             elif "exp_avg" in state:
-                beta1, beta2 = (_f(b) for b in g["betas"])
-                wd = _f(g.get("weight_decay", 0.0))
-                w = wd if g.get("decoupled_weight_decay", type(opt) is torch.optim.AdamW) else 0.0
                 t = steps[id(p)]
                 if t == 0:  # a fused step that skipped itself (a grad scaler's found_inf): no update
                     continue
-                v = state["max_exp_avg_sq"] if g.get("amsgrad", False) else state["exp_avg_sq"]
-                out[k] = (lr / (1 - lr * w), "adam", (state["exp_avg"], v),
-                          (1 - beta1**t, (1 - beta2**t) ** 0.5, _f(g["eps"])), w)
+                out[k] = (lr / (1 - lr * w), "adam", (state["exp_avg"], state[second]),
+                          (1 - beta1**t, (1 - beta2**t) ** 0.5, eps), w)
     return out
 
 
@@ -106,17 +111,27 @@ def rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
     terms = _terms(opt, rule, params)
     device = to_local(params[0].detach()).device
     sq = torch.zeros(len(params), dtype=torch.float64, device=device)
-    # chunks of like terms, batched so that a batch's temporaries stay within the budget
+    # ||c·U|| with one tensor and no W needs no temporary: its norm, one fused kernel per group
+    direct: dict[tuple, list] = {}
+    # the others: chunks of like terms, batched so that a batch's temporaries stay within the budget
     batches: dict[tuple, list] = {}
     for k, term in enumerate(terms):
         if term is None:
             continue
         _, kind, tensors, coefs, w = term
+        if kind == "sum" and len(tensors) == 1 and w == 0.0:
+            t = to_local(tensors[0])
+            t = torch.view_as_real(t) if t.is_complex() else t
+            direct.setdefault((t.device, t.dtype), []).append((k, t))
+            continue
         theta = to_local(params[k].detach())
         pieces = [_chunks(to_local(t), budget // 3) for t in tensors]
         for c, th in enumerate(_chunks(theta, budget // 3)):
             key = (kind, len(tensors), coefs if kind == "sum" else None, w != 0.0, th.device, th.dtype)
             batches.setdefault(key, []).append((k, th, [pc[c] for pc in pieces], coefs, w))
+    for items in direct.values():
+        norms = torch.stack(foreach_norms([t for _, t in items])).to(sq.dtype)
+        sq.index_add_(0, torch.tensor([k for k, _ in items], device=sq.device), norms.to(sq.device) ** 2)
     for (kind, _, _, with_w, _, _), items in batches.items():
         start, size = 0, 0
         for end, item in enumerate(items, 1):
@@ -124,7 +139,8 @@ def rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
             if size >= budget // 3 or end == len(items):
                 _accumulate(kind, with_w, items[start:end], sq)
                 start, size = end, 0
-    scale = torch.tensor([0.0 if t is None else t[0] for t in terms], dtype=torch.float64, device=device)
+    scale = torch.tensor([0.0 if t is None else t[0] * (abs(t[3][0]) if t[1] == "sum" and len(t[2]) == 1 and t[4] == 0.0
+                                                       else 1.0) for t in terms], dtype=torch.float64, device=device)
     return sq.sqrt() * scale
 
 
@@ -142,8 +158,7 @@ def _accumulate(kind: str, with_w: bool, batch: list, sq: Tensor) -> None:
         scale = [c[1] / c[0] for c in coefs]
         if with_w:  # U + W·θ = W·θ + c · m / denom, in one kernel
             u = torch._foreach_mul(thetas, [item[4] for item in batch])
-            for k in range(len(u)):
-                u[k].addcdiv_(parts[0][k], denom[k], value=scale[k])
+            torch._foreach_addcdiv_(u, list(parts[0]), denom, scale)
         else:
             u = torch._foreach_div(list(parts[0]), denom)
             torch._foreach_mul_(u, scale)

@@ -12,6 +12,7 @@ values cannot produce one.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -63,21 +64,29 @@ def plan_groups(tensors: Sequence[Tensor]) -> list[tuple[torch.device, torch.dty
     return [(d, dt, idx) for (d, dt), idx in groups.items()]
 
 
-def _plan_fits(plan, tensors: Sequence[Tensor]) -> bool:
-    """Exactly: every tensor still has its group's device and dtype (one converted middle layer
-    must not land in a kernel of another dtype)."""
-    if plan is None or sum(len(idx) for _, _, idx in plan) != len(tensors):
-        return False
-    for device, dtype, idx in plan:
-        if any(tensors[i].dtype != dtype for i in idx):
-            return False
-        if device.type in ("cpu", "cuda"):  # get_device() is an int: no device object per tensor
-            where = -1 if device.type == "cpu" else device.index
-            if any(tensors[i].get_device() != where for i in idx):
-                return False
-        elif any(tensors[i].device != device for i in idx):
-            return False
-    return True
+_DTYPE, _LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("layout")
+
+
+class NormPlan:
+    """How a list of tensors is grouped into fused kernels, kept with the (dtype, device index,
+    layout) of each tensor it was built for: another list fits it exactly when those are the same
+    (one converted middle layer must not land in a kernel of another dtype); three C-level passes
+    to check. (A device index does not name the device type: a tensor moved between two types
+    whose indexes agree, e.g. cuda:0 and mps:0, cannot happen on one machine.)"""
+
+    def __init__(self, tensors: Sequence[Tensor], key: tuple | None = None):
+        self.groups = plan_groups(tensors)
+        self.key = key if key is not None else plan_key(tensors)
+        self.perm = [i for _, _, idx in self.groups for i in idx]
+        self.identity = self.perm == list(range(len(self.perm)))
+        self.plain = False  # (grad_norms) built over the gradients themselves: dense and real
+
+    def fits(self, tensors: Sequence[Tensor]) -> bool:
+        return len(tensors) == len(self.perm) and plan_key(tensors) == self.key
+
+
+def plan_key(tensors: Sequence[Tensor]) -> tuple:
+    return list(map(_DTYPE, tensors)), list(map(Tensor.get_device, tensors)), list(map(_LAYOUT, tensors))
 
 
 def foreach_norms(members: Sequence[Tensor]) -> list[Tensor]:
@@ -93,29 +102,31 @@ def foreach_norms(members: Sequence[Tensor]) -> list[Tensor]:
         return [torch.linalg.vector_norm(m, dtype=acc) for m in members]
 
 
-def pack_norms(tensors: Sequence[Tensor], plan=None):
+def pack_norms(tensors: Sequence[Tensor], plan: NormPlan | None = None):
     """Norms of ``tensors`` as one float64 device tensor, the permutation it is in, and the plan.
 
     ``packed[k]`` is the norm of ``tensors[perm[k]]``. ``plan`` (from a previous call over the
-    same parameters) skips regrouping. No host synchronisation happens here.
+    same parameters) skips regrouping when it still fits. No host synchronisation happens here.
     """
     if not tensors:
         return None, [], plan
-    if not _plan_fits(plan, tensors):
-        plan = plan_groups(tensors)
+    if plan is None or not plan.fits(tensors):
+        plan = NormPlan(tensors)
+    return _pack(tensors, plan), plan.perm, plan
+
+
+def _pack(tensors: Sequence[Tensor], plan: NormPlan) -> Tensor:
     pieces: list[Tensor] = []
-    perm: list[int] = []
     target = None
-    for device, dtype, idx in plan:
-        piece = torch.stack(foreach_norms([tensors[i] for i in idx])).to(torch.float64)
+    for device, dtype, idx in plan.groups:
+        members = tensors if len(plan.groups) == 1 else [tensors[i] for i in idx]
+        piece = torch.stack(foreach_norms(members)).to(torch.float64)
         if target is None:
             target = device
         elif device != target:
             piece = piece.to(target, non_blocking=True)
         pieces.append(piece)
-        perm.extend(idx)
-    packed = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    return packed, perm, plan
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def fetch(parts: Sequence[Tensor]) -> list[float]:
@@ -160,29 +171,49 @@ def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None
     holds a NaN, inf if it holds an inf and no NaN), ``extra_values`` the flattened ``extras``,
     ``plan`` the grouping to pass back next time.
     """
-    strided = torch.strided
     views = grads  # the common case: every gradient dense and real, no new list
-    if any(g.layout is not strided or g.is_complex() for g in grads):
-        views = [g if g.layout is strided and not g.is_complex() else dense_view(g) for g in grads]
-    packed, perm, plan = pack_norms(views, plan)
+    packed = None
+    if grads:
+        key = plan_key(grads)  # the plan is kept for the gradients, built over their views
+        if plan is None or len(grads) != len(plan.perm) or key != plan.key:
+            if any(lay is not torch.strided for lay in key[2]) or any(d.is_complex for d in key[0]):
+                views = [g if g.layout is torch.strided and not g.is_complex() else dense_view(g) for g in grads]
+            plan = NormPlan(views, key)
+            plan.plain = views is grads
+        elif not plan.plain:
+            views = [g if g.layout is torch.strided and not g.is_complex() else dense_view(g) for g in grads]
+        packed = _pack(views, plan)
+    perm = plan.perm if grads else []
     values = fetch([packed, *extras] if packed is not None else list(extras))
     n = len(perm)
-    norms = [0.0] * n
-    for k, i in enumerate(perm):
-        norms[i] = values[k]
-    suspects = [i for i, v in enumerate(norms) if v == 0.0 or v == math.inf]
-    if suspects:
+    if n and plan.identity:
+        norms = values[:n]
+    else:
+        norms = [0.0] * n
+        for k, i in enumerate(perm):
+            norms[i] = values[k]
+    if 0.0 in norms or math.inf in norms:
+        suspects = [i for i, v in enumerate(norms) if v == 0.0 or v == math.inf]
         for i, v in zip(suspects, exact_norms([views[i] for i in suspects])):
             norms[i] = v
     return norms, values[n:], plan
 
 
 def module_norms(with_grad: Sequence[int], norms: Sequence[float], module_of: Sequence[int],
-                 modules: Sequence[str]) -> dict[str, float]:
+                 modules: Sequence[str], runs: Sequence[tuple[int, int]] | None = None) -> dict[str, float]:
     """Each module's own gradient norm from its parameters' (entry ``i`` belongs to module
     ``modules[module_of[i]]``): squares summed in float64, in plain Python (a few hundred floats:
     cheaper than any tensor round trip); a module with a norm outside [1e-150, 1e150] (a square
-    would underflow or overflow) or a NaN is combined by :func:`combine_norms` instead."""
+    would underflow or overflow) or a NaN is combined by :func:`combine_norms` instead.
+
+    ``runs`` (each module's consecutive entries, :attr:`ParamView.module_runs`) with a norm for
+    every entry: one :func:`combine_norms` per module, read off slices."""
+    if runs is not None and len(norms) == len(module_of):
+        hypot = math.hypot
+        values = [hypot(*norms[a:b]) for a, b in runs]
+        if math.inf in values:  # an inf module may hide a NaN: combine_norms says which
+            values = [combine_norms(norms[a:b]) if v == math.inf else v for v, (a, b) in zip(values, runs)]
+        return dict(zip(modules, values))
     acc: dict[int, float] = {}
     odd: set[int] = set()
     for i, v in zip(with_grad, norms):

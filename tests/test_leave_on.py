@@ -181,20 +181,23 @@ def test_a_step_that_changes_nothing_although_versions_move():
     assert "changed no parameter for 3 steps in a row" in errors[0].message
 
 
-def test_updates_below_the_precision_of_bf16_weights():
+@pytest.mark.parametrize("change_every", [1, 4])
+def test_updates_below_the_precision_of_bf16_weights(change_every):
+    """The change test runs every ``change_every`` steps, then at every step after one that changed
+    nothing: the error comes within ``change_every - 1`` steps plus the 3 in a row."""
     torch.manual_seed(0)
     model = nn.Linear(16, 16).bfloat16()
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    mon = gh.GradHealth(model, opt, on_problem="ignore", change_every=change_every)
     reports = []
-    for _ in range(6):
+    for _ in range(change_every + 4):
         opt.zero_grad()
         model(torch.randn(4, 16, dtype=torch.bfloat16)).float().square().mean().backward()
         reports.append(mon.check())
         opt.step()
     mon.flush()
     found = [f for r in reports for f in r.findings_of("NOT_UPDATED") if f.level == "error"]
-    assert found and found[0].step <= 4 and "precision of the weights" in found[0].message
+    assert found and found[0].step <= change_every + 3 and "precision of the weights" in found[0].message
 
 
 def test_fused_optimizers_move_no_version_counter_and_are_still_judged_exactly():
