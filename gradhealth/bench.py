@@ -157,12 +157,13 @@ class _Timed:
 def bench_budget(label: str, blocks: int, width: int, rounds: int) -> None:
     """The whole default monitor per training step, as ratios to the floor, side by side.
 
-    Gradients stay in place and only the optimizer steps, so the rounds are short; the time is
-    the one spent inside the monitor's own code per step (``check()`` and its step hook: the
+    Gradients stay in place and only the optimizer steps, so the rounds are short. Every method
+    is timed in the same place, right after an optimizer step (caches as a training loop leaves
+    them): the floor pass, ``check()`` of a monitor with no hooks at all, and the time spent
+    inside the full default monitor's own code per step (``check()`` and its step hook: the
     classification, the change test, update norms every ``update_every`` checks, stale-gradient
     witnesses, history; the forward watch is one Python call per forward), amortised over
     ``2 x update_every`` steps, and the same with a TensorBoardSink with its default settings.
-    ``check()`` alone runs with no hooks at all.
     """
     import shutil
 
@@ -178,26 +179,35 @@ def bench_budget(label: str, blocks: int, width: int, rounds: int) -> None:
         with_sink = _Timed(GradHealth(model, opt, on_problem="ignore", sinks=[sink])) if sink is not None else None
         n = 2 * full.mon.options.update_every
         timed = [m for m in (full, with_sink) if m is not None]
-        per_step: dict[str, list[float]] = {"full": [], "full+sink": []}
+        per_step: dict[str, list[float]] = {"floor": [], "check()": [], "full": [], "full+sink": []}
 
-        def steps(which):
+        def steps(key, count, fn=None, which=None):
             def run():
-                for other in timed:  # only the timed monitor measures these steps
+                for other in timed:  # only the timed monitor (if any) measures these steps
                     if other is not which:
                         other.mon.tracker.disarm()
-                which.spent = 0.0
-                for _ in range(n):
-                    which.check()
+                spent = 0.0
+                if which is not None:
+                    which.spent = 0.0
+                for _ in range(count):
+                    if which is None:
+                        t0 = time.perf_counter()
+                        fn()
+                        spent += time.perf_counter() - t0
+                    else:
+                        which.check()
                     opt.step()
-                per_step["full" if which is full else "full+sink"].append(which.spent / n)
+                per_step[key].append((spent if which is None else which.spent) / count)
             return run
 
-        fns = {"floor": lambda: floor_pass(model), "check()": bare.check, "full": steps(full)}
+        fns = {"floor": steps("floor", n // 4, lambda: floor_pass(model)), "check()": steps("check()", n // 4, bare.check),
+               "full": steps("full", n, which=full)}
         if with_sink is not None:
-            fns["full+sink"] = steps(with_sink)
-        t = interleaved(fns, max(3, rounds // 2), 1)
-        floor = t["floor"]
-        row = {"check() alone": t["check()"] / floor, "full default": statistics.median(per_step["full"]) / floor}
+            fns["full+sink"] = steps("full+sink", n, which=with_sink)
+        interleaved(fns, max(5, rounds), 1)
+        floor = statistics.median(per_step["floor"])
+        row = {"check() alone": statistics.median(per_step["check()"]) / floor,
+               "full default": statistics.median(per_step["full"]) / floor}
         if with_sink is not None:
             row["full default + TensorBoardSink"] = statistics.median(per_step["full+sink"]) / floor
         full.mon.flush()

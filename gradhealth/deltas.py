@@ -72,6 +72,7 @@ class _OptPlan:
     groups: list[list[int]]  # (device, dtype) groups of params
     group_of: list[int]  # the param group of each
     local: bool = False  # some are local shards of DTensors (their views have version counters of their own)
+    empty: Tensor | None = None  # the numbers of a step between change tests: none
 
 
 @dataclass
@@ -158,13 +159,14 @@ class UpdateTracker:
         self._plans.clear()
         self.watched.clear()
         self.pending.clear()
-        self.witness.clear()
+        self.witness.close()
         self.witness = StaleWatch()  # its entry indices were the old ones
         self.disarm()
 
     def settle(self, stats: StepStats) -> None:
         """After a fetch: parameters proven to change need no exact copy any more."""
-        self.watched -= {i for i, c in zip(stats.indices, stats.changed) if c == 1.0}
+        if self.watched:
+            self.watched -= {i for i, c in zip(stats.indices, stats.changed) if c == 1.0}
 
     def extra_elements(self) -> int:
         """Elements held across a step in this mode at most (what the memory bound counts)."""
@@ -306,8 +308,9 @@ class UpdateTracker:
             return None
         lr_zero = self._lr_zero(opt, plan)
         touched = [not z for z in lr_zero] if rule_of(opt) is not None and any(lr_zero) else None
-        empty = torch.empty(0, dtype=torch.float64, device=plan.params[0].device)
-        return StepStats(plan.idx, empty, touched, [], [], False, lr_zero)
+        if plan.empty is None:
+            plan.empty = torch.empty(0, dtype=torch.float64, device=plan.params[0].device)
+        return StepStats(plan.idx, plan.empty, touched, [], [], False, lr_zero)
 
     def _measure(self, opt, plan, versions, snap, copies, measure) -> StepStats:
         params, n = plan.params, len(plan.params)
@@ -390,7 +393,7 @@ class UpdateTracker:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.witness.clear()
+        self.witness.close()
         self._inflight.clear()
         self._plans.clear()
 

@@ -12,6 +12,7 @@ would cost more than the check itself.
 from __future__ import annotations
 
 import math
+import operator
 import statistics
 from collections import deque
 
@@ -53,6 +54,7 @@ class NormHistory:
         self._rows: deque[list[float]] = deque(maxlen=window)  # one row of module norms per check
         self.seen = 0
         self._medians: list[float] = []
+        self._floors: list[float] = []  # vanish_factor x the medians
         self._medians_at = -1
         self._table: torch.Tensor | None = None  # the rows as of check ``_table_seen``, for the medians
         self._table_seen = 0
@@ -81,6 +83,7 @@ class NormHistory:
             width = len(self.modules)
             if not self._rows or not width:
                 self._medians, self._medians_at = [math.nan] * width, self.seen
+                self._floors = self._medians
                 return self._medians
             # the table of the window's rows as a tensor, extended by the rows added since the last
             # refresh only (converting 100 rows of Python floats costs more than the check itself)
@@ -96,6 +99,7 @@ class NormHistory:
             meds = table.nanmedian(dim=0).values
             meds[counts < self.warmup] = math.nan  # not enough history for that module yet
             self._medians, self._medians_at = meds.tolist(), self.seen
+            self._floors = [self.vanish_factor * m for m in self._medians]
         return self._medians
 
     # --------------------------------------------------------------- judging
@@ -114,8 +118,8 @@ class NormHistory:
             )
         elif judged:
             med = statistics.median(self.total)
-            mad = statistics.median(abs(v - med) for v in self.total) * MAD_TO_SIGMA
-            spike = total > self.spike_factor * med and total > med + self.spike_mads * mad
+            spike = total > self.spike_factor * med  # (the MAD only then)
+            spike = spike and total > med + self.spike_mads * MAD_TO_SIGMA * statistics.median(abs(v - med) for v in self.total)
             again, self._spiked = self._spiked and spike, spike
             if spike:
                 meds = self._module_medians()
@@ -134,7 +138,8 @@ class NormHistory:
         if judged:
             meds = self._module_medians()
             f = self.vanish_factor
-            low = [c for c, (v, m) in enumerate(zip(row, meds)) if v < f * m]  # NaN compares False
+            # NaN compares False; the list only when some module is low
+            low = [c for c, (v, m) in enumerate(zip(row, meds)) if v < f * m] if any(map(operator.lt, row, self._floors)) else []
             if low:
                 desc = ", ".join(f"{self.modules[c]} ({row[c]:.3g} vs median {meds[c]:.3g})" for c in low[:5])
                 more = f" and {len(low) - 5} more" if len(low) > 5 else ""

@@ -4,7 +4,7 @@
 After an optimizer step, a few of its parameters' gradients are remembered (the tensor and its
 version). When the next backward reaches one of those parameters, its hook looks once: the same
 gradient tensor at the same version (neither set to None nor zeroed) means the new gradient is
-being added onto the consumed one. The monitor removes the hooks at its next check.
+being added onto the consumed one. The monitor disarms the hooks at its next check.
 """
 
 from __future__ import annotations
@@ -21,44 +21,58 @@ WITNESSES = 8
 
 
 class StaleWatch:
-    """The witnesses of every optimizer, and the optimizers found stale since the last check."""
+    """The witnesses of every optimizer, and the optimizers found stale since the last check.
+
+    A witness's hook stays registered while the same parameter keeps being chosen (registering
+    and removing eight hooks at every step costs more than the rest of a step's bookkeeping);
+    it is armed at a step and disarmed by the check, and an unarmed hook does nothing.
+    """
 
     def __init__(self):
         self.stale: set[int] = set()  # ids of optimizers found stale
-        self._hooks: dict[int, list] = {}
+        self._watch: dict[int, dict[int, tuple]] = {}  # per optimizer id: entry -> (handle, state)
         self._idx: dict[int, list[int]] = {}  # per optimizer id: the entries it holds
 
     def arm(self, opt, idx: list[int], entries) -> None:
         """After ``opt``'s step: watch a few of its consumed gradients (``idx``: its entries)."""
-        for h in self._hooks.pop(id(opt), ()):
-            h.remove()
         self._idx[id(opt)] = idx
         usable = lambda i: entries[i][1].grad is not None and entries[i][1].requires_grad  # noqa: E731
         chosen = [i for i in spread(idx, WITNESSES) if usable(i)]
         if len(chosen) < min(WITNESSES, len(idx)) // 2:  # many without gradients: look at them all
             chosen = spread([i for i in idx if usable(i)], WITNESSES)
-        handles = []
+        watch = self._watch.setdefault(id(opt), {})
+        for i in [i for i in watch if i not in chosen]:
+            watch.pop(i)[0].remove()
         for i in chosen:
-            p = entries[i][1]
-            grad = p.grad
-            fired = [False]
+            if i not in watch:
+                watch[i] = self._hook(entries[i][1], id(opt))
+            grad = entries[i][1].grad
+            watch[i][1][:] = [True, weakref.ref(grad), grad._version]
 
-            def hook(_, p=p, ref=weakref.ref(grad), version=grad._version, fired=fired, key=id(opt)):
-                if not fired[0]:
-                    fired[0] = True
-                    current = p.grad
-                    if current is not None and current is ref() and current._version == version:
-                        self.stale.add(key)
+    def _hook(self, p, key: int) -> tuple:
+        state = [False, None, 0]  # armed, the consumed gradient, its version then
 
-            handles.append(p.register_hook(hook))
-        self._hooks[id(opt)] = handles
+        def hook(_):
+            if state[0]:
+                state[0] = False
+                current = p.grad
+                if current is not None and current is state[1]() and current._version == state[2]:
+                    self.stale.add(key)
+
+        return p.register_hook(hook), state
 
     def clear(self) -> None:
-        """Remove every hook (at a check: the backward they watch is over)."""
-        for handles in self._hooks.values():
-            for h in handles:
-                h.remove()
-        self._hooks.clear()
+        """Disarm every witness (at a check: the backward they watch is over)."""
+        for watch in self._watch.values():
+            for _, state in watch.values():
+                state[0] = False
+
+    def close(self) -> None:
+        """Remove every hook."""
+        for watch in self._watch.values():
+            for handle, _ in watch.values():
+                handle.remove()
+        self._watch.clear()
 
     def take(self, entries) -> set[int]:
         """Entry indices of the parameters (with gradients) of every optimizer found stale."""

@@ -95,7 +95,9 @@ def foreach_norms(members: Sequence[Tensor]) -> list[Tensor]:
     if members[0].is_complex():  # |z| over real and imaginary parts (members share one dtype)
         members = [torch.view_as_real(m) if m.is_complex() else m for m in members]
     acc = _acc_dtype(members[0].dtype)
-    try:
+    try:  # (dtype only where it differs: naming the input's own dtype takes a slower path)
+        if members[0].dtype == acc:
+            return list(torch._foreach_norm(members, 2))
         return list(torch._foreach_norm(members, 2, dtype=acc))
     except (RuntimeError, NotImplementedError, TypeError):
         # Devices or dtypes without a foreach kernel: same result, one kernel per tensor.
