@@ -168,21 +168,21 @@ def classify(model: nn.Module, optimizer=None) -> dict[str, Status]:
 
 
 def classify_selection(names: list[str], params: list, pids: list[int], idx: list[int], norm_of: list,
-                       ids: set[int] | None, dense: list[float] | None = None):
+                       ids: set[int] | None, dense: list[float] | None = None, all_inside: bool | None = None):
     """The decision tree over a check's judged entries, from their exact norms.
 
     Returns ``(status, in_optimizer, not_ok)``: every judged name's state (OK first, the common
     case, without walking the full tree), whether each is in an optimizer (None without one), and
     the names whose state is not OK. ``dense``: the norms of the judged entries in order, when
     every one has a gradient: all of them finite and non-zero, in the optimizers and trainable
-    is decided in a few C-level passes.
+    is decided in a few C-level passes; ``all_inside``: every judged entry is known to be in ``ids``.
     """
     sel_names = names if len(idx) == len(names) else [names[i] for i in idx]  # idx: sorted, distinct
     status: dict[str, Status] = dict.fromkeys(sel_names, Status.OK)
     in_opt: dict[str, bool] | None = dict.fromkeys(sel_names, True) if ids is not None else None
     inf = math.inf
     if dense is not None and len(dense) == len(idx) and dense and 0.0 < min(dense) and sum(dense) < inf \
-            and (ids is None or ids.issuperset(map(pids.__getitem__, idx))) \
+            and (ids is None or (all_inside if all_inside is not None else ids.issuperset(map(pids.__getitem__, idx)))) \
             and all(map(_REQUIRES_GRAD, map(params.__getitem__, idx))):
         return status, in_opt, []  # every one OK (NaN fails both comparisons): no walk needed
     not_ok: list[str] = []

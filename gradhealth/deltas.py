@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import operator
 import warnings
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -63,8 +64,8 @@ _MIN_BUDGET = 1 << 18  # elements: the floor of the transient budget for tiny mo
 
 @dataclass
 class _OptPlan:
-    ids: list[int]  # id of every parameter in the optimizer's param_groups, in order
-    ptrs: list[int]  # their storage addresses: .half(), .to(), a new tensor change them
+    ids: array  # id of every parameter in the optimizer's param_groups, in order
+    ptrs: array  # their storage addresses: .half(), .to(), a new tensor change them
     idx: list[int]  # entry indices
     params: list[Tensor]  # local, detached
     windows: list[tuple[list[int], Packed]]  # the sampled elements (auto mode), WINDOW tensors each
@@ -181,8 +182,8 @@ class UpdateTracker:
         rebuilt whenever a parameter is replaced, converted (``.half()``) or moved."""
         groups = opt.param_groups
         ps = groups[0]["params"] if len(groups) == 1 else [p for g in groups for p in g["params"]]
-        ids = list(map(id, ps))
-        ptrs = list(map(Tensor.data_ptr, ps))
+        ids = array("Q", map(id, ps))  # raw addresses: compared without touching an int object each
+        ptrs = array("Q", map(Tensor.data_ptr, ps))
         plan = self._plans.get(id(opt))
         if plan is not None and plan.ids == ids and plan.ptrs == ptrs:
             return plan
@@ -308,8 +309,9 @@ class UpdateTracker:
             return None
         lr_zero = self._lr_zero(opt, plan)
         touched = [not z for z in lr_zero] if rule_of(opt) is not None and any(lr_zero) else None
-        if plan.empty is None:
-            plan.empty = torch.empty(0, dtype=torch.float64, device=plan.params[0].device)
+        device = self.entries[plan.idx[0]][1].device  # (the plan's aliases may predate a .to())
+        if plan.empty is None or plan.empty.device != device:
+            plan.empty = torch.empty(0, dtype=torch.float64, device=device)
         return StepStats(plan.idx, plan.empty, touched, [], [], False, lr_zero)
 
     def _measure(self, opt, plan, versions, snap, copies, measure) -> StepStats:

@@ -322,7 +322,8 @@ class GradHealth:
     def _classify(self, step: int, sel: Selection, obs: Observation, optimizer) -> Report:
         v = self.view
         ids = sel.opt_ids if optimizer is not None else v.optimizer_ids()
-        status, in_opt, not_ok = classify_selection(v.names, v.params, v.pids, sel.idx, obs.norm_of, ids, obs.norms)
+        status, in_opt, not_ok = classify_selection(v.names, v.params, v.pids, sel.idx, obs.norm_of, ids, obs.norms,
+                                                    v.all_inside if optimizer is None else None)
         return Report(step=step, status=status, grad_norm=dict(zip(map(v.names.__getitem__, obs.with_grad), obs.norms)),
                       total_grad_norm=stats.combine_norms(obs.norms), meta=v.meta,
                       in_optimizer=in_opt, loss=obs.loss, valid_counts=obs.valid, not_ok=not_ok,

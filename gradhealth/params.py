@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from array import array
 from dataclasses import dataclass
 
 import torch.nn.modules.module as module_hooks
@@ -51,6 +52,7 @@ class ParamView:
         self._selections: dict[int, Selection] = {}
         self._ids_key: tuple | None = None
         self._ids: set[int] | None = None
+        self.all_inside = True  # (with optimizer_ids) every parameter is in some optimizer
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -85,9 +87,11 @@ class ParamView:
         their param_groups change."""
         if not self.optimizers:
             return None
-        key = [list(map(id, g["params"])) for o in self.optimizers for g in o.param_groups]  # exact: in-place edits too
+        # exact (in-place edits too); raw addresses compare without touching 400 int objects
+        key = [array("Q", map(id, g["params"])) for o in self.optimizers for g in o.param_groups]
         if key != self._ids_key:
             self._ids_key, self._ids = key, optimizer_param_ids(self.optimizers)
+            self.all_inside = self._ids.issuperset(self.pids)
         return self._ids
 
 
