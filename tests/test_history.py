@@ -156,3 +156,33 @@ def test_state_dict_keeps_every_optimizers_history():
         a, b = mon.check(optimizer=opt), resumed.check(optimizer=opt)
         assert a.findings_of("EXPLODING_GRAD") and [f.message for f in a.findings_of("EXPLODING_GRAD")] == \
             [f.message for f in b.findings_of("EXPLODING_GRAD")]
+
+
+def test_module_medians_kept_incrementally_equal_the_medians_of_the_window():
+    """The table of module norms grows by the rows since the last refresh: its medians equal a
+    from-scratch nanmedian over the window's rows, through window wrap-around, modules that
+    appear late (NaN before), non-finite norms and a state_dict round trip."""
+    import math
+    import random
+
+    rng = random.Random(0)
+    h = gh.NormHistory(window=12, warmup=3, refresh=5)
+    modules, compared = ["a", "b"], 0
+    for k in range(80):
+        if k == 20:
+            modules.append("c")  # a module that appears late: NaN in the rows before
+        if k == 50:
+            h2 = gh.NormHistory(window=12, warmup=3, refresh=5)
+            h2.load_state_dict(h.state_dict())
+            h = h2
+        norms = {m: rng.choice([rng.random(), rng.random() * 1e3, math.inf, math.nan]) for m in modules}
+        h.update(k, 1.0, norms)
+        got = h._module_medians()
+        width = len(h.modules)
+        rows = torch.tensor([r + [math.nan] * (width - len(r)) for r in h._rows], dtype=torch.float64)
+        want = rows.nanmedian(dim=0).values
+        want[(~torch.isnan(rows)).sum(0) < h.warmup] = math.nan
+        if h.seen - h._medians_at == 0:  # refreshed at this check: equal to the scratch medians
+            assert torch.equal(torch.tensor(got, dtype=torch.float64).nan_to_num(-1), want.nan_to_num(-1)), k
+            compared += 1
+    assert compared >= 14

@@ -217,6 +217,49 @@ def test_fused_optimizers_move_no_version_counter_and_are_still_judged_exactly()
     mon.close()
 
 
+# ------------------------------------------------- the change test runs every few steps
+def _switch_run(breaks_at: int, steps: int, make_broken):
+    """SGD that changes nothing from step ``breaks_at`` on; the steps at which NOT_UPDATED is an error."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    reports, x, y = [], torch.randn(16, 32), torch.randn(16, 4)
+    for s in range(steps):
+        if s == breaks_at:
+            make_broken(opt)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        reports.append(mon.check())
+        opt.step()
+    mon.close()
+    errors = sorted({f.step for r in reports for f in r.findings_of("NOT_UPDATED") if f.level == "error"})
+    return errors, mon.options.change_every
+
+
+def test_an_update_rule_that_stops_working_between_change_tests_is_an_error_within_a_few_steps():
+    """The change test runs at every 4th step, then at every step after one that changed nothing:
+    a rule broken at step 9 (between tests) is an error within change_every + 2 steps."""
+    def idle(opt):  # every step still touches every parameter (versions move), changing none
+        def step(closure=None):
+            with torch.no_grad():
+                for p in opt.param_groups[0]["params"]:
+                    p.mul_(1.0)
+        opt.step = step
+
+    errors, every = _switch_run(9, 20, idle)
+    assert every == 4 and errors and errors[0] >= 9 and errors[0] <= 9 + every + 2, errors
+
+
+def test_a_learning_rate_set_to_zero_between_change_tests_is_an_error_at_the_next_step():
+    """lr 0 is read at every step, not only at change tests: 0 at step 6 (info) and 7 (error)."""
+    def zero(opt):
+        opt.param_groups[0]["lr"] = 0.0
+
+    errors, every = _switch_run(6, 9, zero)
+    assert 6 % every and 7 % every and errors[0] == 7, errors
+
+
 # ------------------------------------------------------------ update norms, every tensor
 @pytest.mark.parametrize("blocks, width", [(100, 64), (4, 512), (2, 2048)])  # the bench's tensor shapes
 @pytest.mark.parametrize("name", ["SGD", "AdamW"])

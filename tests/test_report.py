@@ -93,3 +93,49 @@ def test_nan_and_inf_norms_combine_the_same_everywhere():
     assert math.isnan(report_metrics(r, "module")["gradhealth/grad_norm/0"])
     assert math.isnan(report_metrics(r, "param")["gradhealth/grad_norm/total"])
     assert "nan" in str(r) and " inf" not in str(r)
+
+
+def test_module_norms_read_off_runs_equal_the_general_sum():
+    """Modules whose entries are consecutive are combined from slices; the result equals the
+    per-entry accumulation for any mix of zeros, tiny, huge, inf and NaN norms."""
+    import random
+
+    from gradhealth import stats
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randint(1, 12)
+        first: dict[int, int] = {}
+        module_of = [first.setdefault(m, len(first)) for m in sorted(rng.randint(0, 4) for _ in range(n))]
+        modules = [f"m{k}" for k in range(len(first))]
+        runs = [(module_of.index(k), n - module_of[::-1].index(k)) for k in range(len(modules))]
+        norms = [rng.choice([0.0, 1e-200, 1e200, math.inf, math.nan, rng.random()]) for _ in range(n)]
+        general = stats.module_norms(list(range(n)), norms, module_of, modules)
+        fast = stats.module_norms(list(range(n)), norms, module_of, modules, runs)
+        assert list(general) == list(fast)
+        for k in general:
+            a, b = general[k], fast[k]
+            assert (math.isnan(a) and math.isnan(b)) or a == b or abs(a - b) <= 1e-12 * abs(a), (norms, module_of)
+
+
+def test_a_model_whose_modules_interleave_has_no_runs():
+    class Odd(nn.Module):  # its own named_parameters() order interleaves two modules
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def named_parameters(self, *args, **kwargs):
+            return iter([("a.weight", self.a.weight), ("b.weight", self.b.weight), ("a.bias", self.a.bias),
+                         ("b.bias", self.b.bias)])
+
+    from gradhealth.params import ParamView
+
+    view = ParamView(Odd(), [])
+    assert view.module_index == [0, 1, 0, 1] and view.module_runs is None
+    assert ParamView(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), []).module_runs == [(0, 2), (2, 4)]
+    model = Odd()  # and a check over it combines each module from its own entries
+    (model.a(torch.ones(1, 2)).sum() + 2 * model.b(torch.ones(1, 2)).sum()).backward()
+    r = gh.GradHealth(model, on_problem="ignore").check()
+    for m in ("a", "b"):
+        want = math.hypot(*(getattr(model, m).weight.grad.norm().item(), getattr(model, m).bias.grad.norm().item()))
+        assert r.module_grad_norm[m] == pytest.approx(want, rel=1e-6)

@@ -59,6 +59,7 @@ TABLE = [
     ("expect_frozen", lambda: monitor(expect_frozen=5), TypeError, "expect_frozen must be a name pattern"),
     ("deltas", lambda: monitor(deltas="fast"), ValueError, "deltas must be one of 'auto', 'exact', 'off'"),
     ("update_every", lambda: monitor(update_every=0), ValueError, "update_every must be a positive int"),
+    ("change_every", lambda: monitor(change_every=0), ValueError, "change_every must be a positive int"),
     ("history", lambda: monitor(history="x"), TypeError, "history must be True, False or a gh.NormHistory"),
     ("amp_skip_alarm", lambda: monitor(amp_skip_alarm=0), ValueError, "amp_skip_alarm must be a positive int"),
     ("amp_scale_floor type", lambda: monitor(amp_scale_floor="x"), TypeError, "amp_scale_floor must be a number >= 0"),
