@@ -200,11 +200,11 @@ def bench_budget(label: str, blocks: int, width: int, rounds: int) -> None:
                 per_step[key].append((spent if which is None else which.spent) / count)
             return run
 
-        fns = {"floor": steps("floor", n // 4, lambda: floor_pass(model)), "check()": steps("check()", n // 4, bare.check),
+        fns = {"floor": steps("floor", n // 8, lambda: floor_pass(model)), "check()": steps("check()", n // 8, bare.check),
                "full": steps("full", n, which=full)}
         if with_sink is not None:
             fns["full+sink"] = steps("full+sink", n, which=with_sink)
-        interleaved(fns, max(5, rounds), 1)
+        interleaved(fns, max(3, rounds // 2), 1)
         floor = statistics.median(per_step["floor"])
         row = {"check() alone": statistics.median(per_step["check()"]) / floor,
                "full default": statistics.median(per_step["full"]) / floor}

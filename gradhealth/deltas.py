@@ -1,5 +1,6 @@
-"""Optimizer steps, through the optimizer's own step hooks: did each parameter change (exact, every
-step), how much (every ``update_every`` checks), and stale gradients.
+"""Optimizer steps, through the optimizer's own step hooks: did each parameter change (exact, on
+every ``change_every``-th step and every step after one that changed nothing), how much (every
+``update_every`` checks), and stale gradients (:mod:`.stale`).
 
 Each check arms the step that follows it; the step post-hook measures it on the device, and the
 numbers travel in the next check's single transfer (or ``monitor.flush()``). Arming happens at the
@@ -7,19 +8,23 @@ check, not in a step pre-hook, because trainers that run forward and backward in
 ``optimizer.step(closure)`` (Lightning) call the pre-hook before the check; between a check and its
 step the parameters do not change.
 
-**Did it change? (exact, every step, no copy of θ).** An in-place change of a tensor bumps its
-version counter (``_version``): for torch.optim's own optimizers in their single-tensor and foreach
-implementations, a parameter whose version did not move was not touched (fused kernels and writes
-through ``p.data`` move no counter, so their parameters all count as touched; see
-``_versions_tell``). A touched one is
-compared exactly on a fixed sample of its elements (up to ``SAMPLE`` per tensor, the whole tensor
-when smaller, walking across rows and columns), ``WINDOW`` tensors per step in turns (the others
-stay undecided that step): any sampled element that differs proves a change. A
-touched parameter whose sample did not move (a sparse update of a few embedding rows, updates below
-the ulp) is undecided that step (no finding either way) and watched from then on: watched
-parameters are copied exactly across a step, in turns, as many as fit the transient budget, and
-decided exactly at their turn. A single parameter larger than the budget is decided by its sample
-alone (a change proven by the sample, or undecided).
+**Did it change? (exact, no copy of θ).** Every step, a learning rate of 0 in SGD/Adam/AdamW is
+seen on the host (θ - 0·u is θ, exactly). The change test proper runs at the step after every
+``change_every``-th check (default 4), at every step after a step that changed none of the
+parameters it decided (so an update rule that stops working is an error within
+``change_every + 2`` steps), and at every step while a frozen parameter still holds a gradient
+(momentum or weight decay may move it). The steps between are undecided: no finding either way.
+An in-place change of a tensor bumps its version counter (``_version``): for torch.optim's own
+optimizers in their single-tensor and foreach implementations, a parameter whose version did not
+move was not touched (fused kernels and writes through ``p.data`` move no counter, so their
+parameters all count as touched; see ``versions_tell``). A touched one is compared exactly on a
+fixed sample of its elements (up to ``SAMPLE`` per tensor, the whole tensor when smaller, walking
+across rows and columns), ``WINDOW`` tensors per test in turns (the others stay undecided): any
+sampled element that differs proves a change. A touched parameter whose sample did not move (a
+sparse update of a few embedding rows, updates below the ulp) is undecided and watched from then
+on: watched parameters are copied exactly across a tested step, in turns, as many as fit the
+transient budget, and decided exactly at their turn. A single parameter larger than the budget is
+decided by its sample alone (a change proven by the sample, or undecided).
 
 **How much? (every ``update_every`` checks).** ||Δθ|| per parameter from the optimizer's own rule
 for SGD, Adam and AdamW (:mod:`.rules`; bounded by the rounding of θ); for any other optimizer an

@@ -384,3 +384,17 @@ def test_a_state_that_cannot_be_restored_warns_and_training_goes_on(tmp_path):
     with pytest.warns(gh.GradHealthInternalWarning, match="not restored"):
         trainer.train()
     assert cb.state()["attributes"]["_pending_state"]["checks"] == 3
+
+
+def test_every_option_but_sinks_rides_in_the_callbacks_json_state():
+    """Trainer rebuilds a callback from ``state()["args"]`` on resume: an option left out of it
+    would silently fall back to its default."""
+    import dataclasses
+
+    from gradhealth.integrations.transformers import _JSON_OPTIONS
+
+    assert set(_JSON_OPTIONS) == {f.name for f in dataclasses.fields(gh.Options)} - {"sinks"}
+    cb = GradHealthCallback(change_every=2, update_every=7)
+    args = cb.state()["args"]
+    assert args["change_every"] == 2 and args["update_every"] == 7
+    json.dumps(args)
