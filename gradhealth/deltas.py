@@ -148,8 +148,8 @@ class UpdateTracker:
         self.pending: list[StepStats] = []
         self.watched: set[int] = set()  # entries whose change test uses the checksum
         self._seed = seed
-        self._arms = 0
-        self._tests = 0  # change tests armed: the windows take turns over them
+        self._arms: dict[int, int] = {}  # per optimizer: checks that armed its step
+        self._tests: dict[int, int] = {}  # per optimizer: change tests armed (the windows take turns)
         self._turn: dict[int, int] = {}  # per optimizer: where the next generic exact copy starts
         self._last_lr: dict[tuple[int, int], float] = {}
         self._inflight: dict[int, tuple] = {}
@@ -225,15 +225,15 @@ class UpdateTracker:
         self._inflight.clear()
         if self.mode == "off":
             return
-        exact = self.mode == "exact"
-        measure = exact or self._arms % self.update_every == 0
-        due = due or measure or self._arms % self.change_every == 0
-        self._tests += due
-        self._arms += 1
-        for opt in optimizers:
-            if not due:  # a light step: the plan is not even re-validated
+        exact, forced = self.mode == "exact", due
+        for opt in optimizers:  # counted per optimizer: two that take turns (a GAN) both get turns
+            k = self._arms.get(id(opt), 0)
+            self._arms[id(opt)] = k + 1
+            measure = exact or k % self.update_every == 0
+            if not (forced or measure or k % self.change_every == 0):  # a light step: the plan is not even re-validated
                 self._inflight[id(opt)] = (None, None, None, None, False)
                 continue
+            tests = self._tests[id(opt)] = self._tests.get(id(opt), -1) + 1
             plan = self._plan(opt)
             if plan is None:
                 continue
@@ -241,7 +241,7 @@ class UpdateTracker:
             if exact:
                 snap = apply(torch._foreach_mul, plan.groups, plan.params, 1)
             else:  # this test's window of samples
-                ks, packed = plan.windows[self._tests % len(plan.windows)]
+                ks, packed = plan.windows[tests % len(plan.windows)]
                 snap = (ks, packed, packed.snapshot())
             # exact copies, within the budget and in turns: the watched parameters (undecided by
             # their sample before), and for an optimizer without a known rule, the ones measured

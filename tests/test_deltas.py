@@ -219,3 +219,28 @@ def test_memory_budget_on_the_three_bench_shapes():
         assert t.budget <= max(0.01 * total, 1 << 18)
         if total > 50 * (1 << 18):
             assert t.extra_elements() <= 0.02 * total
+
+
+def test_two_optimizers_taking_turns_are_both_measured():
+    """check(optimizer=...) before each of two optimizers' steps (a GAN): the cadences count per
+    optimizer, so with an even update_every both get update norms and change tests (one shared
+    count gave every measured turn to the first)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"g": nn.Linear(4, 4), "d": nn.Linear(4, 1)})
+    og = torch.optim.SGD(model["g"].parameters(), lr=0.1)
+    od = torch.optim.SGD(model["d"].parameters(), lr=0.1)
+    mon = gh.GradHealth(model, [og, od], on_problem="raise", update_every=2)
+    reports = {"g": [], "d": []}
+    for _ in range(4):
+        for name, opt in (("g", og), ("d", od)):
+            og.zero_grad()
+            od.zero_grad()
+            model["d"](model["g"](torch.randn(8, 4))).square().mean().backward()
+            reports[name].append(mon.check(optimizer=opt))
+            opt.step()
+    mon.close()
+    for name, opt in (("g", og), ("d", od)):
+        measured = [r for r in reports[name] if f"{name}.weight" in r.update_norm]
+        assert len(measured) == 2, name  # its turns 0 and 2
+        for r in measured:
+            assert r.update_norm[f"{name}.weight"] > 0
