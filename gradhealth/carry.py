@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from . import judges
-from .deltas import StepStats
+from .steps import StepStats
 from .stale import WITNESSES
 from .findings import Finding, FindingKind
 from .guards import ForwardRecord
@@ -92,9 +92,9 @@ class Carry:
                      scale: float | None, scaler: bool, amp_alarm: int) -> Delivery | None:
         """What became of the optimizer step after the armed check: its measured updates, or why
         it did not run. ``report`` is the current check's (None at a flush)."""
-        if any(u.skipped for u in updates):  # a fused step that its grad scaler skipped did not run
-            steps_ran = max(0, steps_ran - sum(u.skipped for u in updates))
-            updates = [u for u in updates if not u.skipped]
+        if any(u.skipped or not u.indices for u in updates):  # a fused step its grad scaler skipped did not run
+            steps_ran = max(0, steps_ran - sum(u.skips for u in updates))
+            updates = [u for u in updates if not u.skipped and u.indices]  # (no indices: unarmed steps' skips)
         if steps_ran:
             self.amp_skips = 0
             self.amp_settled = self.amp_settled or scaler

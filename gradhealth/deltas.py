@@ -39,7 +39,7 @@ import math
 import operator
 import warnings
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -50,6 +50,7 @@ from .compare import Packed, apply, flat, norms, sample_view, versions_tell, wat
 from .rules import rule_norms, rule_of
 from .stale import WITNESSES, StaleWatch
 from .stats import plan_groups
+from .steps import StepStats, found_inf
 
 __all__ = ["UpdateTracker", "StepStats", "WITNESSES", "SAMPLE", "UPDATE_EVERY", "CHANGE_EVERY"]
 
@@ -81,55 +82,6 @@ class _OptPlan:
     empty: Tensor | None = None  # the numbers of a step between change tests: none
 
 
-@dataclass
-class StepStats:
-    """One optimizer step: host facts, and device numbers until the monitor fetches them.
-
-    After :meth:`fetched`, ``changed`` is 1.0 / 0.0 per parameter (nan: undecided this step),
-    ``update`` and ``param`` are ||Δθ|| and ||θ|| (nan when not measured this step), and ``lr_zero``
-    says whether the parameter's learning rate was 0 at this step (``"new"``) and at the step before
-    too (``"again"``), or neither (``""``).
-    """
-
-    indices: list[int]
-    packed: Tensor  # [device change flags of `flag_pos`, update norms, param norms] as float64
-    touched: list[bool] | None = None  # None: all touched
-    flag_pos: list[int] = field(default_factory=list)  # positions decided on the device
-    sure: list[bool] = field(default_factory=list)  # a device flag of 0 is a decision (not undecided)
-    measured: bool = False
-    lr_zero: list[str] = field(default_factory=list)
-    changed: list[float] = field(default_factory=list)
-    update: list[float] = field(default_factory=list)
-    param: list[float] = field(default_factory=list)
-    scaler_flag: bool = False  # the last packed value is a grad scaler's found_inf for this step
-    decided: bool = False  # (after fetched) some parameter was decided, changed or not
-    skipped: bool = False  # (after fetched) that flag was set: the step skipped itself
-
-    def fetched(self, values: list[float]) -> None:
-        if self.scaler_flag:
-            self.skipped, values = values[-1] > 0, values[:-1]
-        n, f = len(self.indices), len(self.flag_pos)
-        # touched: undecided unless tested; untouched: unchanged
-        changed = [math.nan] * n if self.touched is None else [math.nan if t else 0.0 for t in self.touched]
-        for j, k in enumerate(self.flag_pos):
-            changed[k] = 1.0 if values[j] > 0 else (0.0 if self.sure[j] else math.nan)
-        self.changed = changed
-        self.decided = bool(self.flag_pos) or self.touched is not None
-        if self.measured:
-            self.update, self.param = list(values[f : f + n]), list(values[f + n : f + 2 * n])
-        else:
-            self.update = self.param = [math.nan] * n
-
-    def triple(self) -> list[float]:
-        """[update (n), param (n), changed (n)]: the layout the cross-rank reduction carries."""
-        return list(self.update) + list(self.param) + list(self.changed)
-
-    def set_triple(self, values: list[float]) -> None:
-        n = len(self.indices)
-        self.update, self.param, self.changed = values[:n], values[n : 2 * n], values[2 * n :]
-        self.decided = any(c == c for c in self.changed)  # every rank tests the same steps
-
-
 class UpdateTracker:
     """Installs a step post-hook on each optimizer; measures the steps that follow a check."""
 
@@ -146,6 +98,7 @@ class UpdateTracker:
         self.armed_step: int | None = None
         self.steps_since_check = 0
         self.pending: list[StepStats] = []
+        self._unarmed: StepStats | None = None  # the skips of steps no check armed, in pending
         self.watched: set[int] = set()  # entries whose change test uses the checksum
         self._seed = seed
         self._arms: dict[int, int] = {}  # per optimizer: checks that armed its step
@@ -291,6 +244,8 @@ class UpdateTracker:
                 warnings.warn(f"gradhealth: measuring the update of {type(opt).__name__}.step() failed "
                               f"({type(exc).__name__}: {exc}); this step's update is not reported",
                               GradHealthInternalWarning, stacklevel=3)
+        elif found_inf(opt) is not None:  # a step no check armed (every_n_steps): count its skip
+            self._count_unarmed(found_inf(opt))
         if self.armed_step is not None:
             plan = self._plans.get(id(opt)) or self._plan(opt)
             self.witness.arm(opt, plan.idx if plan else [], self.entries)
@@ -300,11 +255,21 @@ class UpdateTracker:
         """A fused optimizer under a grad scaler runs its step (and these hooks) even when the scaler
         found inf and skips inside the kernel: the scaler's flag rides with the step's numbers
         (no host sync), so the check treats that step as skipped, not as one that changed nothing."""
-        flag = getattr(opt, "found_inf", None)
-        if isinstance(flag, Tensor) and getattr(opt, "_step_supports_amp_scaling", False):
-            stats.packed = torch.cat([stats.packed, flag.detach().to(stats.packed.device, torch.float64).reshape(1)])
+        flag = found_inf(opt)
+        if flag is not None:
+            stats.packed = torch.cat([stats.packed, flag.to(stats.packed.device)])
             stats.scaler_flag = True
         return stats
+
+    def _count_unarmed(self, flag: Tensor) -> None:
+        """The skips of steps no check armed add up on the device in one pending entry (no
+        indices), read with the next check: such a skipped step did not run either."""
+        mine = self._unarmed
+        if mine is None or not any(u is mine for u in self.pending):
+            self._unarmed = StepStats([], flag, scaler_flag=True)
+            self.pending.append(self._unarmed)
+        else:
+            mine.packed = mine.packed + flag.to(mine.packed.device)
 
     def _light(self, opt) -> StepStats | None:
         """A step between change tests: only what the learning rates decide (lr 0 in SGD/Adam/AdamW

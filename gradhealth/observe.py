@@ -18,7 +18,7 @@ from torch import Tensor
 
 from . import distributed as dist
 from . import stats
-from .deltas import StepStats
+from .steps import StepStats
 from .guards import ForwardRecord
 from .layout import Layout
 from .params import ParamView, Selection

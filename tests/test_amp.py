@@ -154,3 +154,29 @@ def test_fused_optimizer_skipping_inside_its_kernel_is_an_amp_skip_not_a_step_th
     mon.close()
     assert skipped >= 4
     assert not report.findings_of("NOT_UPDATED"), str(report)
+
+
+def test_fused_skips_on_steps_no_check_armed_still_count_as_skips():
+    """every_n_steps=2, fused AdamW under a GradScaler settling from a scale far too high: the
+    steps between checks skip inside the kernel too. Counted as steps that ran, they ended the
+    settling early and made the next checked skip an error (with amp_skip_alarm=1 it raised)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=1000)
+    mon = gh.GradHealth(model, opt, scaler=scaler, on_problem="raise", every_n_steps=2, amp_skip_alarm=1)
+    skips, settled_at, levels = 0, None, set()
+    for s in range(30):
+        opt.zero_grad()
+        scaler.scale(1e6 * model(torch.randn(4, 8)).square().mean()).backward()
+        r = mon.check()  # raises on an error-level finding
+        scaler.step(opt)
+        scaler.update()
+        if r is not None:
+            skips += len(r.findings_of("AMP_SKIPPED"))
+            levels |= {f.level for f in r.findings}
+            if settled_at is None and mon.carry.amp_settled:
+                settled_at = s
+    mon.close()
+    assert skips >= 5 and levels == {"info"}
+    assert settled_at is not None and scaler.get_scale() < 2.0**127 / 2**10  # it settled, after many halvings

@@ -1,0 +1,71 @@
+"""One optimizer step's numbers: ``StepStats`` (host facts, and device numbers until a check
+fetches them), and the grad scaler's skip flag of a fused step."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["StepStats", "found_inf"]
+
+
+@dataclass
+class StepStats:
+    """One optimizer step: host facts, and device numbers until the monitor fetches them.
+
+    After :meth:`fetched`, ``changed`` is 1.0 / 0.0 per parameter (nan: undecided this step),
+    ``update`` and ``param`` are ||Δθ|| and ||θ|| (nan when not measured this step), and ``lr_zero``
+    says whether the parameter's learning rate was 0 at this step (``"new"``) and at the step before
+    too (``"again"``), or neither (``""``).
+    """
+
+    indices: list[int]
+    packed: Tensor  # [device change flags of `flag_pos`, update norms, param norms] as float64
+    touched: list[bool] | None = None  # None: all touched
+    flag_pos: list[int] = field(default_factory=list)  # positions decided on the device
+    sure: list[bool] = field(default_factory=list)  # a device flag of 0 is a decision (not undecided)
+    measured: bool = False
+    lr_zero: list[str] = field(default_factory=list)
+    changed: list[float] = field(default_factory=list)
+    update: list[float] = field(default_factory=list)
+    param: list[float] = field(default_factory=list)
+    scaler_flag: bool = False  # the last packed value is a grad scaler's found_inf for this step
+    decided: bool = False  # (after fetched) some parameter was decided, changed or not
+    skipped: bool = False  # (after fetched) that flag was set: the step skipped itself
+    skips: int = 0  # (after fetched) how many steps skipped themselves (several for unarmed steps)
+
+    def fetched(self, values: list[float]) -> None:
+        if self.scaler_flag:
+            self.skips, values = round(values[-1]), values[:-1]
+            self.skipped = self.skips > 0
+        n, f = len(self.indices), len(self.flag_pos)
+        # touched: undecided unless tested; untouched: unchanged
+        changed = [math.nan] * n if self.touched is None else [math.nan if t else 0.0 for t in self.touched]
+        for j, k in enumerate(self.flag_pos):
+            changed[k] = 1.0 if values[j] > 0 else (0.0 if self.sure[j] else math.nan)
+        self.changed = changed
+        self.decided = bool(self.flag_pos) or self.touched is not None
+        if self.measured:
+            self.update, self.param = list(values[f : f + n]), list(values[f + n : f + 2 * n])
+        else:
+            self.update = self.param = [math.nan] * n
+
+    def triple(self) -> list[float]:
+        """[update (n), param (n), changed (n)]: the layout the cross-rank reduction carries."""
+        return list(self.update) + list(self.param) + list(self.changed)
+
+    def set_triple(self, values: list[float]) -> None:
+        n = len(self.indices)
+        self.update, self.param, self.changed = values[:n], values[n : 2 * n], values[2 * n :]
+        self.decided = any(c == c for c in self.changed)  # every rank tests the same steps
+
+
+def found_inf(opt) -> Tensor | None:
+    """1.0 / 0.0 (float64, shape [1], on the device): did a grad scaler skip this fused step?"""
+    flag = getattr(opt, "found_inf", None)
+    if isinstance(flag, Tensor) and getattr(opt, "_step_supports_amp_scaling", False):
+        return (flag.detach() > 0).to(torch.float64).reshape(1)
+    return None
