@@ -244,8 +244,10 @@ class UpdateTracker:
                 warnings.warn(f"gradhealth: measuring the update of {type(opt).__name__}.step() failed "
                               f"({type(exc).__name__}: {exc}); this step's update is not reported",
                               GradHealthInternalWarning, stacklevel=3)
-        elif found_inf(opt) is not None:  # a step no check armed (every_n_steps): count its skip
-            self._count_unarmed(found_inf(opt))
+        else:  # a step no check armed (every_n_steps): count its skip
+            flag = found_inf(opt)
+            if flag is not None:
+                self._count_unarmed(flag)
         if self.armed_step is not None:
             plan = self._plans.get(id(opt)) or self._plan(opt)
             self.witness.arm(opt, plan.idx if plan else [], self.entries)

@@ -115,14 +115,16 @@ def rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
     direct: dict[tuple, list] = {}
     # the others: chunks of like terms, batched so that a batch's temporaries stay within the budget
     batches: dict[tuple, list] = {}
+    scales = [0.0] * len(terms)  # ||Δθ|| = scale · sqrt(sq)
     for k, term in enumerate(terms):
         if term is None:
             continue
-        _, kind, tensors, coefs, w = term
+        scales[k], kind, tensors, coefs, w = term
         if kind == "sum" and len(tensors) == 1 and w == 0.0:
             t = to_local(tensors[0])
             t = torch.view_as_real(t) if t.is_complex() else t
             direct.setdefault((t.device, t.dtype), []).append((k, t))
+            scales[k] *= abs(coefs[0])
             continue
         theta = to_local(params[k].detach())
         pieces = [_chunks(to_local(t), budget // 3) for t in tensors]
@@ -139,9 +141,7 @@ def rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
             if size >= budget // 3 or end == len(items):
                 _accumulate(kind, with_w, items[start:end], sq)
                 start, size = end, 0
-    scale = torch.tensor([0.0 if t is None else t[0] * (abs(t[3][0]) if t[1] == "sum" and len(t[2]) == 1 and t[4] == 0.0
-                                                       else 1.0) for t in terms], dtype=torch.float64, device=device)
-    return sq.sqrt() * scale
+    return sq.sqrt() * torch.tensor(scales, dtype=torch.float64, device=device)
 
 
 def _accumulate(kind: str, with_w: bool, batch: list, sq: Tensor) -> None:

@@ -177,13 +177,13 @@ def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None
     packed = None
     if grads:
         key = plan_key(grads)  # the plan is kept for the gradients, built over their views
-        if plan is None or len(grads) != len(plan.perm) or key != plan.key:
-            if any(lay is not torch.strided for lay in key[2]) or any(d.is_complex for d in key[0]):
-                views = [g if g.layout is torch.strided and not g.is_complex() else dense_view(g) for g in grads]
+        if plan is None or key != plan.key:
+            plain = all(lay is torch.strided for lay in key[2]) and not any(d.is_complex for d in key[0])
+            views = grads if plain else list(map(dense_view, grads))
             plan = NormPlan(views, key)
-            plan.plain = views is grads
+            plan.plain = plain
         elif not plan.plain:
-            views = [g if g.layout is torch.strided and not g.is_complex() else dense_view(g) for g in grads]
+            views = list(map(dense_view, grads))
         packed = _pack(views, plan)
     perm = plan.perm if grads else []
     values = fetch([packed, *extras] if packed is not None else list(extras))
