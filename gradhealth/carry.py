@@ -4,7 +4,7 @@ The check counters, the report whose optimizer step is still to be measured (and
 witnesses that tell a skipped step from gradient accumulation), the grad scaler's last scale and
 the AMP skips in a row, the armed NaN tracer, what the forward watch saw, the valid counts
 recorded since the last check, the norm histories (one per optimizer when checks are made per
-optimizer) and each parameter's streak of checks without a usable gradient. ``state_dict()`` holds what a checkpoint must keep.
+optimizer) and each unit's record of checks with and without a usable gradient. ``state_dict()`` holds what a checkpoint must keep.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .findings import Finding, FindingKind
 from .guards import ForwardRecord
 from .history import NormHistory
 from .naming import spread
-from .patience import Streaks
+from .patience import Persistence
 from .report import Report
 from .status import Status
 
@@ -49,18 +49,23 @@ class Carry:
         self.amp_settled = False  # a step has run under the grad scaler: its scale has settled
         self.tracer = None
         self.trace_from: int | None = None
+        self.trace_ops = False  # the last traced failing step named no module: watch the operations next time
         self.forward: ForwardRecord | None = None
         self.eval_backward: ForwardRecord | None = None
         self.frozen_norms: set[str] = set()  # normalisation layers run in eval with frozen affine parameters
         self.frozen_norms_said = False
+        self.norm_eval: set[str] = set()  # normalisation layers run in eval with trainable affine parameters
+        self.norm_eval_said = False
+        self.reentrant = False  # a module ran under a reentrant torch.utils.checkpoint
         self.valid: dict[str, Tensor] = {}
         # the options' history is a template: each monitor keeps copies of its own (the default one,
         # for checks of every parameter, and one per optimizer)
         self.history = copy.deepcopy(history)
         self._template = copy.deepcopy(history)
         self.histories: dict[int, NormHistory] = {}  # per optimizer index
-        self.streaks = Streaks()  # consecutive checks without a usable gradient, per parameter
+        self.streaks = Persistence()  # each unit's gaps without a usable gradient, and its past rate
         self.still = 0  # consecutive steps that changed no OK parameter (with lr > 0) that was decided
+        self.gone: int | None = None  # the armed check whose gradients were gone when its step began
         self.patience = 3
 
     # ---------------------------------------------------------------- between
@@ -86,6 +91,12 @@ class Carry:
         self.witnesses = [(weakref.ref(params[i]), weakref.ref(params[i].grad), params[i].grad._version)
                           for i in spread(with_grad, WITNESSES)]
         self.last_scale = scale
+
+    def note_step_start(self, _opt) -> None:
+        """Before the step that follows the armed check: are that check's gradients still there?
+        (``zero_grad()`` between ``backward()`` and ``step()`` leaves the step nothing to apply.)"""
+        if self.armed is not None and self.witnesses and self._discarded():
+            self.gone = self.armed.step
 
     # -------------------------------------------------------- previous step
     def resolve_step(self, report: Report | None, updates: list[StepStats], steps_ran: int, params: list, names: list[str],
@@ -161,7 +172,8 @@ class Carry:
             self.still += 1  # a step that moved nothing it was seen to move
         elif changed_any:
             self.still = 0
-        found = judges.not_updated(target.status, unchanged, target.step, self.still, self.patience)
+        gone, self.gone = self.gone == target.step, None
+        found = judges.not_updated(target.status, unchanged, target.step, self.still, self.patience, gone)
         found += judges.frozen_but_changed(target.status, moved, target.step)
         return Delivery(target, found)
 
@@ -188,7 +200,7 @@ class Carry:
             settled = state.get("amp_settled", False)
             if not isinstance(settled, bool):
                 raise TypeError(f"amp_settled must be a bool, got {type(settled).__name__}")
-            streaks = Streaks()
+            streaks = Persistence()
             streaks.load_state_dict(state.get("streaks") or {})
             history, histories = self.history, self.histories
             if self.history is not None:

@@ -108,7 +108,12 @@ class UpdateTracker:
         self._inflight: dict[int, tuple] = {}
         self._plans: dict[int, _OptPlan] = {}
         self.witness = StaleWatch()
+        self._in_step: dict[int, int] = {}  # optimizers inside their step(): checks made there so far
+        #: called with the optimizer before each step (the monitor notes whether the armed check's
+        #: gradients are still there)
+        self.before_step = None
         self._handles = [opt.register_step_post_hook(self._post) for opt in optimizers]
+        self._handles += [opt.register_step_pre_hook(self._pre) for opt in optimizers]
 
     def rebind(self, entries) -> None:
         """The model's parameters changed (added, replaced, loaded with assign=True): follow them.
@@ -231,8 +236,27 @@ class UpdateTracker:
         self.armed_step = None
         self._inflight.clear()
 
+    def reevaluation(self) -> bool:
+        """Is this check a closure's second (or later) evaluation inside one ``optimizer.step()``
+        (LBFGS calls its closure several times per step)? Counts the check. The first check inside a
+        step (Lightning's closure, or an LBFGS closure's first call) is an ordinary check."""
+        again = False
+        for k, n in self._in_step.items():
+            again = again or n > 0
+            self._in_step[k] = n + 1
+        return again
+
     # ----------------------------------------------------------- measurement
+    def _pre(self, opt, args, kwargs) -> None:
+        self._in_step[id(opt)] = 0
+        if self.before_step is not None and self.armed_step is not None and self.steps_since_check == 0:
+            try:
+                self.before_step(opt)
+            except Exception:  # inside the user's optimizer.step(): never break it
+                pass
+
     def _post(self, opt, args, kwargs) -> None:
+        self._in_step.pop(id(opt), None)
         self.steps_since_check += 1
         state = self._inflight.pop(id(opt), None)
         if state is not None:

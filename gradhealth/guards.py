@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +56,11 @@ def diagnose_loss(loss, model: nn.Module | None = None, forward: ForwardRecord |
             "(loss.mean() or loss.sum()) before backward()"
         )
     if loss.requires_grad:
+        if loss.grad_fn is None and not (model is not None and any(loss is p for p in model.parameters())):
+            return ("the loss is a leaf tensor: it requires grad but has no grad_fn, so it was cut from the model and "
+                    "made to require grad again (loss.detach().requires_grad_(), or torch.tensor(loss.item(), "
+                    "requires_grad=True)); backward() then reaches no parameter. Remove the .detach() and the "
+                    "re-wrapping: keep the graph from the model's output to the loss")
         return None
     if forward is not None:
         if forward.inference:
@@ -124,9 +131,13 @@ class ForwardWatch:
       enabled lands in ``carry.eval_backward`` only when a backward really goes through its output
       (a hook on that output fires then, and never for validation forwards).
 
-    Normalisation layers in eval() mode whose affine parameters are frozen (or absent) are the
-    frozen-BatchNorm fine-tuning idiom: intended, so they are not eval-mode mistakes; they are
-    noted once in ``carry.frozen_norms``.
+    Normalisation layers in eval() mode are intended idioms, not eval-mode mistakes: with frozen
+    (or no) affine parameters, frozen-BatchNorm fine-tuning (``carry.frozen_norms``); with
+    trainable ones, ``norm_eval`` (detection backbones) and QAT's ``freeze_bn_stats``
+    (``carry.norm_eval``). The model itself, a direct child that is not a normalisation layer, or
+    a dropout module in eval() during a training backward stays a GRAD_MODE error. A module that
+    runs with grad disabled inside a training model under a reentrant ``torch.utils.checkpoint``
+    sets ``carry.reentrant`` (for CHECKPOINT_NO_GRAD).
     """
 
     def __init__(self, model: nn.Module, module: nn.Module, carry):
@@ -142,10 +153,17 @@ class ForwardWatch:
         self.carry.forward = ForwardRecord(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.root.training)
 
     def _on_module(self, name: str, module, args, output) -> None:
-        if module.training or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            if self.root.training and not self.carry.reentrant and _in_reentrant_checkpoint():
+                self.carry.reentrant = True  # a hand-written checkpoint(..., use_reentrant=True)
             return
-        if isinstance(module, _NORMS) and not any(p.requires_grad for p in module.parameters(recurse=False)):
-            self.carry.frozen_norms.add(name)  # frozen BatchNorm: intended
+        if module.training:
+            return
+        if isinstance(module, _NORMS):
+            # normalisation layers alone in eval() while the rest trains: frozen BatchNorm
+            # (frozen affine), or norm_eval / QAT's freeze_bn_stats (affine still training)
+            frozen = not any(p.requires_grad for p in module.parameters(recurse=False))
+            (self.carry.frozen_norms if frozen else self.carry.norm_eval).add(name)
             return
         for t in _first_grad_tensor(output):
             t.register_hook(functools.partial(self._backward_through, name))
@@ -153,12 +171,28 @@ class ForwardWatch:
     def _backward_through(self, name: str, grad) -> None:
         seen = self.carry.eval_backward
         names = set(seen.eval_modules) if seen is not None else set()
+        if seen is not None and not seen.training:
+            names.add(ROOT)  # the model itself was seen in eval() by an earlier hook of this backward
         names.add(name or ROOT)
         self.carry.eval_backward = ForwardRecord(True, False, ROOT not in names, tuple(sorted(names - {ROOT})))
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Is a reentrant ``torch.utils.checkpoint`` forward (which runs its function under no_grad)
+    on the Python stack? Looked at only for a grad-disabled module inside a training model."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILE) and frame.f_code.co_name == "forward":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def uses_checkpointing(module: nn.Module) -> bool:

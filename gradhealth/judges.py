@@ -19,7 +19,7 @@ from .status import Status
 
 __all__ = ["loss_cause", "empty_valid_set", "eval_mode", "stale_grad", "expect_frozen", "not_updated",
            "frozen_but_changed", "skipped_step", "amp_skip", "amp_floor", "transient_grads", "frozen_norms",
-           "checkpoint_no_grad"]
+           "checkpoint_no_grad", "norm_eval"]
 
 K = FindingKind
 _MASKED_MEAN = "gh.masked_mean(..., empty='zero')"
@@ -84,15 +84,30 @@ def frozen_norms(names: Collection[str], step: int) -> list[Finding]:
                     params=tuple(sorted(names)), level="info", step=step)]
 
 
+def norm_eval(names: Collection[str], step: int) -> list[Finding]:
+    """FROZEN_NORM (info): normalisation layers alone in eval() mode while the rest of the model
+    trains, their affine parameters still training: ``norm_eval`` (detection backbones) and QAT's
+    ``freeze_bn_stats``, intended."""
+    if not names:
+        return []
+    shown = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return [Finding(K.FROZEN_NORM, f"{len(names)} normalisation layer{'s' if len(names) != 1 else ''} ({shown}) ran in "
+                    "eval() mode while the rest of the model trained: the norm_eval / freeze_bn_stats idiom (running "
+                    "statistics kept fixed on purpose, the affine parameters still training), taken as intended; not "
+                    "an eval-mode mistake", params=tuple(sorted(names)), level="info", step=step)]
+
+
 def checkpoint_no_grad(no_grad: Collection[str], checkpointing: bool, status: Mapping[str, Status],
-                       step: int) -> list[Finding]:
+                       step: int, reentrant: bool = False) -> list[Finding]:
     """CHECKPOINT_NO_GRAD (warning): persistent NO_GRAD in a model that uses gradient
     checkpointing: reentrant checkpointing gives no gradient to a segment whose inputs do not
     require grad (typically after frozen embeddings)."""
-    if not no_grad or not checkpointing:
+    if not no_grad or not (checkpointing or reentrant):
         return []
-    return [Finding(K.CHECKPOINT_NO_GRAD, f"{describe_names(status, no_grad)} {agree(no_grad, 'get', 'gets')} no gradient and the model uses "
-                    "gradient checkpointing: reentrant torch.utils.checkpoint (Hugging Face's "
+    how = ("runs torch.utils.checkpoint(..., use_reentrant=True) in its forward" if reentrant and not checkpointing
+           else "uses gradient checkpointing")
+    return [Finding(K.CHECKPOINT_NO_GRAD, f"{describe_names(status, no_grad)} {agree(no_grad, 'get', 'gets')} no gradient and the model {how}: "
+                    "reentrant torch.utils.checkpoint (Hugging Face's "
                     "gradient_checkpointing_enable() default on older versions) gives no gradient to a checkpointed "
                     "segment whose inputs do not require grad, e.g. after frozen embeddings. Call "
                     "model.enable_input_require_grads(), or checkpoint with use_reentrant=False "
@@ -131,7 +146,7 @@ def expect_frozen(status: Mapping[str, Status], patterns: tuple[str, ...] | None
 
 
 def not_updated(status: Mapping[str, Status], unchanged: Mapping[str, str], step: int,
-                still: int = 1, patience: int = 1) -> list[Finding]:
+                still: int = 1, patience: int = 1, gone: bool = False) -> list[Finding]:
     """NOT_UPDATED: OK gradients, in the optimizer, yet its step left these parameters unchanged.
 
     ``unchanged`` maps each name to its learning rate's story: "new" (0 at this step only: a
@@ -225,11 +240,12 @@ def amp_floor(scale: float, floor: float, step: int) -> list[Finding]:
                     "overflows; the model produces non-finite gradients at any scale", step=step, data={"scale": scale})]
 
 
-def transient_grads(status: Mapping[str, Status], streak: Mapping[str, int], patience: int, partners: Collection[str],
+def transient_grads(status: Mapping[str, Status], verdict, patience: int, partners: Collection[str],
                     step: int) -> tuple[frozenset[str], list[Finding]]:
-    """Which NO_GRAD / ZERO_GRAD parameters the policy tolerates (fewer than ``patience``
-    consecutive checks without a usable gradient), with an info finding naming them."""
-    tolerated = frozenset(n for n, c in streak.items() if c < patience)
+    """Which NO_GRAD / ZERO_GRAD units the persistence rule tolerates now (``verdict`` from
+    :meth:`gradhealth.patience.Persistence.judge`), with an info finding naming them."""
+    gaps = verdict.gaps
+    tolerated = frozenset(gaps) - verdict.errors
     out = []
     partnered = tolerated & set(partners)
     if partnered:
@@ -239,11 +255,25 @@ def transient_grads(status: Mapping[str, Status], streak: Mapping[str, int], pat
                            "up-projection or residual branch): expected at the first step; they train once the partner "
                            "has moved", params=_ordered(status, partnered), level="info", step=step))
     rest = tolerated - partnered
-    if rest:
-        longest = max(streak[n] for n in rest)
-        out.append(Finding(K.TRANSIENT_GRAD, f"{describe_names(status, rest)} got no usable gradient at step {step} "
-                           f"({longest} of the {patience} consecutive checks tolerated before it counts as an error): "
-                           "normal now and then for mixture-of-experts experts that got no tokens in this batch, "
-                           "conditionally executed branches or heads used every other step", params=_ordered(status, rest),
-                           level="info", step=step, data={"streak": {n: streak[n] for n in rest}}))
+    fresh = {n for n in rest if n not in verdict.history}
+    skipping = rest - fresh
+    if fresh:
+        longest = max(gaps[n] for n in fresh)
+        why = (f"{longest} of the {patience} consecutive checks tolerated before it counts as an error" if longest < patience
+               else f"{longest} checks; tolerated longer because other parts of this model skip now and then")
+        out.append(Finding(K.TRANSIENT_GRAD, f"{describe_names(status, fresh)} got no usable gradient at step {step} "
+                           f"({why}): normal now and then for mixture-of-experts experts that got no tokens in this "
+                           "batch, layers skipped by LayerDrop / stochastic depth, conditionally executed branches or "
+                           "heads used every other step", params=_ordered(status, fresh), level="info", step=step,
+                           data={"streak": {n: gaps[n] for n in fresh}}))
+    if skipping:
+        used = sum(verdict.history[n][0] for n in skipping)
+        seen = used + sum(verdict.history[n][1] for n in skipping)
+        out.append(Finding(K.TRANSIENT_GRAD, f"{describe_names(status, skipping)} got no usable gradient at step {step} "
+                           f"(gaps of up to {max(gaps[n] for n in skipping)} checks; {agree(skipping, 'they', 'it')} had one at "
+                           f"{used} of {seen} earlier checks): intermittent use, as with LayerDrop / stochastic depth or "
+                           "an expert that got no tokens in this batch; an error once a gap is improbable at "
+                           f"{agree(skipping, 'their', 'its')} own past rate", params=_ordered(status, skipping), level="info",
+                           step=step, data={"streak": {n: gaps[n] for n in skipping},
+                                            "history": {n: verdict.history[n] for n in skipping}}))
     return tolerated, out

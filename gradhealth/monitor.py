@@ -38,12 +38,11 @@ from .guards import ForwardRecord, ForwardWatch, diagnose_loss, uses_checkpointi
 from .observe import Observation, failed_observation, observe
 from .options import Options, check_scaler, check_step, check_tensor
 from .params import ModelChanges, ParamView, Selection
-from .patience import zero_partners
+from .patience import persist
 from .policy import Publisher, alarm, explain
-from .replay import origin_finding
+from .replay import traced
 from .report import Report, frozen_summary
 from .status import Status
-from .trace import NonFiniteTracer
 
 __all__ = ["GradHealth"]
 
@@ -84,6 +83,8 @@ class GradHealth:
         self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every,
                                       change_every=o.change_every)
                         if self.optimizers else None)
+        if self.tracker is not None:
+            self.tracker.before_step = self.carry.note_step_start
         self._watch = ForwardWatch(model, unwrap(model), self.carry) if o.watch_forward else None
         self._changes = ModelChanges(model)
         self._note_lazy()
@@ -263,12 +264,17 @@ class GradHealth:
 
     def _build(self, step: int, loss, optimizer) -> Report:
         sel = self.view.selection(optimizer)
-        obs, steps_ran = self._observe(sel, loss)
+        # a closure's later evaluation inside one step (LBFGS): judged like any check, but the
+        # step is measured from the first evaluation's check to its end, so nothing is resolved
+        # or armed here
+        reeval = self.tracker is not None and self.tracker.reevaluation()
+        obs, steps_ran = self._observe(sel, loss, reeval)
         across = self._reduce(obs) if self.ranks.active else None
         report = self._classify(step, sel, obs, optimizer)
-        delivery = self.carry.resolve_step(report, obs.updates, steps_ran, self.view.params, self.view.names,
-                                           obs.scale, self.scaler is not None, self.options.amp_skip_alarm)
-        self._deliver(delivery, report)
+        if not reeval:
+            delivery = self.carry.resolve_step(report, obs.updates, steps_ran, self.view.params, self.view.names,
+                                               obs.scale, self.scaler is not None, self.options.amp_skip_alarm)
+            self._deliver(delivery, report)
         for u in obs.updates:
             self.tracker.settle(u)
         report.findings += self._patience(report)
@@ -279,14 +285,15 @@ class GradHealth:
         history = self.carry.history_for(report.optimizer_index)
         if history is not None:
             report.findings += history.update(step, report.total_grad_norm, report.module_grad_norm)
-        self._arm_next(report, obs, optimizer)
+        if not reeval:
+            self._arm_next(report, obs, optimizer)
         return report
 
-    def _observe(self, sel: Selection, loss) -> tuple[Observation, int | None]:
+    def _observe(self, sel: Selection, loss, reeval: bool = False) -> tuple[Observation, int | None]:
         """Gather and read back (one transfer); what this rank saw besides numbers rides along."""
         tracker, carry = self.tracker, self.carry
         updates, stale, steps_ran = [], set(), None
-        if tracker is not None:
+        if tracker is not None and not reeval:
             tracker.witness.clear()
             stale = tracker.witness.take(self.view.entries)
             updates, tracker.pending = tracker.pending, []
@@ -357,10 +364,15 @@ class GradHealth:
         found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step)
         no_grad = [n for n, s in report.errors.items() if s is Status.NO_GRAD]
         if no_grad:  # only then: is the model checkpointing its layers?
-            found += judges.checkpoint_no_grad(no_grad, uses_checkpointing(unwrap(self.model)), report.status, step)
-        if carry.frozen_norms and not carry.frozen_norms_said:  # said once, at the first check after they ran
-            found += judges.frozen_norms(carry.frozen_norms, step)
-            carry.frozen_norms_said = True
+            found += judges.checkpoint_no_grad(no_grad, uses_checkpointing(unwrap(self.model)), report.status, step,
+                                               carry.reentrant)
+        if obs.eval_record is None:  # said once, at the first check after they ran (not beside an eval() mistake)
+            if carry.frozen_norms and not carry.frozen_norms_said:
+                found += judges.frozen_norms(carry.frozen_norms, step)
+                carry.frozen_norms_said = True
+            if carry.norm_eval and not carry.norm_eval_said:
+                found += judges.norm_eval(carry.norm_eval, step)
+                carry.norm_eval_said = True
         line = frozen_summary(report.status) if carry.checks == 0 else None
         if line:  # at the first check: what is frozen, and what trains (adapters, a head) beside it
             log.info("%s", line)
@@ -373,28 +385,11 @@ class GradHealth:
 
     def _patience(self, report: Report) -> list:
         """Transient or persistent NO_GRAD / ZERO_GRAD: which ones the policy tolerates now."""
-        streak = self.carry.streaks.update(report.status, report.not_ok or [])
-        report.grad_streak = streak
-        if not streak:
-            return []
-        new_zeros = [n for n, c in streak.items() if c == 1 and report.status[n] is Status.ZERO_GRAD]
-        partners = zero_partners(new_zeros, self.view.names, self.view.params) if new_zeros else set()
-        report.tolerated, found = judges.transient_grads(report.status, streak, self.options.grad_patience, partners,
-                                                         report.step)
-        return found
+        return persist(report, self.carry.streaks, self.options.grad_patience, self.view.names, self.view.params)
 
     def _trace(self, report: Report, nonfinite: bool) -> list:
         """Resolve the tracer armed after the last NaN; arm it after this one."""
-        carry = self.carry
-        tracer = carry.tracer
-        if tracer is not None and tracer.armed:
-            tracer.resolve()
-            carry.tracer = None
-            return [origin_finding(tracer, report.step, f"traced at step {report.step} after NaN/inf gradients at "
-                                                        f"step {carry.trace_from}: ")]
-        if nonfinite and self.options.trace_on_nonfinite and self.scaler is None:
-            carry.tracer, carry.trace_from = NonFiniteTracer(self.model).arm(), report.step
-        return []
+        return traced(self.carry, self.model, report, nonfinite and self.options.trace_on_nonfinite and self.scaler is None)
 
     def _desync_due(self, nonfinite: bool) -> bool:
         every, checks = self.options.desync_every, self.carry.checks

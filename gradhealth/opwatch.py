@@ -12,12 +12,16 @@ replay): every operation pays a Python call while it watches.
 
 from __future__ import annotations
 
+import os
+import re
+import sysconfig
+
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["OpWatch"]
+__all__ = ["OpWatch", "graph_nodes", "source_of"]
 
 LIMIT = 200_000  # operations recorded at most (a runaway block keeps working, unrecorded)
 
@@ -110,3 +114,44 @@ class OpWatch:
                 if p == phase:
                     return p, op, node
         return None
+
+
+def graph_nodes(roots, stop_at) -> list:
+    stop = {id(t) for t in stop_at}
+    seen, order, stack = set(), [], [r for r in roots if r is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        order.append(node)
+        var = getattr(node, "variable", None)
+        if var is not None and id(var) in stop:
+            continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                stack.append(nxt)
+    return order
+
+
+def source_of(node) -> str | None:
+    """``file:line in function: code`` of the innermost user frame torch recorded for ``node``."""
+    tb = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
+    if not tb:
+        return None
+    lines = "".join(tb if isinstance(tb, list) else [str(tb)]).splitlines()
+    skip = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"], "<frozen")
+    here = os.path.dirname(os.path.abspath(__file__))  # gradhealth's own frames (not its demo's models)
+    own = {os.path.join(here, f) for f in ("trace.py", "opwatch.py", "monitor.py", "replay.py")}
+    frames = []
+    for k, ln in enumerate(lines):
+        m = re.match(r'\s*File "(.*)", line (\d+), in (.*)', ln)
+        if m:
+            code = lines[k + 1].strip() if k + 1 < len(lines) and not lines[k + 1].lstrip().startswith("File ") else ""
+            frames.append((m.group(1), m.group(2), m.group(3), code))
+    user = [f for f in frames if not f[0].startswith(skip) and os.path.abspath(f[0]) not in own]
+    pick = (user or frames)[-1] if frames else None
+    if pick is None:
+        return None
+    path, line, func, code = pick
+    return f"{path}:{line} in {func}" + (f": {code}" if code else "")

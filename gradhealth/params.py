@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.nn.modules.module as module_hooks
@@ -13,7 +14,7 @@ from .classify import lazy_names, named_parameters, optimizer_param_ids
 from .naming import module_of
 from .report import ParamMeta
 
-__all__ = ["ParamView", "Selection", "ModelChanges"]
+__all__ = ["ParamView", "Selection", "ModelChanges", "LiveMeta"]
 
 
 @dataclass
@@ -28,6 +29,24 @@ class Selection:
     key: tuple | None = None  # the optimizers' param_groups it was made for
 
 
+class LiveMeta(Mapping):
+    """name -> :class:`ParamMeta`, read from the parameter when asked: ``model.double()`` or
+    ``.to(device)`` keep the Parameter objects and change their data, and the meta follows."""
+
+    def __init__(self, entries):
+        self._params = dict(entries)
+
+    def __getitem__(self, name: str) -> ParamMeta:
+        p = self._params[name]
+        return ParamMeta(p.numel(), str(p.dtype).replace("torch.", ""), str(p.device))
+
+    def __iter__(self):
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
 class ParamView:
     """``named_parameters()`` of the model (wrappers unwrapped, tied parameters once), indexed."""
 
@@ -37,7 +56,7 @@ class ParamView:
         self.names = [n for n, _ in self.entries]
         self.params = [p for _, p in self.entries]
         self.pids = [id(p) for p in self.params]
-        self.meta = {n: ParamMeta(p.numel(), str(p.dtype).replace("torch.", ""), str(p.device)) for n, p in self.entries}
+        self.meta = LiveMeta(self.entries)
         #: modules in order of first parameter, and the module (index) of each entry
         self.modules = list(dict.fromkeys(module_of(n) for n in self.names))
         slot = {m: k for k, m in enumerate(self.modules)}

@@ -1,17 +1,39 @@
-"""Transient or persistent: how long each parameter has gone without a usable gradient.
+"""Transient or persistent: each unit's gaps without a usable gradient, judged against its own past.
 
 A NO_GRAD or ZERO_GRAD status is exact at every check, but not every one is a bug: LoRA's
-``lora_A`` gets an exactly zero gradient at the first step because ``lora_B`` starts at zero, an
-expert of a mixture-of-experts layer gets no token in some batches, an auxiliary head is used every
-other step. ``Streaks`` counts consecutive checks without a usable gradient per parameter; the
-policy tolerates fewer than ``grad_patience`` of them (info) and counts more as an error.
-``zero_partners`` recognises the zero-initialised-partner start (a sibling weight that is exactly
-zero), read only at a check where a parameter's zero gradient is new.
+``lora_A`` gets an exactly zero gradient at the first step because ``lora_B`` starts at zero;
+LayerDrop and stochastic depth skip layers on purpose; an expert of a mixture-of-experts layer gets
+no token in some batches. A *unit* (a parameter, or one expert of a stacked tensor) keeps three
+numbers: the checks with a usable gradient (``used``), those without one before its current gap
+(``missed``), and the current gap (``gap``). The rule (``Persistence.judge``):
+
+* **never used** (no usable gradient since its first check): an error once the gap reaches
+  ``grad_patience``; but while other units of the model skip now and then (a stochastic model),
+  only once the gap is also improbable for the most-skipping of them (below);
+* **intermittent** (it had gradients, and now misses some): an error once the gap is at least
+  ``grad_patience`` and its probability under the unit's own past rate is below ``ALPHA``. With
+  ``m`` misses in ``m + u`` earlier checks (a Beta(1, 1) prior on its skip rate ``q``), the
+  probability that the next ``g`` checks all miss is the posterior predictive
+  ``E[q^g] = B(m + 1 + g, u + 1) / B(m + 1, u + 1)``: for a well-known rate about ``q^g``, larger
+  (more patient) while the rate is uncertain. A unit skipped independently with probability ``q``
+  therefore raises a false alarm with probability about ``ALPHA`` per gap, and one that stops for
+  good is an error after about ``log(ALPHA) / log(q)`` checks (``gap_limit`` computes it);
+* **nothing trained**: at a check where no judged trainable unit had a usable gradient (a cut
+  graph, a detached loss), skipping cannot be the reason: every unit is an error at
+  ``grad_patience`` checks in a row of that.
+
+Counts are halved once a unit's ``used + missed`` passes ``CAP``, so the rate follows a
+schedule that changes (and the state stays bounded: a few ints per unit that ever missed). Units
+that never missed have no record and cost nothing. ``zero_partners`` recognises the
+zero-initialised-partner start (a sibling weight that is exactly zero), read only at a check where
+a parameter's zero gradient is new.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
 
 import torch
 
@@ -19,31 +41,205 @@ from .naming import ROOT, module_of
 from .stats import fetch, plan_groups
 from .status import Status
 
-__all__ = ["Streaks", "zero_partners"]
+__all__ = ["Persistence", "Verdict", "persist", "predictive", "gap_limit", "family_of", "zero_partners", "ALPHA", "CAP"]
+
+#: the probability below which a unit's current gap is no longer taken for chance
+ALPHA = 1e-8
+#: counts are halved past this many checks per unit (a bounded memory that follows a schedule)
+CAP = 4096
 
 _NO_USABLE = (Status.NO_GRAD, Status.ZERO_GRAD)
+_USABLE = (Status.OK, Status.NON_FINITE_GRAD, Status.NOT_IN_OPTIMIZER)
+_LOG_ALPHA = math.log(ALPHA)
 
 
-class Streaks:
+def predictive(missed: float, used: float, gap: int) -> float:
+    """log P(the next ``gap`` checks all miss) for a unit that missed ``missed`` of
+    ``missed + used`` earlier checks (Beta(1, 1) prior on its skip rate)."""
+    a, b = missed + 1.0, used + 1.0
+    return math.lgamma(a + gap) - math.lgamma(a) + math.lgamma(a + b) - math.lgamma(a + b + gap)
+
+
+def gap_limit(missed: float, used: float, patience: int = 3) -> int:
+    """The gap at which a unit with this history becomes an error (the field guide's delays)."""
+    g = max(1, patience)
+    while predictive(missed, used, g) >= _LOG_ALPHA:
+        g += 1
+    return g
+
+
+@dataclass
+class Verdict:
+    """The persistence rule's answer for the units without a usable gradient at one check."""
+
+    gaps: dict  # name -> current gap (this check included)
+    errors: set  # names the rule counts as persistent
+    history: dict  # name -> (used, missed) before the current gap, for intermittent units
+    blank: int = 0  # checks in a row where nothing trainable had a usable gradient
+
+
+class Persistence:
     def __init__(self) -> None:
-        self.count: dict[str, int] = {}
+        # name -> [used, missed, gap, mark, key, never]; ``used`` is exact at ``mark`` (the
+        # judging count then) and grows by one per judging check while the gap is 0
+        self.rec: dict[str, list] = {}
+        self.n: dict = {}  # checks made, per selection key (None: every parameter; i: optimizer i)
+        self.open: set[str] = set()  # records whose gap is open
+        self.blank = 0
 
-    def update(self, status: dict[str, Status], not_ok: list[str]) -> dict[str, int]:
-        """Count this check; return the streak of every NO_GRAD / ZERO_GRAD parameter judged now.
+    # ------------------------------------------------------------------ update
+    def _judged(self, key) -> int:
+        return self.n.get(None, 0) + (self.n.get(key, 0) if key is not None else 0)
 
-        Parameters judged with a usable gradient (or frozen, or another state) start again at 0;
-        those not judged at this check (another optimizer's) keep their count.
-        """
-        now = {n: self.count.get(n, 0) + 1 for n in not_ok if status[n] in _NO_USABLE}
-        kept = {n: c for n, c in self.count.items() if n not in status}
-        self.count = {**kept, **now}
-        return now
+    def _used(self, r: list) -> int:
+        return r[0] + (self._judged(r[4]) - r[3] if r[2] == 0 else 0)
 
-    def state_dict(self) -> dict[str, int]:
-        return dict(self.count)
+    def update(self, status: dict, not_ok: list, key=None) -> tuple[dict, set]:
+        """Count this check; return (gap of every NO_GRAD / ZERO_GRAD unit now, names whose gap
+        closed now). Units not judged at this check (another optimizer's) keep their numbers."""
+        missing = [n for n in not_ok if status[n] in _NO_USABLE]
+        rec = self.rec
+        now = self._judged(key)
+        gaps = {}
+        for n in missing:
+            r = rec.get(n)
+            if r is None:  # its first miss: every earlier check that judged it had a gradient
+                r = rec[n] = [now, 0, 0, now, key, now == 0]
+            if r[2] == 0:
+                r[0] = self._used(r)
+                self.open.add(n)
+            r[2] += 1
+            gaps[n] = r[2]
+        closed = set()
+        if self.open:
+            miss = set(missing)
+            for n in [n for n in self.open if n not in miss and n in status and status[n] in _USABLE]:
+                r = rec[n]
+                r[1] += r[2]
+                r[0] += 1
+                r[2], r[5] = 0, False
+                r[3] = now + 1
+                self.open.discard(n)
+                closed.add(n)
+                if r[0] + r[1] > CAP:
+                    r[0], r[1] = r[0] // 2, r[1] // 2
+        self.n[key] = self.n.get(key, 0) + 1
+        trainable = sum(1 for s in status.values() if s is not Status.FROZEN) if missing else 0
+        self.blank = self.blank + 1 if missing and len(missing) == trainable else 0
+        return gaps, closed
+
+    # ------------------------------------------------------------------- judge
+    def judge(self, gaps: dict, patience: int, status: dict | None = None) -> Verdict:
+        """Which of the gaps the rule counts as persistent now (see the module docstring).
+        ``status`` (every judged name) finds the siblings of a never-used expert."""
+        errors, history = set(), {}
+        if self.blank >= patience:
+            return Verdict(gaps, {n for n, g in gaps.items() if g >= patience}, history, self.blank)
+        proxies = None
+        for n, g in gaps.items():
+            r = self.rec[n]
+            if not r[5]:
+                history[n] = (r[0], r[1])
+            if g < patience:
+                continue
+            if r[5]:  # never used: judged by the most-skipping unit of the model, if any skips
+                if proxies is None:
+                    proxies = self._proxies()
+                mine = proxies + self._family(n, status) if status is not None else proxies
+                if not mine or max(predictive(m, u, g) for m, u in mine) < _LOG_ALPHA:
+                    errors.add(n)
+            elif predictive(r[1], r[0], g) < _LOG_ALPHA:
+                errors.add(n)
+        return Verdict(gaps, errors, history, self.blank)
+
+    def _proxies(self) -> list[tuple[int, int]]:
+        """(misses, uses) of the units that have both had and missed gradients, one per distinct
+        history (the most-skipping ones decide)."""
+        out = set()
+        for r in self.rec.values():
+            if not r[5]:
+                used = self._used(r)
+                if used and r[1] + r[2]:
+                    out.add((r[1] + r[2], used))
+        return sorted(out)
+
+    def _family(self, name: str, status: dict) -> list[tuple[int, int]]:
+        """For an expert (``...experts.3.w``, ``...experts[3]``): its siblings' pooled (misses,
+        uses). A router picks among them, so an expert idle from the first batches is judged by how
+        often its siblings go idle, not taken for an unused layer at once."""
+        key = family_of(name)
+        if key is None:
+            return []
+        missed = used = 0
+        for other in status:
+            if other != name and family_of(other) == key and status[other] is not Status.FROZEN:
+                r = self.rec.get(other)
+                if r is None:
+                    used += self._judged(None)
+                elif not r[5]:
+                    u = self._used(r)
+                    used, missed = used + u, missed + r[1] + r[2]
+        return [(missed, used)] if used else []
+
+    # -------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        return {"n": {("all" if k is None else str(k)): v for k, v in self.n.items()},
+                "units": {n: list(r) for n, r in self.rec.items()}, "blank": self.blank}
 
     def load_state_dict(self, state: dict) -> None:
-        self.count = {str(n): int(c) for n, c in state.items()}
+        if not isinstance(state, dict):
+            raise TypeError(f"streaks must be a dict, got {type(state).__name__}")
+        if "units" not in state:  # the former format: {name: consecutive checks without a gradient}
+            state = {"n": {}, "units": {n: [0, 0, _count(c), 0, None, True] for n, c in state.items()}, "blank": 0}
+        n = {}
+        for k, v in dict(state.get("n") or {}).items():
+            n[None if k == "all" else int(k)] = _count(v)
+        rec = {}
+        for name, r in dict(state["units"]).items():
+            if not isinstance(r, (list, tuple)) or len(r) != 6:
+                raise ValueError(f"streaks unit {name!r} must be [used, missed, gap, mark, key, never]")
+            key = None if r[4] is None else _count(r[4])
+            if not isinstance(r[5], bool):
+                raise TypeError(f"streaks unit {name!r}: 'never' must be a bool")
+            rec[str(name)] = [_count(r[0]), _count(r[1]), _count(r[2]), _count(r[3]), key, r[5]]
+        self.n, self.rec, self.blank = n, rec, _count(state.get("blank", 0))
+        self.open = {k for k, r in rec.items() if r[2] > 0}
+
+
+_EXPERT = re.compile(r"^(.*?(?:^|\.)experts?)(?:\.(\d+)(\..*)?|\[(\d+)\])$", re.IGNORECASE)
+
+
+def family_of(name: str) -> tuple[str, str] | None:
+    """``("layers.0.mlp.experts", ".weight")`` for ``layers.0.mlp.experts.3.weight`` (and
+    ``("layers.0.mlp.experts", "")`` for the stacked expert ``layers.0.mlp.experts[3]``); None for
+    a name that is not an expert's."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    return m.group(1), m.group(3) or ""
+
+
+def _count(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > 2**62:
+        raise ValueError(f"a count must be an int in [0, 2**62]; got {v!r}")
+    return v
+
+
+def persist(report, persistence: Persistence, patience: int, names: list[str], params: list) -> list:
+    """The stage of a check: update ``persistence`` from ``report`` and set its ``grad_streak``,
+    ``grad_history`` and ``tolerated``; returns the TRANSIENT_GRAD findings."""
+    from .judges import transient_grads  # (judges import the report module, which this one need not)
+
+    gaps, _ = persistence.update(report.status, report.not_ok or [], report.optimizer_index)
+    report.grad_streak = gaps
+    if not gaps:
+        return []
+    verdict = persistence.judge(gaps, patience, report.status)
+    report.grad_history = verdict.history
+    new_zeros = [n for n, c in gaps.items() if c == 1 and report.status[n] is Status.ZERO_GRAD]
+    partners = zero_partners(new_zeros, names, params) if new_zeros else set()
+    report.tolerated, found = transient_grads(report.status, verdict, patience, partners, report.step)
+    return found
 
 
 def _ancestors(name: str, levels: int = 2) -> list[str]:

@@ -8,6 +8,7 @@ import warnings
 
 from .errors import GradHealthError, GradHealthInternalWarning, GradHealthWarning
 from .report import Report, describe_groups, group_by_module
+from .patience import ALPHA
 from .status import Status, hint
 
 __all__ = ["alarm", "explain", "Publisher"]
@@ -16,9 +17,19 @@ _EXPERT = re.compile(r"(^|\.)(experts?|moe)[._]?\d*(\.|$)|expert_?\d", re.IGNORE
 
 
 def _how_long(report: Report, rows) -> str:
-    """`` for 3 checks in a row`` when these parameters have gone without a usable gradient."""
-    streaks = [report.grad_streak[n] for _, names, _ in rows for n in names if n in report.grad_streak]
-    return f" for {min(streaks)} checks in a row," if streaks and min(streaks) > 1 else ""
+    """`` for 3 checks in a row`` when these parameters have gone without a usable gradient, with
+    the history the gap was judged against when they had gradients before."""
+    names = [n for _, names, _ in rows for n in names if n in report.grad_streak]
+    if not names:
+        return ""
+    gap = min(report.grad_streak[n] for n in names)
+    past = [report.grad_history[n] for n in names if n in report.grad_history]
+    if past:
+        used, missed = past[0]  # the parameters of one module share their history
+        seen = used + missed
+        return (f" for {gap} checks in a row, after having one at {used} of {seen} earlier checks (a gap this long "
+                f"is below {ALPHA:g} likely at that rate: it stopped training),")
+    return f" for {gap} checks in a row," if gap > 1 else ""
 
 
 def alarm(report: Report) -> bool:

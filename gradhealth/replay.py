@@ -40,6 +40,33 @@ def origin_finding(tracer: NonFiniteTracer, step: int, context: str, level: str 
                          "source": tracer.op_source or (tracer.outside[2] if tracer.outside else None), **data})
 
 
+def traced(carry, model: nn.Module, report, arm: bool) -> list[Finding]:
+    """The monitor's own tracing: resolve the tracer armed after the last check with NaN/inf
+    gradients (its NONFINITE_ORIGIN goes into this report), and arm one for the next step if
+    ``arm``. When a traced failing step named no module, the next tracer also watches every
+    operation (for that one step) so that it names the operation and its source line."""
+    tracer, found = carry.tracer, []
+    if tracer is not None and tracer.armed:
+        tracer.resolve()
+        carry.tracer = None
+        named = tracer.forward_origin or tracer.backward_origin or tracer.outside
+        if named:
+            carry.trace_ops = False
+        elif not report.grads_finite and not tracer.watched_ops:
+            carry.trace_ops = True  # born outside the modules: the op watch names it at the next failing step
+        if report.grads_finite and not named:
+            found.append(Finding(FindingKind.NONFINITE_ORIGIN, f"the NaN/inf gradients of step {carry.trace_from} did not "
+                                 f"recur at step {report.step} (traced): the cause is in that batch; run it again inside "
+                                 "gh.trace_nonfinite(model), or use gh.replay_nonfinite, to name the operation and its line",
+                                 level="info", step=report.step, data={"recurred": False}))
+        else:
+            found.append(origin_finding(tracer, report.step, f"traced at step {report.step} after NaN/inf gradients at "
+                                                             f"step {carry.trace_from}: "))
+    if arm and carry.tracer is None:
+        carry.tracer, carry.trace_from = NonFiniteTracer(model).arm(ops=carry.trace_ops), report.step
+    return found
+
+
 def replay_nonfinite(model: nn.Module, run: Callable[[], object], *, rng: dict | None = None, step: int = 0,
                      label: str = "the failing step", **data) -> Finding | None:
     """Replay a step whose gradients were NaN/inf under the tracer; leave everything as it was.

@@ -140,6 +140,7 @@ class Report:
     #: valid-element counts recorded with ``track_valid`` for this step, by name.
     valid_counts: dict[str, int] = field(default_factory=dict)
     loss: float | None = None
+    #: name -> ParamMeta, read live from the parameters (a mapping)
     meta: dict[str, ParamMeta] = field(default_factory=dict, repr=False)
     in_optimizer: dict[str, bool] | None = field(default=None, repr=False)
     #: names whose state is not OK, when the builder knows them (saves scanning every parameter)
@@ -147,12 +148,15 @@ class Report:
     #: with several optimizers, the index of the one whose parameters this check judged
     #: (``check(optimizer=...)``); None when the check judged every parameter
     optimizer_index: int | None = None
-    #: NO_GRAD / ZERO_GRAD parameters the policy tolerates at this check as transient (fewer
-    #: consecutive checks without a usable gradient than ``grad_patience``); still in ``problems``
+    #: NO_GRAD / ZERO_GRAD parameters the policy tolerates at this check as transient (the
+    #: persistence rule of :mod:`gradhealth.patience`); still in ``problems``
     tolerated: frozenset[str] = field(default_factory=frozenset, repr=False)
     #: for every NO_GRAD / ZERO_GRAD parameter: consecutive checks (this one included) without a
     #: usable gradient
     grad_streak: dict[str, int] = field(default_factory=dict, repr=False)
+    #: for NO_GRAD / ZERO_GRAD units that had gradients before: (checks with one, checks without
+    #: one) before the current gap, the history the persistence rule judged the gap against
+    grad_history: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     def _odd(self):
         if self.not_ok is not None:

@@ -23,9 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
-import re
-import sysconfig
 import types
 from typing import NamedTuple
 
@@ -34,6 +31,7 @@ from torch import Tensor, nn
 
 from .classify import check_model
 from .naming import ROOT
+from .opwatch import graph_nodes as _graph_nodes, source_of as _source
 
 __all__ = ["NonFiniteTracer", "trace_nonfinite", "REPAIRS"]
 
@@ -130,6 +128,9 @@ class NonFiniteTracer:
         #: where a NaN/inf was born outside any module: (phase, operation, forward source line)
         self.outside: tuple[str, str, str | None] | None = None
         self._ops = None
+        self.watched_ops = False  # armed with the op watch
+        #: the model's own input (the batch) held NaN/inf
+        self.input_nonfinite = False
         #: the forward origin, when its own parameters are already NaN/inf
         self.nonfinite_weights: tuple[str, ...] = ()
         self._handles: list = []
@@ -146,6 +147,7 @@ class NonFiniteTracer:
         if self._armed:
             return self
         self._armed = True
+        self.watched_ops = ops
         if ops:
             from .opwatch import OpWatch
 
@@ -245,6 +247,7 @@ class NonFiniteTracer:
         # A module fed non-finite values in its forward passes them on in backward too: a
         # consequence of a forward origin, never a backward origin.
         fed_bad = {e.module for e, v in zip(events, values) if e.kind == "inp" and v}
+        self.input_nonfinite = ROOT in fed_bad  # the batch itself
         out_bad: dict[str, bool] = {}
         in_bad: dict[str, int] = {}  # module -> first event index with a non-finite input/param grad
         for k, (e, v) in enumerate(zip(events, values)):
@@ -351,6 +354,13 @@ class NonFiniteTracer:
                 "report.grads_finite: optimizer.step()), reload the last good checkpoint, and trace that batch "
                 "again with gh.trace_nonfinite(model)"
             )
+        if self.forward_origin is not None and self.input_nonfinite:
+            return (
+                f"the batch itself holds NaN/inf: module {self.forward_origin!r} was the first to receive it, and the "
+                "model's input was already non-finite, so the data is the cause, not the model. Find the samples with "
+                "(~torch.isfinite(x)).flatten(1).any(1).nonzero() on the inputs, and look at the data pipeline (a "
+                "normalisation by a zero std, a log of 0 in preprocessing, a corrupt record); skip or repair such batches"
+            )
         if self.forward_origin is not None:
             parts.append(f"the forward first produced a non-finite output in module {self.forward_origin!r}")
         if self.backward_origin is not None:
@@ -362,47 +372,6 @@ class NonFiniteTracer:
             clean = " although its forward output was finite" if self.forward_origin is None else ""
             parts.append(f"backward turned finite gradients into NaN/inf inside {where}{clean}")
         return "; ".join(parts) + ". Usual repairs: " + REPAIRS + "."
-
-
-def _graph_nodes(roots, stop_at) -> list:
-    stop = {id(t) for t in stop_at}
-    seen, order, stack = set(), [], [r for r in roots if r is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        order.append(node)
-        var = getattr(node, "variable", None)
-        if var is not None and id(var) in stop:
-            continue
-        for nxt, _ in node.next_functions:
-            if nxt is not None:
-                stack.append(nxt)
-    return order
-
-
-def _source(node) -> str | None:
-    """``file:line in function: code`` of the innermost user frame torch recorded for ``node``."""
-    tb = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
-    if not tb:
-        return None
-    lines = "".join(tb if isinstance(tb, list) else [str(tb)]).splitlines()
-    skip = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"], "<frozen")
-    here = os.path.dirname(os.path.abspath(__file__))  # gradhealth's own frames (not its demo's models)
-    own = {os.path.join(here, f) for f in ("trace.py", "opwatch.py", "monitor.py", "replay.py")}
-    frames = []
-    for k, ln in enumerate(lines):
-        m = re.match(r'\s*File "(.*)", line (\d+), in (.*)', ln)
-        if m:
-            code = lines[k + 1].strip() if k + 1 < len(lines) and not lines[k + 1].lstrip().startswith("File ") else ""
-            frames.append((m.group(1), m.group(2), m.group(3), code))
-    user = [f for f in frames if not f[0].startswith(skip) and os.path.abspath(f[0]) not in own]
-    pick = (user or frames)[-1] if frames else None
-    if pick is None:
-        return None
-    path, line, func, code = pick
-    return f"{path}:{line} in {func}" + (f": {code}" if code else "")
 
 
 @contextlib.contextmanager

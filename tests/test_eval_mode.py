@@ -55,16 +55,108 @@ def test_frozen_batchnorm_backbone_is_silent_under_raise():
     assert not any(r.findings_of("GRAD_MODE") for r in reports)
 
 
-def test_batchnorm_in_eval_with_trainable_affine_is_still_an_error():
+def norm_eval(model):
+    """The detection-backbone idiom (mmdet's norm_eval=True): every BatchNorm in eval, affine
+    parameters still trainable, dropout and the rest in train mode."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+
+
+class WithDropout(Backbone):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return self.head(self.drop(self.features(x)))
+
+
+def run(model, steps=30, **kw):
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    mon = gh.GradHealth(model, opt, **kw)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(4)]
+    reports, losses = [], []
+    for step in range(steps):
+        x, y = data[step % 4]
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        reports.append(mon.check(loss=loss))
+        opt.step()
+        losses.append(loss.item())
+    return reports, losses
+
+
+def test_norm_eval_with_trainable_affine_is_said_once_at_info_under_raise():
     torch.manual_seed(0)
-    model = Backbone()
-    model.features[4].eval()  # left in eval by mistake, its affine parameters still train
+    model = WithDropout()
+    model.train()
+    norm_eval(model)
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert all(not m.training and m.weight.requires_grad for m in bns) and model.drop.training  # the premise
+    before = [m.running_mean.clone() for m in bns]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthWarning)
+        reports, losses = run(model, on_problem="raise")
+    assert losses[-1] < losses[0]  # healthy: it learns
+    assert all(torch.equal(b, m.running_mean) for b, m in zip(before, bns))  # statistics really frozen
+    assert all(r.ok and not r.findings_of("GRAD_MODE") for r in reports)
+    notes = [f for r in reports for f in r.findings_of("FROZEN_NORM")]
+    assert len(notes) == 1 and notes[0].level == "info" and "norm_eval / freeze_bn_stats" in notes[0].message
+    assert notes[0].params == ("features.1", "features.4")
+    assert all(r.status[n] is gh.Status.OK for r in reports for n in ("features.1.weight", "features.4.bias"))
+
+
+def test_qat_freeze_bn_stats_late_in_training_is_silent_under_raise():
+    from torch.ao.nn.intrinsic.qat import freeze_bn_stats
+    from torch.ao.quantization import fuse_modules_qat, get_default_qat_qconfig, prepare_qat
+
+    torch.manual_seed(0)
+    model = Backbone().train()
+    model = fuse_modules_qat(model, [["features.0", "features.1", "features.2"], ["features.3", "features.4", "features.5"]])
+    model.qconfig = get_default_qat_qconfig("x86")
+    prepare_qat(model, inplace=True)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    mon = gh.GradHealth(model, opt, on_problem="ignore")
-    model(torch.randn(4, 3, 8, 8)).sum().backward()
-    r = mon.check()
-    [f] = r.findings_of("GRAD_MODE")
-    assert f.level == "error" and f.params == ("features.4",)
+    mon = gh.GradHealth(model, opt, on_problem="raise")
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(4)]
+    losses, reports = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthWarning)
+        for step in range(40):
+            if step == 25:  # PyTorch's QAT recipe: freeze the BN statistics late in training
+                model.apply(freeze_bn_stats)
+            x, y = data[step % 4]
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            reports.append(mon.check(loss=loss))
+            opt.step()
+            losses.append(loss.item())
+    bns = [m.bn for m in model.modules() if hasattr(m, "freeze_bn")]
+    assert len(bns) == 2 and all(not b.training and b.weight.requires_grad for b in bns)  # the premise
+    assert sum(losses[-4:]) < sum(losses[:4])
+    assert all(r.ok for r in reports)
+    notes = [(r.step, f) for r in reports for f in r.findings_of("FROZEN_NORM")]
+    assert [s for s, _ in notes] == [25] and notes[0][1].level == "info"
+
+
+@pytest.mark.parametrize("how, named", [("model", ()), ("dropout", ("drop",)), ("child", ("features",))])
+def test_eval_mode_of_the_model_a_child_or_dropout_stays_an_error_beside_norm_eval(how, named):
+    torch.manual_seed(0)
+    model = WithDropout().train()
+    norm_eval(model)
+    {"model": model, "dropout": model.drop, "child": model.features}[how].eval()
+    reports, _ = run(model, steps=2, on_problem="ignore")
+    [f] = reports[0].findings_of("GRAD_MODE")
+    assert f.level == "error" and "model.train()" in f.message
+    if how == "model":
+        assert "the model was in eval() mode" in f.message
+    else:
+        assert tuple(p for p in f.params if p in ("drop", "features")) == named
+    assert not reports[0].findings_of("FROZEN_NORM")  # not called an idiom beside a real eval() mistake
 
 
 class Inner(nn.Module):

@@ -8,6 +8,7 @@ import pytest
 import gradhealth as gh
 from gradhealth import judges
 from gradhealth.naming import agree, plural
+from gradhealth.patience import Verdict
 from gradhealth.policy import explain
 from gradhealth.report import Report, describe_names
 from gradhealth.status import HINTS, HINTS_ONE, Status
@@ -41,9 +42,12 @@ TEMPLATES = [
     ("skipped_step", lambda n: judges.skipped_step(STATUS, {k: k in n for k in STATUS}, 3),
      "had a gradient at step 3 but no optimizer.step() ran before it was zeroed",
      "had gradients at step 3 but no optimizer.step() ran before they were zeroed"),
-    ("transient partner", lambda n: judges.transient_grads(STATUS, {k: 1 for k in n}, 3, n, 3)[1],
+    ("transient partner", lambda n: judges.transient_grads(STATUS, Verdict({k: 1 for k in n}, set(), {}), 3, n, 3)[1],
      "got an exactly zero gradient", "got exactly zero gradients"),
-    ("transient", lambda n: judges.transient_grads(STATUS, {k: 1 for k in n}, 3, (), 3)[1],
+    ("transient", lambda n: judges.transient_grads(STATUS, Verdict({k: 1 for k in n}, set(), {}), 3, (), 3)[1],
+     "got no usable gradient", "got no usable gradient"),
+    ("transient intermittent", lambda n: judges.transient_grads(
+        STATUS, Verdict({k: 4 for k in n}, set(), {k: (30, 9) for k in n}), 3, (), 3)[1],
      "got no usable gradient", "got no usable gradient"),
 ]
 
