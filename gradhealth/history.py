@@ -103,8 +103,10 @@ class NormHistory:
         return self._medians
 
     # --------------------------------------------------------------- judging
-    def update(self, step: int, total: float, module_norms: dict[str, float]) -> list[Finding]:
-        """Judge this check against the baseline, then add it to the baseline."""
+    def update(self, step: int, total: float, module_norms: dict[str, float], intermittent=()) -> list[Finding]:
+        """Judge this check against the baseline, then add it to the baseline. ``intermittent``:
+        modules whose gradients come and go (skipped layers, experts): their norm follows how many
+        tokens reached them, so a low one is no collapse."""
         findings: list[Finding] = []
         if not math.isfinite(total):
             return findings  # non-finite gradients are a parameter state already; keep them out
@@ -139,7 +141,8 @@ class NormHistory:
             meds = self._module_medians()
             f = self.vanish_factor
             # NaN compares False; the list only when some module is low
-            low = [c for c, (v, m) in enumerate(zip(row, meds)) if v < f * m] if any(map(operator.lt, row, self._floors)) else []
+            low = [c for c, (v, m) in enumerate(zip(row, meds)) if v < f * m and self.modules[c] not in intermittent] \
+                if any(map(operator.lt, row, self._floors)) else []
             if low:
                 desc = ", ".join(f"{self.modules[c]} ({row[c]:.3g} vs median {meds[c]:.3g})" for c in low[:5])
                 more = f" and {len(low) - 5} more" if len(low) > 5 else ""

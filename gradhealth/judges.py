@@ -161,6 +161,13 @@ def not_updated(status: Mapping[str, Status], unchanged: Mapping[str, str], step
     scheduled = {n for n, w in unchanged.items() if w == "new"}
     stuck = {n for n, w in unchanged.items() if w == "again"}
     rest = set(unchanged) - scheduled - stuck
+    if rest and gone:  # the check's gradients were gone (set to None) when the step began
+        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, rest)} had {agree(rest, 'finite, non-zero gradients', 'a finite, non-zero gradient')} "
+                           f"at step {step}, but {agree(rest, 'they were', 'it was')} gone (set to None) when optimizer.step() "
+                           f"ran, so the step left {agree(rest, 'them', 'it')} unchanged: optimizer.zero_grad() is called between "
+                           "backward() and step(). Call zero_grad() before the forward (or right after step())",
+                           params=_ordered(status, rest), step=step, data={"cause": "zero_grad_before_step"}))
+        rest = set()
     if rest and still < patience:
         out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, rest)} {agree(rest, 'were', 'was')} left exactly unchanged by "
                            f"optimizer.step() at step {step} although {agree(rest, 'their gradients are', 'its gradient is')} "

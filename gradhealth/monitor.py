@@ -284,7 +284,8 @@ class GradHealth:
                                                       v.module_runs)
         history = self.carry.history_for(report.optimizer_index)
         if history is not None:
-            report.findings += history.update(step, report.total_grad_norm, report.module_grad_norm)
+            report.findings += history.update(step, report.total_grad_norm, report.module_grad_norm,
+                                              self.carry.streaks.skipping)
         if not reeval:
             self._arm_next(report, obs, optimizer)
         return report

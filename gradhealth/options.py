@@ -145,10 +145,12 @@ class Options:
             many checks (and at the first check, and whenever a gradient is non-finite); 0: only then.
         rank_origin: for a DistributedDataParallel model, a communication hook notes each rank's
             gradients before the all-reduce, so NaN/inf is traced to the rank that produced it.
-        grad_patience: a NO_GRAD or ZERO_GRAD parameter is an error once it has gone this many
-            consecutive checks without a usable gradient (from its first check, or since it last
-            had one); fewer is a tolerated transient, reported at info level (LoRA's first step,
-            an expert that got no tokens in one batch, a branch used every other step).
+        grad_patience: a NO_GRAD or ZERO_GRAD unit that has never had a usable gradient is an
+            error once it has gone this many consecutive checks without one; a unit that had
+            gradients before is judged against its own past rate (an error once its gap is below
+            1e-8 likely at that rate, and at least this long): see :mod:`gradhealth.patience`.
+            Tolerated gaps are reported at info level (LoRA's first step, LayerDrop, an expert
+            that got no tokens, a branch used every other step).
     """
 
     on_problem: str = "warn"

@@ -89,7 +89,7 @@ class OpWatch:
             self._anomaly = None
 
     def note(self, phase: str, op: str, args, kwargs, out, node) -> None:
-        if len(self.records) >= LIMIT:
+        if len(self.records) >= LIMIT or op == "__get__":  # attribute reads (p.grad, .data) make nothing
             return
         outs = _floats(out)
         if not outs:

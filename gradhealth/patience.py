@@ -85,6 +85,8 @@ class Persistence:
         self.rec: dict[str, list] = {}
         self.n: dict = {}  # checks made, per selection key (None: every parameter; i: optimizer i)
         self.open: set[str] = set()  # records whose gap is open
+        #: modules with a unit that went without a gradient at some check (their norms come and go)
+        self.skipping: set[str] = set()
         self.blank = 0
 
     # ------------------------------------------------------------------ update
@@ -105,6 +107,7 @@ class Persistence:
             r = rec.get(n)
             if r is None:  # its first miss: every earlier check that judged it had a gradient
                 r = rec[n] = [now, 0, 0, now, key, now == 0]
+                self.skipping.add(module_of(n))
             if r[2] == 0:
                 r[0] = self._used(r)
                 self.open.add(n)
@@ -204,6 +207,7 @@ class Persistence:
             rec[str(name)] = [_count(r[0]), _count(r[1]), _count(r[2]), _count(r[3]), key, r[5]]
         self.n, self.rec, self.blank = n, rec, _count(state.get("blank", 0))
         self.open = {k for k, r in rec.items() if r[2] > 0}
+        self.skipping = {module_of(k) for k in rec}
 
 
 _EXPERT = re.compile(r"^(.*?(?:^|\.)experts?)(?:\.(\d+)(\..*)?|\[(\d+)\])$", re.IGNORECASE)

@@ -50,11 +50,16 @@ def traced(carry, model: nn.Module, report, arm: bool) -> list[Finding]:
         tracer.resolve()
         carry.tracer = None
         named = tracer.forward_origin or tracer.backward_origin or tracer.outside
-        if named:
+        if tracer.forward_origin or tracer.backward_origin:
             carry.trace_ops = False
-        elif not report.grads_finite and not tracer.watched_ops:
+        elif not report.grads_finite:
             carry.trace_ops = True  # born outside the modules: the op watch names it at the next failing step
-        if report.grads_finite and not named:
+        if not report.grads_finite and not named and not tracer.watched_ops:
+            found.append(Finding(FindingKind.NONFINITE_ORIGIN, f"traced at step {report.step} after NaN/inf gradients at step "
+                                 f"{carry.trace_from}: no module produced the NaN/inf, so it is born outside them (the "
+                                 "loss, functional code between modules); the next failing step is traced operation by "
+                                 "operation to name the operation and its source line", level="info", step=report.step))
+        elif report.grads_finite and not named:
             found.append(Finding(FindingKind.NONFINITE_ORIGIN, f"the NaN/inf gradients of step {carry.trace_from} did not "
                                  f"recur at step {report.step} (traced): the cause is in that batch; run it again inside "
                                  "gh.trace_nonfinite(model), or use gh.replay_nonfinite, to name the operation and its line",

@@ -244,3 +244,59 @@ def test_two_optimizers_taking_turns_are_both_measured():
         assert len(measured) == 2, name  # its turns 0 and 2
         for r in measured:
             assert r.update_norm[f"{name}.weight"] > 0
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_lbfgs_with_check_inside_or_outside_the_closure_is_silent_under_raise(where):
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+    mon = gh.GradHealth(model, opt, on_problem="raise", change_every=1)
+    x = torch.randn(32, 4)
+    y = x.sum(1, keepdim=True)
+    reports, losses = [], []
+
+    def closure():
+        opt.zero_grad()  # LBFGS's closure zeroes and recomputes the gradients at every evaluation
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if where == "inside":
+            reports.append(mon.check(loss=loss))
+        return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthWarning)
+        for _ in range(10):
+            losses.append(opt.step(closure).item())
+            if where == "outside":
+                reports.append(mon.check())
+        mon.flush()
+    assert losses[-1] < losses[0] / 10  # healthy: it fits
+    if where == "inside":
+        assert len(reports) > 2 * len(losses)  # the premise: several evaluations per step
+    assert all(r.ok and not r.findings_of("NOT_UPDATED") and not r.findings_of("STALE_GRAD") for r in reports)
+    measured = [r for r in reports if r.update_norm]
+    assert measured and all(v > 0 for r in measured for v in r.update_norm.values())  # the steps are measured
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_zero_grad_between_backward_and_step_is_named(opt_cls):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = opt_cls(model.parameters(), lr=1e-3)
+    mon = gh.GradHealth(model, opt, on_problem="ignore", change_every=1)
+    reports = []
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        loss = model(torch.randn(8, 4)).square().mean()
+        loss.backward()
+        reports.append(mon.check(loss=loss))
+        opt.zero_grad()  # the bug: the gradients are gone before the step
+        opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))  # premise: nothing moved
+    [f] = reports[0].findings_of("NOT_UPDATED")  # step 0's, written into its report at check 1
+    assert [g.step for g in reports[1].findings_of("NOT_UPDATED")] == [0, 1]  # and carried by check 1's
+    assert f.level == "error" and f.step == 0 and "zero_grad() is called between backward() and step()" in f.message
+    assert "precision of the weights" not in f.message

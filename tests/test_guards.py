@@ -74,3 +74,61 @@ def test_no_host_sync_on_healthy_path(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", boom)
     monkeypatch.setattr(torch.Tensor, "__bool__", boom)
     assert gh.check_loss(loss, m) is None
+
+
+def test_a_detached_loss_made_to_require_grad_again_names_detach():
+    m, x = model_and_input()
+    loss = m(x).mean().detach().requires_grad_()  # the famous wrong "fix"
+    assert loss.requires_grad and loss.grad_fn is None  # the premise
+    with pytest.raises(gh.GradModeError, match=r"leaf tensor.*\.detach\(\)"):
+        gh.check_loss(loss, m)
+    with pytest.raises(gh.GradModeError, match="leaf tensor"):
+        gh.check_loss(loss)
+    assert gh.check_loss(m.weight.sum(), m) is None  # a loss computed from a parameter is fine
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    mon = gh.GradHealth(m, opt, on_problem="ignore")
+    loss = m(x).mean().detach().requires_grad_()
+    loss.backward()
+    r = mon.check(loss=loss)
+    [f] = r.findings_of("GRAD_MODE")  # at the first check, not after grad_patience
+    assert f.level == "error" and ".detach()" in f.message and not r.ok
+
+
+class Checkpointed(nn.Module):
+    """A hand-written reentrant checkpoint after frozen embeddings: its segment gets no gradient."""
+
+    def __init__(self, reentrant=True):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.emb.weight.requires_grad_(False)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.head = nn.Linear(8, 1)
+        self.reentrant = reentrant
+
+    def forward(self, ids):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, self.emb(ids), use_reentrant=self.reentrant)).mean(1)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_hand_written_reentrant_checkpoint_is_named(reentrant):
+    import warnings
+
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own "None of the inputs have requires_grad=True"
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randint(0, 10, (4, 5))).square().mean().backward()
+            r = mon.check()
+            opt.step()
+    if reentrant:
+        assert {n for n, s in r.errors.items()} == {"block.0.weight", "block.0.bias"}  # the premise: NO_GRAD
+        [f] = r.findings_of("CHECKPOINT_NO_GRAD")
+        assert "use_reentrant=True" in f.message and "use_reentrant=False" in f.message
+    else:
+        assert r.ok and not r.findings_of("CHECKPOINT_NO_GRAD")

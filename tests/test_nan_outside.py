@@ -89,3 +89,29 @@ def test_non_tensor_outputs_are_walked():
         with gh.trace_nonfinite(model) as t:
             model.blow(torch.randn(6, 4)).logits.sum().backward()
         assert t.forward_origin == "blow", kind
+
+
+def test_the_plain_loop_monitor_names_the_operation_when_no_module_is_the_origin():
+    # the seed's central case in a plain loop: a mask applied after the division, in the loss
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    x, w = torch.randn(8, 4), torch.tensor([1.0, 0, 1, 1, 0, 1, 1, 1])
+    origins = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss = weighted_loss(model, x, w)
+        loss.backward()
+        r = mon.check(loss=loss)
+        assert torch.isfinite(loss) and not r.grads_finite  # the premise: a finite loss, NaN gradients
+        origins.append(r.findings_of("NONFINITE_ORIGIN"))
+    assert origins[0] == []  # the tracer is armed after the first failing check
+    [first] = origins[1]  # the module tracer found no module: the op watch is armed for the next step
+    assert first.level == "info" and "traced operation by operation" in first.message
+    for found in origins[2:]:  # from then on: the operation and its line
+        [f] = found
+        assert f.level == "error" and f.data["op"] == "div" and "per = out / w" in f.data["source"]
+        assert "per = out / w" in f.message and "test_nan_outside.py" in f.message
+    mon.close()
+    assert not torch.is_anomaly_enabled() and not torch._C._is_torch_function_mode_enabled()

@@ -139,3 +139,13 @@ def test_a_model_whose_modules_interleave_has_no_runs():
     for m in ("a", "b"):
         want = math.hypot(*(getattr(model, m).weight.grad.norm().item(), getattr(model, m).bias.grad.norm().item()))
         assert r.module_grad_norm[m] == pytest.approx(want, rel=1e-6)
+
+
+def test_to_frame_dtype_and_device_are_live():
+    m = nn.Linear(2, 2)
+    mon = gh.GradHealth(m)
+    m(torch.randn(3, 2)).sum().backward()
+    r = mon.check()
+    assert set(r.to_frame()["dtype"]) == {"float32"}
+    m.double()  # the same Parameter objects, new data
+    assert set(r.to_frame()["dtype"]) == {"float64"} and set(r.to_frame()["device"]) == {"cpu"}

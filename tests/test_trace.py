@@ -92,3 +92,22 @@ def test_hooks_exist_only_inside_the_block():
         assert hook_state(m, opt) != before
         m(torch.randn(3, 4)).sum().backward()
     assert hook_state(m, opt) == before
+
+
+def test_a_nan_in_the_input_batch_names_the_data():
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("stem", nn.Linear(4, 8))
+    model.add_module("act", nn.ReLU())
+    model.add_module("head", nn.Linear(8, 1))
+    x = torch.randn(8, 4)
+    x[3, 2] = float("nan")  # one bad sample
+    with gh.trace_nonfinite(model) as t:
+        model(x).square().mean().backward()
+    assert t.forward_origin == "stem" and t.input_nonfinite
+    text = t.explain()
+    assert "the batch itself holds NaN/inf" in text and "isfinite" in text and "dangerous" not in text
+    y = torch.randn(8, 4)
+    with gh.trace_nonfinite(model) as t2:  # a clean batch through a module that makes inf itself
+        (model(y) * torch.tensor(float("inf"))).sum().backward()
+    assert not t2.input_nonfinite
