@@ -58,6 +58,7 @@ class Carry:
         self.norm_eval_said = False
         self.reentrant = False  # a module ran under a reentrant torch.utils.checkpoint
         self.valid: dict[str, Tensor] = {}
+        self.router: list[Tensor] | None = None  # tokens per expert of each MoE layer since the last check
         # the options' history is a template: each monitor keeps copies of its own (the default one,
         # for checks of every parameter, and one per optimizer)
         self.history = copy.deepcopy(history)
@@ -72,6 +73,10 @@ class Carry:
     def take_valid(self) -> dict[str, Tensor]:
         valid, self.valid = self.valid, {}
         return valid
+
+    def take_router(self) -> list[Tensor] | None:
+        router, self.router = self.router, None
+        return router
 
     def take_eval_backward(self) -> ForwardRecord | None:
         record, self.eval_backward = self.eval_backward, None

@@ -34,6 +34,8 @@ class FindingKind(str, enum.Enum):
     FROZEN_NORM = "FROZEN_NORM"
     CHECKPOINT_NO_GRAD = "CHECKPOINT_NO_GRAD"
     POSTCLIP = "POSTCLIP"
+    DEAD_EXPERT = "DEAD_EXPERT"
+    NONFINITE_EXPERT = "NONFINITE_EXPERT"
 
     def __str__(self) -> str:
         return self.value

@@ -140,9 +140,12 @@ class ForwardWatch:
     sets ``carry.reentrant`` (for CHECKPOINT_NO_GRAD).
     """
 
-    def __init__(self, model: nn.Module, module: nn.Module, carry):
+    def __init__(self, model: nn.Module, module: nn.Module, carry, experts: bool = False):
         self.carry = carry
         self.root = module
+        self.experts = experts  # stacked experts were found: count the tokens the router sends them
+        cfg = getattr(module, "config", None)
+        self.top_k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "moe_topk", None)
         self.handles = [model.register_forward_hook(self._on_model)]
         children = {name for name, _ in module.named_children()}
         for name, m in module.named_modules():
@@ -151,6 +154,14 @@ class ForwardWatch:
 
     def _on_model(self, module, args, output) -> None:
         self.carry.forward = ForwardRecord(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.root.training)
+        if self.experts and torch.is_grad_enabled() and self.root.training:
+            from .experts import router_counts
+
+            counts = router_counts(output, self.top_k)
+            if counts is not None:  # micro-batches before one check add up
+                prev = self.carry.router
+                self.carry.router = counts if prev is None or len(prev) != len(counts) else [
+                    a + b for a, b in zip(prev, counts)]
 
     def _on_module(self, name: str, module, args, output) -> None:
         if not torch.is_grad_enabled():

@@ -19,7 +19,7 @@ from .status import Status
 
 __all__ = ["loss_cause", "empty_valid_set", "eval_mode", "stale_grad", "expect_frozen", "not_updated",
            "frozen_but_changed", "skipped_step", "amp_skip", "amp_floor", "transient_grads", "frozen_norms",
-           "checkpoint_no_grad", "norm_eval"]
+           "checkpoint_no_grad", "norm_eval", "idle_experts", "nonfinite_experts"]
 
 K = FindingKind
 _MASKED_MEAN = "gh.masked_mean(..., empty='zero')"
@@ -284,3 +284,49 @@ def transient_grads(status: Mapping[str, Status], verdict, patience: int, partne
                            step=step, data={"streak": {n: gaps[n] for n in skipping},
                                             "history": {n: verdict.history[n] for n in skipping}}))
     return tolerated, out
+
+
+def _experts(units) -> str:
+    units = sorted(units)
+    return ", ".join(units[:6]) + (f" and {len(units) - 6} more" if len(units) > 6 else "")
+
+
+_ROUTER_ADVICE = ("Add or raise the load-balancing auxiliary loss (Hugging Face: output_router_logits=True with "
+                  "router_aux_loss_coef), add router noise (router_jitter_noise) or capacity, or check the routing code")
+
+
+def idle_experts(gaps: Mapping[str, int], dead: Collection[str], history: Mapping[str, tuple[int, int]], step: int,
+                 tokens: Mapping[str, int] | None = None) -> list[Finding]:
+    """DEAD_EXPERT (error) for stacked experts whose idle gap the persistence rule counts as
+    persistent; TRANSIENT_GRAD (info) for the idle ones it tolerates (no tokens in this batch)."""
+    out = []
+    if dead:
+        gap = min(gaps[u] for u in dead)
+        past = [history[u] for u in dead if u in history]
+        how = (f", after having one at {past[0][0]} of {sum(past[0])} earlier checks" if past else ", never since the first check")
+        seen = ""
+        if tokens:
+            zero = [u for u in dead if tokens.get(u) == 0]
+            seen = f"; the router logits agree: 0 tokens routed to {_experts(zero)} at this check" if zero else ""
+        out.append(Finding(K.DEAD_EXPERT, f"expert{'s' if len(dead) != 1 else ''} {_experts(dead)} got an exactly zero gradient "
+                           f"(no tokens) for {gap} checks in a row{how}{seen}: a dead expert, the router collapsed onto "
+                           f"the others. {_ROUTER_ADVICE}",
+                           params=tuple(sorted(dead)), step=step, data={"gaps": {u: gaps[u] for u in dead}}))
+    idle = set(gaps) - set(dead)
+    if idle:
+        out.append(Finding(K.TRANSIENT_GRAD, f"expert{'s' if len(idle) != 1 else ''} {_experts(idle)} got no tokens at step {step} "
+                           f"(gaps of up to {max(gaps[u] for u in idle)} checks): normal now and then for a router; an "
+                           "error once a gap is improbable at the expert's own rate", params=tuple(sorted(idle)),
+                           level="info", step=step, data={"streak": {u: gaps[u] for u in idle}}))
+    return out
+
+
+def nonfinite_experts(states: Mapping[str, Status], step: int) -> list[Finding]:
+    """NONFINITE_EXPERT: which experts of a stacked tensor hold the NaN/inf (the tensor itself is
+    NON_FINITE_GRAD)."""
+    bad = [u for u, s in states.items() if s is Status.NON_FINITE_GRAD]
+    if not bad:
+        return []
+    return [Finding(K.NONFINITE_EXPERT, f"the NaN/inf gradients of the stacked experts are in expert"
+                    f"{'s' if len(bad) != 1 else ''} {_experts(bad)} (the other experts' slices are finite): look at the "
+                    "tokens routed to it and at its weights", params=tuple(sorted(bad)), step=step)]

@@ -12,6 +12,11 @@ key                                       value
 ``gradhealth/loss``                       the loss given to ``check(loss=...)``
 ``gradhealth/valid/<name>``               the valid count recorded with ``track_valid``
 ``gradhealth/findings/<KIND>``            1.0 at a step with that finding (warning or error level)
+``gradhealth/experts/utilization/<m>``    stacked experts of MoE layer ``<m>``: the share of its
+                                          experts that got a gradient this step (0: collapse)
+``gradhealth/experts/grad_norm_min/<m>``  the smallest and largest expert gradient norm of it
+``gradhealth/experts/grad_norm_max/<m>``
+``gradhealth/experts/dead/<m>[<i>]``      1.0 at a step where expert ``<i>`` is DEAD_EXPERT
 ``gradhealth/update_norm/total``          ||Δθ|| of every parameter the step updated
 ``gradhealth/update_norm/<name>``         ||Δθ|| of a parameter or a module
 ``gradhealth/update_ratio/<name>``        ||Δθ|| / ||θ|| of a parameter or a module
@@ -30,7 +35,7 @@ from .naming import module_of
 from .report import Report
 from .stats import combine_norms
 
-__all__ = ["report_metrics", "update_metrics", "suffix", "PREFIX", "group_name"]
+__all__ = ["report_metrics", "update_metrics", "expert_metrics", "suffix", "PREFIX", "group_name"]
 
 PREFIX = "gradhealth"
 
@@ -67,6 +72,27 @@ def report_metrics(report: Report, granularity: str = "module", norm: str = "gra
     for f in report.findings:
         if f.step == report.step and f.level != "info":
             out[f"{PREFIX}/findings/{f.kind}"] = 1.0
+    out.update(expert_metrics(report))
+    return out
+
+
+def expert_metrics(report: Report) -> dict[str, float]:
+    """Per MoE layer of stacked experts: utilization and the min / max expert gradient norm; a
+    ``dead`` flag per dead expert."""
+    out: dict[str, float] = {}
+    for layer, units in report.expert_layers.items():
+        states = [report.expert_status.get(u) for u in units]
+        norms = [report.expert_grad_norm[u] for u in units if u in report.expert_grad_norm]
+        judged = [s for s in states if s is not None and s.value != "FROZEN"]
+        if judged:
+            out[f"{PREFIX}/experts/utilization/{layer}"] = sum(s.value == "OK" for s in judged) / len(judged)
+        if norms:
+            out[f"{PREFIX}/experts/grad_norm_min/{layer}"] = min(norms)
+            out[f"{PREFIX}/experts/grad_norm_max/{layer}"] = max(norms)
+    for f in report.findings:
+        if f.kind == FindingKind.DEAD_EXPERT and f.step == report.step:
+            for u in f.params:
+                out[f"{PREFIX}/experts/dead/{u}"] = 1.0
     return out
 
 

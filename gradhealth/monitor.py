@@ -28,7 +28,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from . import crossrank, judges, stats
+from . import crossrank, experts, judges, stats
 from .carry import Carry, Delivery
 from .classify import as_optimizers, classify_selection, unwrap, unwrap_optimizer, wrapper_scaler
 from .deltas import UpdateTracker
@@ -70,7 +70,7 @@ class GradHealth:
         self.model = model
         scaler = wrapper_scaler(optimizer) if scaler is None else scaler  # Accelerate's wrapper carries one
         self.optimizers = as_optimizers(optimizer)
-        self.view = ParamView(model, self.optimizers)
+        self.view = ParamView(model, self.optimizers, o.experts)
         self.scaler = check_scaler(scaler)
         self.ranks = Ranks(model, ddp_model, o.rank_origin)
         self.carry = Carry(o.history)
@@ -83,9 +83,9 @@ class GradHealth:
         self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every,
                                       change_every=o.change_every)
                         if self.optimizers else None)
-        if self.tracker is not None:
+        if self.tracker is not None:  # (to name a zero_grad() between backward() and step())
             self.tracker.before_step = self.carry.note_step_start
-        self._watch = ForwardWatch(model, unwrap(model), self.carry) if o.watch_forward else None
+        self._watch = ForwardWatch(model, unwrap(model), self.carry, bool(self.view.stacks)) if o.watch_forward else None
         self._changes = ModelChanges(model)
         self._note_lazy()
 
@@ -240,7 +240,7 @@ class GradHealth:
         """Rebuild the view of the model's parameters (and what depends on it) if they changed:
         a registration that put back the same tensors (``module.w += 1`` re-sets the attribute)
         changes nothing, so every rank keeps the same layout."""
-        view = ParamView(self.model, self.optimizers)
+        view = ParamView(self.model, self.optimizers, self.options.experts)
         self._note_lazy()
         if [(n, id(p)) for n, p in view.entries] == [(n, id(p)) for n, p in self.view.entries]:
             return
@@ -251,7 +251,7 @@ class GradHealth:
             self.tracker.rebind(self.view.entries)
         if self._watch is not None:
             self._watch.remove()
-            self._watch = ForwardWatch(self.model, unwrap(self.model), self.carry)
+            self._watch = ForwardWatch(self.model, unwrap(self.model), self.carry, bool(self.view.stacks))
 
     def _gate(self, step: int | None) -> int | None:
         s = self.carry.calls if step is None else step
@@ -264,13 +264,13 @@ class GradHealth:
 
     def _build(self, step: int, loss, optimizer) -> Report:
         sel = self.view.selection(optimizer)
-        # a closure's later evaluation inside one step (LBFGS): judged like any check, but the
-        # step is measured from the first evaluation's check to its end, so nothing is resolved
-        # or armed here
+        # a closure's later evaluation inside one step (LBFGS): judged, but it neither resolves nor arms a step
         reeval = self.tracker is not None and self.tracker.reevaluation()
         obs, steps_ran = self._observe(sel, loss, reeval)
         across = self._reduce(obs) if self.ranks.active else None
         report = self._classify(step, sel, obs, optimizer)
+        if self.view.stacks:
+            experts.fill(report, self.view.stacks, obs.slices, obs.router)
         if not reeval:
             delivery = self.carry.resolve_step(report, obs.updates, steps_ran, self.view.params, self.view.names,
                                                obs.scale, self.scaler is not None, self.options.amp_skip_alarm)
@@ -302,7 +302,7 @@ class GradHealth:
         valid = carry.take_valid()
         try:
             obs, self._plan = observe(self.view, sel, loss, valid, updates, self.scaler, self._plan,
-                                      self.ranks.active, self.ranks.all_sharded)
+                                      self.ranks.active, self.ranks.all_sharded, carry.take_router())
             obs.loss_cause = diagnose_loss(loss, self.model, carry.forward) if loss is not None else None
             obs.eval_record = carry.take_eval_backward()
             obs.stale = stale
@@ -363,6 +363,8 @@ class GradHealth:
                 found += judges.stale_grad(report.status, stale or set(report.status), step, where(across.stale_mask))
             found += crossrank.rank_findings(report, across, obs, names)
         found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step)
+        if nonfinite and report.expert_status:
+            found += judges.nonfinite_experts(report.expert_status, step)
         no_grad = [n for n, s in report.errors.items() if s is Status.NO_GRAD]
         if no_grad:  # only then: is the model checkpointing its layers?
             found += judges.checkpoint_no_grad(no_grad, uses_checkpointing(unwrap(self.model)), report.status, step,
@@ -374,9 +376,10 @@ class GradHealth:
             if carry.norm_eval and not carry.norm_eval_said:
                 found += judges.norm_eval(carry.norm_eval, step)
                 carry.norm_eval_said = True
-        line = frozen_summary(report.status) if carry.checks == 0 else None
-        if line:  # at the first check: what is frozen, and what trains (adapters, a head) beside it
-            log.info("%s", line)
+        if carry.checks == 0:  # at the first check: what is frozen, what trains beside it, which stacks
+            for line in (frozen_summary(report.status), experts.describe_stacks(self.view.stacks)):
+                if line:
+                    log.info("%s", line)
         found += judges.expect_frozen(report.status, o.expect_frozen, step)
         found += self._trace(report, nonfinite)
         if across is not None and self._desync_due(nonfinite):

@@ -14,10 +14,11 @@ import operator
 from dataclasses import dataclass, field
 from itertools import repeat
 
+import torch
 from torch import Tensor
 
 from . import distributed as dist
-from . import stats
+from . import experts, stats
 from .steps import StepStats
 from .guards import ForwardRecord
 from .layout import Layout
@@ -43,6 +44,8 @@ class Observation:
     eval_record: ForwardRecord | None = None
     stale: set[int] = field(default_factory=set)
     sharded: set[int] = field(default_factory=set)  # entries whose gradient is a shard (FSDP)
+    slices: dict[int, list[float]] = field(default_factory=dict)  # stacked experts: entry -> slice norms
+    router: list[list[float]] | None = None  # tokens routed to each expert, per MoE layer
 
     with_grad: list[int] = field(default_factory=list)  # judged entries with a gradient, in order
     norms: list[float] = field(default_factory=list)  # their norms, aligned with ``with_grad``
@@ -67,7 +70,7 @@ def unscaled_params(scaler, optimizers) -> set[int]:
 
 
 def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], updates: list[StepStats], scaler,
-            plan, distributed: bool = False, all_sharded: bool = False) -> tuple[Observation, object]:
+            plan, distributed: bool = False, all_sharded: bool = False, router=None) -> tuple[Observation, object]:
     """Norms of the selection's gradients and the extras, read back in one transfer.
 
     Returns the observation and the grouping plan to pass back next time.
@@ -102,15 +105,43 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     if scale_t is not None:
         lay.add("scale")
         parts["scale"] = scale_t
+    if router:
+        lay.add("router", sum(c.numel() for c in router))
+        parts["router"] = torch.cat([c.reshape(-1).to(router[0].device) for c in router])
+    # stacked experts: their slices' norms replace the tensor's own (one pass), read in the same transfer
+    stacked = [k for k, i in enumerate(with_grad) if i in view.stacks and grads[k].layout is torch.strided
+               and not grads[k].is_complex()] if view.stacks and not distributed else []
+    if stacked:
+        lay.add("slices", sum(view.stacks[with_grad[k]].count for k in stacked))
+        parts["slices"] = torch.cat([experts.slice_norms(grads[k], view.stacks[with_grad[k]]) for k in stacked])
+        whole = set(stacked)
+        plain = [g for k, g in enumerate(grads) if k not in whole]
+    else:
+        plain = grads
     extras = [lay.pack(**parts)] if parts else []
-    norms, flat, plan = stats.grad_norms(grads, extras, plan)
+    norms, flat, plan = stats.grad_norms(plain, extras, plan)
     got = lay.unpack(flat)
+    slices: dict[int, list[float]] = {}
+    if stacked:
+        counts = [view.stacks[with_grad[k]].count for k in stacked]
+        flat_slices, values, pos = got["slices"], [], 0
+        for c in counts:
+            values.append(list(flat_slices[pos:pos + c]))
+            pos += c
+        values = experts.finish_slices([grads[k] for k in stacked], [view.stacks[with_grad[k]] for k in stacked], values)
+        it = iter(norms)
+        merged, at = [], dict(zip(stacked, values))
+        for k in range(len(grads)):
+            merged.append(experts.tensor_norm(at[k]) if k in at else next(it))
+        norms = merged
+        slices = {with_grad[k]: v for k, v in at.items()}
 
     scale = got["scale"][0] if scale_t is not None else None
     if scale:
         done = unscaled_params(scaler, view.optimizers)
         pids = view.pids
         norms = [v if pids[i] in done else v / scale for i, v in zip(with_grad, norms)]
+        slices = {i: vs if pids[i] in done else [v / scale for v in vs] for i, vs in slices.items()}
     for j, u in enumerate(updates):
         u.fetched(got[f"update{j}"])
     if len(norms) == len(view):  # every entry has a gradient
@@ -121,7 +152,12 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
             norm_of[i] = v
     obs = Observation(sel.idx, norm_of, loss=got["loss"][0] if loss_t is not None else None,
                       valid={name: int(got[f"valid{j}"][0]) for j, name in enumerate(valid)},
-                      updates=updates, scale=scale, sharded=sharded, with_grad=with_grad, norms=norms)
+                      updates=updates, scale=scale, sharded=sharded, with_grad=with_grad, norms=norms, slices=slices)
+    if router:
+        flat_r, obs.router, pos = got["router"], [], 0
+        for c in router:
+            obs.router.append(list(flat_r[pos:pos + c.numel()]))
+            pos += c.numel()
     return obs, plan
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from .experts import check_experts
 from .history import NormHistory
 
 __all__ = ["Options", "ON_PROBLEM", "DELTA_MODES", "check_choice", "check_positive_int", "check_patterns", "check_tensor",
@@ -151,6 +152,11 @@ class Options:
             1e-8 likely at that rate, and at least this long): see :mod:`gradhealth.patience`.
             Tolerated gaps are reported at info level (LoRA's first step, LayerDrop, an expert
             that got no tokens, a branch used every other step).
+        experts: stacked experts (one tensor holding a layer's experts, as transformers 5 MoE layers
+            and grouped-GEMM codebases store them) are judged per expert. None (default): found
+            from the model (a parameter of a module named ``experts`` whose leading dimension is
+            its ``num_experts`` or the config's expert count); a name pattern, a list of them
+            (stacked along dimension 0), or ``{pattern: dimension}`` declares others; False: off.
     """
 
     on_problem: str = "warn"
@@ -168,6 +174,7 @@ class Options:
     desync_every: int = 100
     rank_origin: bool = True
     grad_patience: int = 3
+    experts: Any = None
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -187,6 +194,7 @@ class Options:
             _check_bool(name, getattr(self, name))
         check_positive_int("desync_every", self.desync_every, minimum=0)
         check_positive_int("grad_patience", self.grad_patience)
+        fix("experts", check_experts(self.experts))
 
     @classmethod
     def check_keywords(cls, changes: dict) -> None:

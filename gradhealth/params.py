@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch.nn.modules.module as module_hooks
 from torch import nn
 
-from .classify import lazy_names, named_parameters, optimizer_param_ids
+from .classify import lazy_names, named_parameters, optimizer_param_ids, unwrap
+from .experts import find_stacks
 from .naming import module_of
 from .report import ParamMeta
 
@@ -50,7 +51,7 @@ class LiveMeta(Mapping):
 class ParamView:
     """``named_parameters()`` of the model (wrappers unwrapped, tied parameters once), indexed."""
 
-    def __init__(self, model: nn.Module, optimizers: list):
+    def __init__(self, model: nn.Module, optimizers: list, experts=None):
         self.entries = named_parameters(model)
         self.optimizers = optimizers
         self.names = [n for n, _ in self.entries]
@@ -72,6 +73,8 @@ class ParamView:
         self._ids_key: tuple | None = None
         self._ids: set[int] | None = None
         self.all_inside = True  # (with optimizer_ids) every parameter is in some optimizer
+        #: stacked-expert tensors by entry index (:mod:`.experts`)
+        self.stacks = find_stacks(unwrap(model), self.entries, experts)
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -107,7 +107,7 @@ class Persistence:
             r = rec.get(n)
             if r is None:  # its first miss: every earlier check that judged it had a gradient
                 r = rec[n] = [now, 0, 0, now, key, now == 0]
-                self.skipping.add(module_of(n))
+                self.skipping.add(_module(n))
             if r[2] == 0:
                 r[0] = self._used(r)
                 self.open.add(n)
@@ -207,7 +207,7 @@ class Persistence:
             rec[str(name)] = [_count(r[0]), _count(r[1]), _count(r[2]), _count(r[3]), key, r[5]]
         self.n, self.rec, self.blank = n, rec, _count(state.get("blank", 0))
         self.open = {k for k, r in rec.items() if r[2] > 0}
-        self.skipping = {module_of(k) for k in rec}
+        self.skipping = {_module(k) for k in rec}
 
 
 _EXPERT = re.compile(r"^(.*?(?:^|\.)experts?)(?:\.(\d+)(\..*)?|\[(\d+)\])$", re.IGNORECASE)
@@ -223,6 +223,11 @@ def family_of(name: str) -> tuple[str, str] | None:
     return m.group(1), m.group(3) or ""
 
 
+def _module(unit: str) -> str:
+    """The module of a parameter, or the experts module of a stacked expert ``m.experts[3]``."""
+    return unit[:unit.rindex("[")] if unit.endswith("]") else module_of(unit)
+
+
 def _count(v) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > 2**62:
         raise ValueError(f"a count must be an int in [0, 2**62]; got {v!r}")
@@ -230,19 +235,28 @@ def _count(v) -> int:
 
 
 def persist(report, persistence: Persistence, patience: int, names: list[str], params: list) -> list:
-    """The stage of a check: update ``persistence`` from ``report`` and set its ``grad_streak``,
-    ``grad_history`` and ``tolerated``; returns the TRANSIENT_GRAD findings."""
-    from .judges import transient_grads  # (judges import the report module, which this one need not)
+    """The stage of a check: update ``persistence`` from ``report`` (its parameters, and its
+    stacked experts as units of their own) and set its ``grad_streak``, ``grad_history`` and
+    ``tolerated``; returns the TRANSIENT_GRAD / DEAD_EXPERT findings."""
+    from .judges import idle_experts, transient_grads  # (judges import the report module, which this one need not)
 
-    gaps, _ = persistence.update(report.status, report.not_ok or [], report.optimizer_index)
+    status, not_ok, units = report.status, report.not_ok or [], report.expert_status
+    if units:
+        status = {**status, **units}
+        not_ok = list(not_ok) + [u for u, s in units.items() if s is not Status.OK]
+    gaps, _ = persistence.update(status, not_ok, report.optimizer_index)
     report.grad_streak = gaps
     if not gaps:
         return []
-    verdict = persistence.judge(gaps, patience, report.status)
+    verdict = persistence.judge(gaps, patience, status)
     report.grad_history = verdict.history
-    new_zeros = [n for n, c in gaps.items() if c == 1 and report.status[n] is Status.ZERO_GRAD]
+    mine = Verdict({n: g for n, g in gaps.items() if n not in units}, verdict.errors - set(units), verdict.history)
+    new_zeros = [n for n, c in mine.gaps.items() if c == 1 and status[n] is Status.ZERO_GRAD]
     partners = zero_partners(new_zeros, names, params) if new_zeros else set()
-    report.tolerated, found = transient_grads(report.status, verdict, patience, partners, report.step)
+    report.tolerated, found = transient_grads(report.status, mine, patience, partners, report.step)
+    if units:
+        found += idle_experts({n: g for n, g in gaps.items() if n in units}, verdict.errors & set(units),
+                              verdict.history, report.step, report.expert_tokens)
     return found
 
 

@@ -157,6 +157,14 @@ class Report:
     #: for NO_GRAD / ZERO_GRAD units that had gradients before: (checks with one, checks without
     #: one) before the current gap, the history the persistence rule judged the gap against
     grad_history: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    #: stacked experts (:mod:`gradhealth.experts`): each expert's state and gradient norm, keyed
+    #: ``<experts module>[<index>]``, and the experts of each MoE layer in order
+    expert_status: dict[str, Status] = field(default_factory=dict, repr=False)
+    expert_grad_norm: dict[str, float] = field(default_factory=dict, repr=False)
+    expert_layers: dict[str, list[str]] = field(default_factory=dict, repr=False)
+    #: tokens the router sent each expert since the last check, when the model returns its router
+    #: logits (Hugging Face ``output_router_logits=True``)
+    expert_tokens: dict[str, int] = field(default_factory=dict, repr=False)
 
     def _odd(self):
         if self.not_ok is not None:
@@ -193,9 +201,19 @@ class Report:
     def findings_of(self, kind) -> list[Finding]:
         return [f for f in self.findings if f.kind == kind]
 
-    def to_frame(self):
-        """A pandas DataFrame, one row per parameter, indexed by name."""
+    def to_frame(self, experts: bool = False):
+        """A pandas DataFrame, one row per parameter, indexed by name; ``experts=True``: one row
+        per stacked expert instead (status, grad_norm, tokens when the router reported them)."""
         import pandas as pd  # only here: the core needs pandas for this alone
+
+        if experts:
+            units = list(self.expert_status)
+            return pd.DataFrame([{"layer": u[:u.rindex("[")], "expert": int(u[u.rindex("[") + 1:-1]),
+                                  "status": self.expert_status[u].name,
+                                  "grad_norm": self.expert_grad_norm.get(u, math.nan),
+                                  "tokens": self.expert_tokens.get(u)} for u in units],
+                                index=pd.Index(units, name="expert_name"),
+                                columns=["layer", "expert", "status", "grad_norm", "tokens"])
 
         names = list(self.status)
         rows = []

@@ -1,5 +1,7 @@
-"""The gradient-flow image: one row per module, one column per check, coloured by log10 gradient
-norm, with NO_GRAD grey, FROZEN blue and non-finite red. numpy only; labels with PIL when present."""
+"""The dashboard images: the gradient flow (one row per module, one column per check, coloured by
+log10 gradient norm, with NO_GRAD grey, FROZEN blue and non-finite red) and the expert map (one row
+per MoE layer, one column per expert, its gradient norm over recent checks, dead experts red,
+experts idle at every recent check black). numpy only; labels with PIL when present."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import numpy as np
 
 from gradhealth.status import Status
 
-__all__ = ["gradient_flow_image", "labelled", "CODES", "WORST"]
+__all__ = ["gradient_flow_image", "expert_map_image", "labelled_experts", "labelled", "CODES", "WORST"]
 
 # colours of the heatmap: log-norm ramp from dark to bright, and flat colours for the states
 _RAMP = np.array([[13, 8, 135], [126, 3, 168], [204, 71, 120], [248, 149, 64], [240, 249, 33]], dtype=np.float64)
@@ -82,3 +84,39 @@ def labelled(img: np.ndarray, rows: list[str], steps: list[int], cell: tuple[int
 #: how bad a state looks on the image: a module shows its worst parameter's state
 WORST = {s: k for k, s in enumerate([Status.OK, Status.ZERO_GRAD, Status.NOT_IN_OPTIMIZER, Status.FROZEN,
                                       Status.NO_GRAD, Status.NON_FINITE_GRAD])}
+
+
+def expert_map_image(layers: list[str], value: np.ndarray, dead: np.ndarray, cell: tuple[int, int] = (24, 18)) -> np.ndarray:
+    """An HxWx3 uint8 image, layers x experts: ``value`` the RMS gradient norm of each expert over
+    the recent checks (0: idle at all of them, black; NaN: no such expert, white), ``dead`` the
+    experts named DEAD_EXPERT at the latest check (red, with a white diagonal)."""
+    state = np.where(np.isnan(value), -1, CODES[Status.OK]).astype(np.int64)
+    state[dead] = CODES[Status.NON_FINITE_GRAD]  # (red)
+    img = image(value, state, cell).copy()
+    cw, ch = cell
+    for i, j in zip(*np.nonzero(dead)):
+        for k in range(min(cw, ch)):
+            img[i * ch + k * ch // min(cw, ch), j * cw + k * cw // min(cw, ch)] = 255
+    return img
+
+
+def labelled_experts(img: np.ndarray, layers: list[str], count: int, step: int, cell: tuple[int, int]) -> np.ndarray:
+    """Layer names on the left, expert indexes on top, the legend underneath (PIL when installed)."""
+    try:
+        from PIL import Image, ImageDraw
+    except ImportError:
+        return img
+    cw, ch = cell
+    left = 8 + 6 * max((len(r) for r in layers), default=4)
+    canvas = Image.new("RGB", (max(left + img.shape[1] + 8, 560), img.shape[0] + 52), "white")
+    canvas.paste(Image.fromarray(img), (left, 18))
+    draw = ImageDraw.Draw(canvas)
+    for j in range(count):
+        if cw >= 14 or j % max(1, 14 // cw) == 0:
+            draw.text((left + j * cw + 2, 4), str(j), fill=(0, 0, 0))
+    for i, r in enumerate(layers):
+        draw.text((4, 18 + i * ch + max(0, ch - 10) // 2), r, fill=(0, 0, 0))
+    draw.text((left, img.shape[0] + 24), f"experts' gradient norm over recent checks, to step {step}", fill=(0, 0, 0))
+    draw.text((left, img.shape[0] + 38), "dark=low bright=high; black: no tokens at any recent check; red: DEAD_EXPERT",
+              fill=(0, 0, 0))
+    return np.asarray(canvas)

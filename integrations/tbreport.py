@@ -29,6 +29,7 @@ _STATUS = re.compile(rf"{PREFIX}/status/(NO_GRAD|NOT_IN_OPTIMIZER|ZERO_GRAD)(_op
 _TOLERATED = re.compile(rf"{PREFIX}/tolerated(_opt\d+)?$")
 _FINDING = re.compile(rf"{PREFIX}/findings/([A-Z_]+)$")
 _UPDATE = re.compile(rf"{PREFIX}/update_norm/(.+)$")
+_DEAD = re.compile(rf"{PREFIX}/experts/dead/(.+)$")
 _TEXT_ITEM = re.compile(r"\*\*([A-Z_]+)\*\* \(([a-z]+), step (-?\d+)\): (.*?)(?=\n\n\*\*[A-Z_]+\*\* \(|\Z)", re.S)
 
 FINDING_WORDS = [("UNEXPECTED_FROZEN", "parameters frozen against expect_frozen"),
@@ -54,6 +55,7 @@ class Summary:
         self.origins: list[tuple[int, str]] = []  # NONFINITE_ORIGIN texts, by step
         self.updates: dict[str, list] = {}  # module -> [measured, all zero]
         self.stopped: tuple[int, str] | None = None
+        self.dead: dict[str, list[int]] = {}  # dead expert -> [first step, steps]
 
     def add(self, step: int, tag: str, value: float, text: str | None) -> None:
         if text is not None:
@@ -100,6 +102,9 @@ class Summary:
                 agg = self.findings.setdefault(m.group(1), [[], 0])
                 agg[0] = sorted(agg[0] + [step])[:8]
                 agg[1] += 1
+            elif (m := _DEAD.match(t)) and v > 0:
+                agg = self.dead.setdefault(m.group(1), [step, 0])
+                agg[0], agg[1] = min(agg[0], step), agg[1] + 1
             elif (m := _UPDATE.match(t)) and not t.endswith("/total"):
                 agg = self.updates.setdefault(m.group(1), [0, True])
                 agg[0] += 1
@@ -139,6 +144,16 @@ class Summary:
                 if kind in self.texts:
                     detail += ": " + _clip(self.texts[kind][1], _DETAIL)
                 out.append(self._item(kind, steps[0], detail))
+        if self.dead:
+            dead = sorted(self.dead, key=lambda u: (self.dead[u][0], u))
+            first = min(v[0] for v in self.dead.values())
+            shown = dead if verbose or len(dead) <= 8 else dead[:8] + [f"and {len(dead) - 8} more"]
+            detail = (f"{plural(len(dead), 'dead expert')} from step {first} on: " + ", ".join(
+                f"{u} (step {self.dead[u][0]}, {plural(self.dead[u][1], 'check')})" if not u.startswith("and ") else u
+                for u in shown))
+            if "DEAD_EXPERT" in self.texts:
+                detail += ": " + _clip(self.texts["DEAD_EXPERT"][1].partition(": a dead expert")[2].strip(" ,."), _DETAIL)
+            out.append(self._item("DEAD_EXPERT", first, detail, dead))
         never = sorted(m for m, (n, zero) in self.updates.items() if n >= 2 and zero)
         if never:
             out.append(self._item("NEVER_UPDATED", None, "never updated in any measured step: "

@@ -7,8 +7,11 @@ Tags (public API) are the scheme of :mod:`gradhealth.metrics` (``gradhealth/grad
 * ``gradhealth/findings_text``: the findings of a step, as text (the TEXT tab);
 * ``gradhealth/gradient_flow``: an image, modules x steps, log10 gradient norm (NO_GRAD grey,
   FROZEN blue, non-finite red), written every ``heatmap_every`` checks (:mod:`.gradient_flow`);
+* ``gradhealth/expert_map``: with stacked experts, an image, MoE layers x experts, each expert's
+  gradient norm over the recent checks (idle at all of them black, DEAD_EXPERT red);
 * a custom-scalars layout (the CUSTOM SCALARS tab), written once per run: gradient norm by module,
-  update ratio by module, parameter states over time, valid counts, loss;
+  update ratio by module, parameter states over time, valid counts, loss, expert utilization and
+  the min / max expert gradient norm by MoE layer;
 * ``gradhealth/grad_norm_hist``: opt-in histogram of the per-parameter log10 gradient norms.
 
 Names are per parameter for models of up to 100 parameter tensors and per module above that
@@ -31,7 +34,7 @@ from gradhealth.report import Report, describe_groups, group_by_module
 from gradhealth.stats import combine_norms
 from gradhealth.status import Status
 
-from .gradient_flow import CODES, WORST, image, labelled
+from .gradient_flow import CODES, WORST, expert_map_image, image, labelled, labelled_experts
 from .tbread import NAMES, read_run
 
 __all__ = ["TensorBoardSink", "read_run", "layout"]
@@ -48,6 +51,8 @@ def layout(norm: str = "grad_norm") -> dict:
             "parameter states over time": ["Multiline", [rf"{PREFIX}/status/.*"]],
             "valid counts": ["Multiline", [rf"{PREFIX}/valid/.*"]],
             "loss and findings": ["Multiline", [rf"{PREFIX}/loss.*", rf"{PREFIX}/findings/.*"]],
+            "expert utilization by MoE layer (0: collapse)": ["Multiline", [rf"{PREFIX}/experts/utilization/.*"]],
+            "expert gradient norm, min and max by MoE layer": ["Multiline", [rf"{PREFIX}/experts/grad_norm_m.*"]],
         }
     }
 
@@ -131,6 +136,9 @@ class TensorBoardSink:
         self._states: list[str] = []
         self._module_of: dict[str, str] = {}
         self._row: dict[str, int] = {}
+        self._expert_columns: list[tuple[dict, set]] = []  # recent checks: (expert norms, dead experts)
+        self._expert_layers: dict[str, list[str]] = {}
+        self._expert_step = 0
 
     def _granularity(self, report: Report) -> str:
         if self.granularity is not None:
@@ -162,6 +170,10 @@ class TensorBoardSink:
         module_norms = ({k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix) and not k.startswith(prefix + "total")}
                         if granularity == "module" else None)
         self._remember(report, module_norms)
+        if report.expert_layers:
+            self._expert_columns = (self._expert_columns + [(report.expert_grad_norm, {u for f in report.findings
+                                    if f.kind == "DEAD_EXPERT" and f.step == report.step for u in f.params})])[-self.heatmap_window:]
+            self._expert_layers, self._expert_step = report.expert_layers, report.step
         self._writes += 1
         if self.heatmap_every and self._writes % self.heatmap_every == 0:
             self.write_heatmap(report.step)
@@ -263,6 +275,24 @@ class TensorBoardSink:
         cell = (max(2, min(12, 800 // max(1, len(self._columns)))), max(3, min(24, 480 // max(1, n))))
         img = labelled(image(value, state, cell), rows, self._steps, cell)
         self.writer.add_image(f"{PREFIX}/gradient_flow", img, self._steps[-1] if step is None else step, dataformats="HWC")
+        if self._expert_columns:
+            self.write_expert_map(step)
+
+    def write_expert_map(self, step: int | None = None) -> None:
+        """Write the expert map (MoE layers x experts, recent gradient norms, dead ones marked) now."""
+        layers = list(self._expert_layers)
+        count = max(len(u) for u in self._expert_layers.values())
+        value = np.full((len(layers), count), np.nan)
+        dead = np.zeros((len(layers), count), dtype=bool)
+        last_dead = self._expert_columns[-1][1]
+        for i, layer in enumerate(layers):
+            for j, unit in enumerate(self._expert_layers[layer]):
+                seen = [norms[unit] for norms, _ in self._expert_columns if unit in norms and math.isfinite(norms[unit])]
+                value[i, j] = math.sqrt(sum(v * v for v in seen) / len(seen)) if seen else 0.0
+                dead[i, j] = unit in last_dead
+        cell = (max(6, min(24, 800 // count)), max(8, min(18, 480 // max(1, len(layers)))))
+        img = labelled_experts(expert_map_image(layers, value, dead, cell), layers, count, self._expert_step, cell)
+        self.writer.add_image(f"{PREFIX}/expert_map", img, self._expert_step if step is None else step, dataformats="HWC")
 
     def flush(self) -> None:
         if self._columns and self.heatmap_every:

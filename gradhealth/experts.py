@@ -1,0 +1,249 @@
+"""Stacked experts: one tensor holding E experts along a dimension, judged per expert.
+
+Mixture-of-experts layers in transformers 5 (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS) and in
+grouped-GEMM codebases (torchtitan, Megatron) keep all experts of a layer in one tensor
+(``model.layers.0.mlp.experts.gate_up_proj`` of shape ``[E, 2*I, H]``): a collapsed router leaves
+``grad[3]`` exactly zero while the tensor's gradient is not, so the tensor is OK and the dead
+expert is invisible unless each slice is looked at.
+
+* **Finding the stacks** (``find_stacks``): automatically, a parameter owned by a module named
+  ``experts`` whose leading dimension is that module's ``num_experts`` (or the model config's
+  ``num_local_experts`` / ``num_experts`` / ``n_routed_experts`` / ``moe_num_experts``), with at least
+  two dimensions; or the ``experts=`` option: name patterns (``fnmatch``) with the stacking dimension
+  (``{"*.moe.w1": 0}``, or a list of patterns for dimension 0). Nothing else is guessed (a 3-D conv
+  weight is not experts); ``experts=False`` turns it off.
+* **Slice norms** (``slice_norms``, ``finish_slices``): each stacked gradient is reduced per slice by
+  one ``vector_norm(..., dim=1)`` (no loop over slices), read in the check's single transfer; the
+  tensor's own norm is the float64 ``hypot`` of its slices, so a stacked tensor costs one pass as
+  before. Slices whose norm came back 0 or inf are re-checked exactly (scaled float64 norms, one
+  chain per tensor over just those slices, one more transfer at that check): a zero slice is exactly
+  zero, finite 1e20s are finite, 1e-30s are not zero.
+* **Per-expert verdicts** (``judge``): an expert ``<module>[i]`` is all its stacked tensors' slices
+  ``i`` together: NON_FINITE_GRAD if any slice holds NaN/inf, ZERO_GRAD (idle: it got no tokens) if
+  every slice is exactly zero, NO_GRAD if none of its tensors has a gradient, FROZEN if all are
+  frozen, else OK. Idle experts go through the persistence rule (:mod:`.patience`): transient is
+  info, persistent is DEAD_EXPERT.
+* **Router evidence** (``router_counts``): when the model returns its router logits (Hugging Face
+  ``output_router_logits=True``), the tokens routed to each expert are counted on the device and
+  read in the same transfer: a second, independent signal (0 tokens and a zero slice agree), in
+  ``report.expert_tokens`` and the DEAD_EXPERT message. Without them the slices alone decide.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .naming import module_of
+from .stats import combine_norms, fetch
+from .status import Status
+
+__all__ = ["fill", "router_counts", "tokens_by_unit", "Stack", "find_stacks", "check_experts", "slice_norms", "finish_slices", "judge", "unit_name",
+           "CONFIG_KEYS", "describe_stacks"]
+
+#: model-config attributes that give the number of experts of a layer
+CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_MODULE_KEYS = ("num_experts", "num_local_experts")
+
+
+@dataclass(frozen=True)
+class Stack:
+    entry: int  # the parameter's entry index in the monitor's view
+    name: str  # the parameter's name
+    module: str  # the experts module the unit names are built on
+    dim: int  # the stacking dimension
+    count: int  # experts in it
+
+
+def unit_name(module: str, index: int) -> str:
+    return f"{module}[{index}]"
+
+
+def check_experts(value):
+    """The ``experts`` option: None (automatic), False (off), or patterns with their dimension."""
+    if value is None or value is False:
+        return value
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    else:
+        try:
+            pairs = [(p, 0) for p in value]
+        except TypeError:
+            pairs = None
+    if pairs is None or not all(isinstance(p, str) and isinstance(d, int) and not isinstance(d, bool) for p, d in pairs):
+        raise TypeError("experts must be None (found automatically), False (off), a name pattern or list of them "
+                        "(stacked along dimension 0), or a dict {pattern: dimension}, e.g. {'*.moe.experts.w1': 0}; "
+                        f"got {value!r}")
+    return dict(pairs)
+
+
+def _config_count(root: nn.Module) -> int | None:
+    cfg = getattr(root, "config", None)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        for key in CONFIG_KEYS:
+            v = getattr(c, key, None) if c is not None else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 1:
+                return v
+    return None
+
+
+def find_stacks(root: nn.Module, entries, declared=None) -> dict[int, Stack]:
+    """The stacked-expert tensors among ``entries`` (``(name, parameter)``), by entry index."""
+    if declared is False:
+        return {}
+    out: dict[int, Stack] = {}
+    if declared:
+        for i, (name, p) in enumerate(entries):
+            for pattern, dim in declared.items():
+                if fnmatch.fnmatchcase(name, pattern) and -p.dim() <= dim < p.dim() and p.shape[dim] > 1:
+                    out[i] = Stack(i, name, module_of(name), dim % p.dim(), p.shape[dim])
+                    break
+        return out
+    config = _config_count(root)
+    modules = dict(root.named_modules())
+    for i, (name, p) in enumerate(entries):
+        owner = module_of(name)
+        if not owner.rpartition(".")[2].lower().endswith("experts") or p.dim() < 2:
+            continue
+        m = modules.get(owner)
+        count = next((getattr(m, k) for k in _MODULE_KEYS if isinstance(getattr(m, k, None), int)), None) or config
+        if count is not None and count > 1 and p.shape[0] == count:
+            out[i] = Stack(i, name, owner, 0, count)
+    return out
+
+
+def describe_stacks(stacks: dict[int, Stack]) -> str | None:
+    """``stacked experts: model.layers.0.mlp.experts (4 experts: gate_up_proj, down_proj), ...``"""
+    if not stacks:
+        return None
+    by: dict[str, list[Stack]] = {}
+    for s in stacks.values():
+        by.setdefault(s.module, []).append(s)
+    parts = [f"{m} ({ss[0].count} experts: {', '.join(s.name.rpartition('.')[2] for s in ss)})" for m, ss in by.items()]
+    shown = ", ".join(parts[:4]) + (f" and {len(parts) - 4} more layers" if len(parts) > 4 else "")
+    return f"stacked experts judged per expert in {len(by)} layer{'s' if len(by) != 1 else ''}: {shown}"
+
+
+def _slices(grad: Tensor, stack: Stack) -> Tensor:
+    g = grad.detach()
+    if stack.dim:
+        g = g.movedim(stack.dim, 0)
+    return g.reshape(stack.count, -1)
+
+
+def slice_norms(grad: Tensor, stack: Stack) -> Tensor:
+    """The L2 norm of each of ``grad``'s slices, one kernel (accumulating in float32, float64 for
+    float64 gradients), as a float64 device tensor."""
+    x = _slices(grad, stack)
+    kw = {} if grad.dtype in (torch.float32, torch.float64) else {"dtype": torch.float32}  # (naming its own dtype is slower)
+    # a reduction along rows of [E, n] parallelises over only E outputs on a CPU: reduce [E*k, n/k]
+    # rows, then the k parts of each slice (as fast as one fused norm of the whole tensor)
+    m = x.shape[1]
+    k = next((k for k in (8, 4, 2) if m % k == 0 and m // k >= 1024), 1)
+    if k > 1 and x.is_contiguous():
+        parts = torch.linalg.vector_norm(x.reshape(stack.count * k, m // k), dim=1, **kw)
+        return torch.linalg.vector_norm(parts.reshape(stack.count, k), dim=1).to(torch.float64)
+    return torch.linalg.vector_norm(x, dim=1, **kw).to(torch.float64)
+
+
+def finish_slices(grads: list[Tensor], stacks: list[Stack], values: list[list[float]]) -> list[list[float]]:
+    """The exact re-check of the slices whose fused norm came back 0 or inf (there a float32 sum of
+    squares can lie), one chain per tensor over just those slices and one transfer for all."""
+    todo = [(k, [e for e, v in enumerate(vs) if v == 0.0 or v == math.inf]) for k, vs in enumerate(values)]
+    todo = [(k, idx) for k, idx in todo if idx]
+    if not todo:
+        return values
+    parts = []
+    for k, idx in todo:
+        x = _slices(grads[k], stacks[k])[torch.tensor(idx, device=grads[k].device)].to(torch.float64)
+        amax = x.abs().amax(dim=1)
+        special = (amax == 0) | torch.isinf(amax) | torch.isnan(amax)
+        safe = torch.where(special, torch.ones_like(amax), amax)
+        scaled = amax * torch.linalg.vector_norm(x / safe[:, None], dim=1)
+        parts.append(torch.where(special, amax, scaled))
+    exact = fetch(parts)
+    out = [list(vs) for vs in values]
+    pos = 0
+    for k, idx in todo:
+        for e in idx:
+            out[k][e] = exact[pos]
+            pos += 1
+    return out
+
+
+def router_counts(output, top_k) -> list[Tensor] | None:
+    """Tokens routed to each expert of each MoE layer, counted on the device from a model output's
+    ``router_logits`` (Hugging Face ``output_router_logits=True``: one ``[tokens, E]`` tensor per
+    layer) with the config's ``top_k``; None when the output has none."""
+    logits = getattr(output, "router_logits", None)
+    if logits is None and isinstance(output, dict):
+        logits = output.get("router_logits")
+    if not logits or not isinstance(top_k, int) or isinstance(logits, Tensor):
+        return None
+    out = []
+    with torch.no_grad():
+        for layer in logits:
+            if not isinstance(layer, Tensor) or layer.dim() != 2 or top_k > layer.shape[-1]:
+                return None
+            chosen = layer.topk(top_k, dim=-1).indices.reshape(-1)
+            out.append(torch.bincount(chosen, minlength=layer.shape[-1]).to(torch.float64))
+    return out
+
+
+def tokens_by_unit(layers: dict[str, list[str]], counts: list[list[float]] | None) -> dict[str, int]:
+    """Router token counts by expert, when the router reported one count vector per MoE layer of
+    stacked experts (in the model's order) of the same size."""
+    if not counts or len(counts) != len(layers):
+        return {}
+    out = {}
+    for units, vs in zip(layers.values(), counts):
+        if len(vs) != len(units):
+            return {}
+        out.update({u: int(v) for u, v in zip(units, vs)})
+    return out
+
+
+def tensor_norm(values: list[float]) -> float:
+    """A stacked tensor's own norm from its slices' (exact where they are)."""
+    return combine_norms(values)
+
+
+def judge(stacks: dict[int, Stack], status: dict[str, Status], slices: dict[int, list[float]]
+          ) -> tuple[dict[str, Status], dict[str, float], dict[str, list[str]]]:
+    """Per-expert states and norms: ``({unit: state}, {unit: norm}, {experts module: [units]})``."""
+    by: dict[str, list[Stack]] = {}
+    for s in stacks.values():
+        if s.name in status:
+            by.setdefault(s.module, []).append(s)
+    states: dict[str, Status] = {}
+    norms: dict[str, float] = {}
+    layers: dict[str, list[str]] = {}
+    for module, ss in by.items():
+        count = min(s.count for s in ss)
+        units = layers[module] = [unit_name(module, e) for e in range(count)]
+        live = [s for s in ss if status[s.name] is not Status.FROZEN]
+        for e, unit in enumerate(units):
+            if not live:
+                states[unit] = Status.FROZEN
+                continue
+            vals = [slices[s.entry][e] for s in live if s.entry in slices]
+            if not vals:
+                states[unit] = Status.NO_GRAD
+                continue
+            v = combine_norms(vals)
+            norms[unit] = v
+            states[unit] = (Status.NON_FINITE_GRAD if not math.isfinite(v) else
+                            Status.ZERO_GRAD if v == 0.0 else Status.OK)
+    return states, norms, layers
+
+
+def fill(report, stacks: dict[int, Stack], slices: dict[int, list[float]], router) -> None:
+    """Write the per-expert fields of ``report`` (states, norms, layers, router tokens)."""
+    report.expert_status, report.expert_grad_norm, report.expert_layers = judge(stacks, report.status, slices)
+    report.expert_tokens = tokens_by_unit(report.expert_layers, router)
