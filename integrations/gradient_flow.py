@@ -59,17 +59,25 @@ def image(value: np.ndarray, state: np.ndarray, cell: tuple[int, int]) -> np.nda
     return np.repeat(np.repeat(rgb.astype(np.uint8), ch, axis=0), cw, axis=1)
 
 
-def labelled(img: np.ndarray, rows: list[str], steps: list[int], cell: tuple[int, int]) -> np.ndarray:
-    """Module names on the left and steps underneath, with PIL when it is installed."""
+def _canvas(img: np.ndarray, rows: list[str], top: int, bottom: int):
+    """(canvas, draw, left) with ``img`` pasted right of the row labels, or None without PIL."""
     try:
         from PIL import Image, ImageDraw
     except ImportError:
-        return img
-    cw, ch = cell
+        return None
     left = 8 + 6 * max((len(r) for r in rows), default=4)
-    canvas = Image.new("RGB", (max(left + img.shape[1] + 8, 560), img.shape[0] + 36), "white")
-    canvas.paste(Image.fromarray(img), (left, 4))
-    draw = ImageDraw.Draw(canvas)
+    canvas = Image.new("RGB", (max(left + img.shape[1] + 8, 560), img.shape[0] + top + bottom), "white")
+    canvas.paste(Image.fromarray(img), (left, top))
+    return canvas, ImageDraw.Draw(canvas), left
+
+
+def labelled(img: np.ndarray, rows: list[str], steps: list[int], cell: tuple[int, int]) -> np.ndarray:
+    """Module names on the left and steps underneath, with PIL when it is installed."""
+    made = _canvas(img, rows, 4, 32)
+    if made is None:
+        return img
+    canvas, draw, left = made
+    cw, ch = cell
     for i, r in enumerate(rows):
         if ch >= 10 or i % max(1, 10 // ch) == 0:
             draw.text((4, 4 + i * ch), r, fill=(0, 0, 0))
@@ -102,15 +110,11 @@ def expert_map_image(layers: list[str], value: np.ndarray, dead: np.ndarray, cel
 
 def labelled_experts(img: np.ndarray, layers: list[str], count: int, step: int, cell: tuple[int, int]) -> np.ndarray:
     """Layer names on the left, expert indexes on top, the legend underneath (PIL when installed)."""
-    try:
-        from PIL import Image, ImageDraw
-    except ImportError:
+    made = _canvas(img, layers, 18, 34)
+    if made is None:
         return img
+    canvas, draw, left = made
     cw, ch = cell
-    left = 8 + 6 * max((len(r) for r in layers), default=4)
-    canvas = Image.new("RGB", (max(left + img.shape[1] + 8, 560), img.shape[0] + 52), "white")
-    canvas.paste(Image.fromarray(img), (left, 18))
-    draw = ImageDraw.Draw(canvas)
     for j in range(count):
         if cw >= 14 or j % max(1, 14 // cw) == 0:
             draw.text((left + j * cw + 2, 4), str(j), fill=(0, 0, 0))

@@ -72,13 +72,16 @@ class WithDropout(Backbone):
         return self.head(self.drop(self.features(x)))
 
 
-def run(model, steps=30, **kw):
+def run(model, steps=30, seed=0, at=None, **kw):
+    """``steps`` SGD steps over 4 fixed batches; ``at(step)`` runs before each step's forward."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     mon = gh.GradHealth(model, opt, **kw)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     data = [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(4)]
     reports, losses = [], []
     for step in range(steps):
+        if at is not None:
+            at(step)
         x, y = data[step % 4]
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
@@ -118,23 +121,11 @@ def test_qat_freeze_bn_stats_late_in_training_is_silent_under_raise():
     model = fuse_modules_qat(model, [["features.0", "features.1", "features.2"], ["features.3", "features.4", "features.5"]])
     model.qconfig = get_default_qat_qconfig("x86")
     prepare_qat(model, inplace=True)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    mon = gh.GradHealth(model, opt, on_problem="raise")
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(4)]
-    losses, reports = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("error", gh.GradHealthWarning)
-        for step in range(40):
-            if step == 25:  # PyTorch's QAT recipe: freeze the BN statistics late in training
-                model.apply(freeze_bn_stats)
-            x, y = data[step % 4]
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            reports.append(mon.check(loss=loss))
-            opt.step()
-            losses.append(loss.item())
+        # PyTorch's QAT recipe: freeze the BN statistics late in training
+        reports, losses = run(model, steps=40, seed=1, on_problem="raise",
+                              at=lambda step: model.apply(freeze_bn_stats) if step == 25 else None)
     bns = [m.bn for m in model.modules() if hasattr(m, "freeze_bn")]
     assert len(bns) == 2 and all(not b.training and b.weight.requires_grad for b in bns)  # the premise
     assert sum(losses[-4:]) < sum(losses[:4])
