@@ -291,7 +291,14 @@ def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> Non
         model(torch.randn(32, 64)).square().mean().backward()
         mon = GradHealth(model, opt, on_problem="ignore", deltas="off", desync_every=0)
         mon.carry.checks = 1  # past the first check: no DESYNC fingerprint in the timed loop
-        res = interleaved({"check()": lambda: mon.check()}, rounds, 20)
+        from . import crossrank
+
+        def timed(agreement: bool):
+            crossrank.AGREEMENT = agreement  # the same order on every rank: one layout per collective
+            mon.check()
+
+        res = interleaved({"check()": lambda: timed(True), "check() without agreement": lambda: timed(False)}, rounds, 20)
+        crossrank.AGREEMENT = True
         mon.close()
         # the rank-origin comm hook: a DDP training step with and without it
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -346,6 +353,9 @@ def bench_distributed(rounds: int) -> None:
     print("\ntorch.distributed, 400 small tensors, one thread per process:")
     print(f"  check() in one process {local_t * 1e3:.3f} ms; at world size 2 (gloo, one all_reduce per check) "
           f"{dist_t * 1e3:.3f} ms: the collective adds {1e3 * (dist_t - local_t):.3f} ms ({dist_t / local_t:.2f}x)")
+    before = res["check() without agreement"]
+    print(f"  the replicas' gradient agreement in the same collective: {before * 1e3:.3f} ms without it, "
+          f"{dist_t * 1e3:.3f} ms with it ({100 * (dist_t / before - 1):+.1f}%, target +15%)")
     a, b = res["ddp step"], res["ddp step + hook"]
     print(f"  DDP forward+backward {a * 1e3:.2f} ms; with the rank-origin comm hook {b * 1e3:.2f} ms ({100 * (b / a - 1):+.1f}%)")
 

@@ -27,16 +27,24 @@ from .report import Report, describe_names
 from .stats import SMALLEST_SUBNORMAL
 from .status import Status
 
-__all__ = ["rank_layout", "pack_rank", "combine", "Across", "rank_findings", "desync_findings"]
+__all__ = ["rank_layout", "pack_rank", "combine", "Across", "rank_findings", "disagree_findings", "desync_findings", "AGREE_TOL"]
 
-_PER_PARAM = ("sq", "has", "bad", "nz", "pre_bad", "pre_zero")
-_FLAGS = ("has_pre", "loss_sum", "loss_bad", "loss_n", "cause", "eval", "stale", "failed")
+_PER_PARAM = ("sq", "has", "bad", "nz", "n1", "pre_bad", "pre_zero")
+_FLAGS = ("has_pre", "loss_sum", "loss_bad", "loss_n", "cause", "eval", "stale", "failed", "unsynced")
+#: replicas agree when the spread of their gradient norms, mean(n**2) - mean(n)**2, is at most this
+#: times mean(n**2): the float64 rounding of the two sums (a few 1e-16 relative for any world size
+#: one can run) and nothing else, since one all-reduce hands every rank the same gradient
+AGREE_TOL = 1e-10
+#: compare the replicas' gradients in the collective (off only to time what it costs: every rank
+#: must agree on it, as on the whole layout)
+AGREEMENT = True
 
 
 def rank_layout(n: int, valid_names: list[str], update_sizes: list[int]) -> Layout:
     lay = Layout()
     for name in _PER_PARAM:
-        lay.add(name, n)
+        if name != "n1" or AGREEMENT:
+            lay.add(name, n)
     for name in _FLAGS:
         lay.add(name)
     for v in valid_names:
@@ -46,9 +54,11 @@ def rank_layout(n: int, valid_names: list[str], update_sizes: list[int]) -> Layo
     return lay
 
 
-def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = False) -> tuple[Tensor, Layout]:
+def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = False,
+              unsynced: bool = False) -> tuple[Tensor, Layout]:
     """This rank's float64 vector (CPU) and its layout. ``pre``: the DDP hook's (non-finite,
-    all-zero) flags per judged parameter before the all-reduce, or None."""
+    all-zero) flags per judged parameter before the all-reduce, or None; ``unsynced``: a DDP
+    training backward ran here without DDP's communication hook."""
     b, inv, idx = dist.bit(rank), 1.0 / world, obs.idx
     raw = torch.tensor([0.0 if obs.norm_of[i] is None else obs.norm_of[i] for i in idx], dtype=torch.float64)
     weight = torch.tensor([1.0 if i in obs.sharded else inv for i in idx], dtype=torch.float64)
@@ -57,13 +67,17 @@ def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = 
     valid_names = sorted(obs.valid)
     parts = dict(
         sq=raw * raw * weight, has=[0.0 if obs.norm_of[i] is None else 1.0 for i in idx],
-        bad=(~torch.isfinite(raw)).to(torch.float64), nz=(raw != 0).to(torch.float64),
+        bad=(~torch.isfinite(raw)).to(torch.float64) * b, nz=(raw != 0).to(torch.float64),
+        # the replicas' agreement: with sq, the mean of the norms and of their squares over the ranks
+        n1=torch.where(torch.isfinite(raw), raw * inv, torch.zeros_like(raw)) * (weight == inv),
         pre_bad=[x * b for x in pre_bad], pre_zero=[x * b for x in pre_zero], has_pre=[1.0 if pre is not None else 0.0],
         loss_sum=[loss * inv if loss is not None and math.isfinite(loss) else 0.0],
         loss_bad=[b if loss is not None and not math.isfinite(loss) else 0.0], loss_n=[1.0 if loss is not None else 0.0],
         cause=[b if obs.loss_cause else 0.0], eval=[b if obs.eval_record is not None else 0.0],
-        stale=[b if obs.stale else 0.0], failed=[b if failed else 0.0],
+        stale=[b if obs.stale else 0.0], failed=[b if failed else 0.0], unsynced=[b if unsynced else 0.0],
     )
+    if not AGREEMENT:
+        del parts["n1"]
     for v in valid_names:
         parts[f"valid:{v}"] = [float(obs.valid[v])]
         parts[f"empty:{v}"] = [b if obs.valid[v] == 0 else 0.0]
@@ -89,17 +103,28 @@ class Across:
     cause_mask: float
     eval_mask: float
     stale_mask: float
+    unsynced_mask: float = 0.0
+    bad_mask: list[float] | None = None  # per judged parameter: the ranks holding a non-finite gradient
+    disagree: list[int] | None = None  # positions (in obs.idx) of replicated gradients that differ across ranks
+    local_norm: list | None = None  # this rank's own norms per entry, before the reduction
 
 
 def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Across:
     """Turn the summed vector into every rank's numbers (written into ``obs``) and the masks."""
     t = lay.unpack(reduced)
-    got = {k: v.tolist() for k, v in t.items() if k not in _PER_PARAM[:4]}
+    got = {k: v.tolist() for k, v in t.items() if k not in _PER_PARAM[:5]}
     across = Across(world, got["failed"][0], got["pre_bad"], got["pre_zero"], got["has_pre"][0] > 0,
-                    {v: got[f"empty:{v}"][0] for v in obs.valid}, got["cause"][0], got["eval"][0], got["stale"][0])
+                    {v: got[f"empty:{v}"][0] for v in obs.valid}, got["cause"][0], got["eval"][0], got["stale"][0],
+                    got["unsynced"][0], t["bad"].tolist())
     if across.failed > 0:
         return across
     sq, has, bad, nz = t["sq"], t["has"].tolist(), t["bad"], t["nz"]
+    if "n1" in t:  # replicated gradients held by every rank, finite everywhere: do their norms agree?
+        replicated = torch.tensor([i not in obs.sharded for i in obs.idx], dtype=torch.bool)
+        spread = sq - t["n1"] * t["n1"]
+        odd = replicated & (bad == 0) & (t["has"] == world) & (spread > AGREE_TOL * sq)
+        across.disagree = odd.nonzero().reshape(-1).tolist()
+    across.local_norm = list(obs.norm_of)  # this rank's own norms, before the reduction replaces them
     # non-finite anywhere: inf unless the squares hold a NaN; zero only if zero everywhere; a
     # non-zero gradient never rounds to a zero norm
     norm = torch.where(bad > 0, torch.where(torch.isfinite(sq), torch.full_like(sq, math.inf), sq),
@@ -145,6 +170,24 @@ def rank_findings(report: Report, across: Across, obs: Observation, names: list[
             out.append(Finding(FindingKind.PARTIALLY_USED, f"{describe_names(status, dead)}: zero on every rank before "
                                "the all-reduce: DDP zero-filled them, no rank used them in this step",
                                params=tuple(sorted(dead)), level="info", step=report.step))
+    if across.unsynced_mask > 0:
+        ranks = dist.ranks_of(across.unsynced_mask, world)
+        out.append(Finding(FindingKind.DDP_NOT_SYNCED, f"DistributedDataParallel did not synchronise the gradients of this "
+                           f"backward on {on_ranks(ranks) if ranks else 'some ranks'} (its communication hook never ran): "
+                           "each rank trains on its own gradients. Usual causes: the parameters were replaced or moved "
+                           "after wrapping (.to(), .cuda(), .double()/.float() after DistributedDataParallel(...): DDP's "
+                           "hooks stay on the old tensors), or the model was called around its wrapper (module(x) instead "
+                           "of ddp(x)). Move the model before wrapping it (or wrap it again), and call the wrapper for "
+                           "every training forward", step=report.step, data={"ranks": ranks}))
+    if across.has_pre and across.bad_mask is not None:
+        made = {names[i]: m for i, m, before in zip(idx, across.bad_mask, across.pre_bad) if m > 0 and before == 0}
+        if made:
+            ranks = sorted({r for m in set(made.values()) for r in dist.ranks_of(m, world)})
+            out.append(Finding(FindingKind.NONFINITE_COLLECTIVE, f"{describe_names(status, made)}: finite on every rank before "
+                               f"DDP's all-reduce, non-finite after it on {on_ranks(ranks)}: the communication broke them "
+                               "(a faulty communication hook, a flaky link or device), not the model's math or the data; "
+                               "check the comm hook, the interconnect and that rank's device", params=tuple(made),
+                               step=report.step, data={"ranks": ranks}))
     for n, m in across.empty_masks.items():  # empty on some ranks only: the global count hides it
         if m > 0 and obs.valid.get(n):
             out.append(Finding(FindingKind.EMPTY_VALID_SET, f"the valid mask {n!r} selected nothing{where(m, world)} at "
@@ -163,6 +206,27 @@ def where(mask: float, world: int) -> str:
 def remote_record(record: ForwardRecord | None) -> ForwardRecord:
     """The eval-mode record to judge when another rank saw it (this one has none of its own)."""
     return record or ForwardRecord(True, False, False, ())
+
+
+def disagree_findings(across: Across, obs: Observation, names: list[str], status, step: int, device) -> list[Finding]:
+    """The replicas' gradients differ after the reduction (``across.disagree``, the same on every
+    rank): their norms are gathered once, only then, to name the ranks that differ from rank 0."""
+    if not across.disagree:
+        return []
+    idx = [obs.idx[j] for j in across.disagree]
+    local = across.local_norm or obs.norm_of
+    rows = dist.all_gather([local[i] if local[i] is not None else math.nan for i in idx], device)
+    differ: dict[str, list[int]] = {}
+    for k, i in enumerate(idx):
+        odd = [r for r, row in enumerate(rows) if row[k] != rows[0][k]]
+        differ[names[i]] = odd
+    ranks = sorted({r for rs in differ.values() for r in rs})
+    return [Finding(FindingKind.GRAD_DISAGREE, f"the replicas' gradients of {describe_names(status, differ)} differ between "
+                    f"rank 0 and {on_ranks(ranks)} after the gradient reduction: the ranks are no longer training one "
+                    "model (DDP's hooks lost after the parameters were replaced or moved, a forward that bypassed the "
+                    "DDP wrapper, a communication hook or link that delivers part of a bucket wrong); the parameters "
+                    "will drift apart", params=tuple(differ), step=step,
+                    data={"ranks": differ, "norms": {names[i]: [row[k] for row in rows] for k, i in enumerate(idx)}})]
 
 
 def desync_findings(params: list[Tensor], names: list[str], status, step: int, device) -> list[Finding]:

@@ -114,9 +114,24 @@ class RankOrigin:
         self.local: dict[int, Tensor] = {}
         self.enabled = True
         ddp_model.register_comm_hook(self, RankOrigin._hook)
+        self.ran = False  # the hook ran since the last check
+        self.forwards = 0  # training forwards of the wrapped module since the last check
+        self._handle = ddp_model.module.register_forward_hook(self._forward)
+
+    def _forward(self, module, args, output) -> None:
+        if torch.is_grad_enabled() and module.training:
+            self.forwards += 1
+
+    def unsynced(self) -> bool:
+        """A training forward ran since the last check and no backward went through DDP's
+        communication (its hooks lost, or the forward bypassed the wrapper); counts restart."""
+        out = self.forwards > 0 and not self.ran
+        self.forwards, self.ran = 0, False
+        return out
 
     @staticmethod
     def _hook(state: RankOrigin, bucket):
+        state.ran = True
         if state.enabled:
             grads = bucket.gradients()
             if grads:
@@ -179,3 +194,4 @@ class Ranks:
     def close(self) -> None:
         if self.origin is not None:
             self.origin.enabled = False  # DDP cannot unregister a comm hook: it only forwards now
+            self.origin._handle.remove()

@@ -319,7 +319,8 @@ class GradHealth:
         """THE collective of a check: every rank's numbers summed, the same verdict everywhere."""
         r = self.ranks
         pre = r.origin.take([self.view.params[i] for i in obs.idx]) if r.origin is not None else None
-        vec, lay = crossrank.pack_rank(obs, r.rank, r.world, pre, failed=self._failed is not None)
+        unsynced = r.origin is not None and r.origin.unsynced() and bool(obs.with_grad)
+        vec, lay = crossrank.pack_rank(obs, r.rank, r.world, pre, self._failed is not None, unsynced)
         across = crossrank.combine(all_reduce_tensor(vec, r.device), lay, obs, r.world)
         if across.failed:
             failed = ranks_of(across.failed, r.world)
@@ -362,6 +363,7 @@ class GradHealth:
             if across.stale_mask:
                 found += judges.stale_grad(report.status, stale or set(report.status), step, where(across.stale_mask))
             found += crossrank.rank_findings(report, across, obs, names)
+            found += crossrank.disagree_findings(across, obs, names, report.status, step, self.ranks.device)
         found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step)
         if nonfinite and report.expert_status:
             found += judges.nonfinite_experts(report.expert_status, step)

@@ -238,5 +238,114 @@ def s_local_failure(rank, world):
     return {"report": r is not None, "said": said}
 
 
-SCENARIOS = {"local_failure": s_local_failure, "fsdp1": s_fsdp1, "verdict": s_verdict, "nan_rank1": s_nan_rank1, "desync": s_desync, "raise": s_raise,
+def _replicas(rank, world, case):
+    """Replicas that stop agreeing (and their fixed versions): 3 checks of a small DDP model."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    if case == "roundtrip_fixed":
+        model.double().float()  # before wrapping: fine
+    ddp = nn.parallel.DistributedDataParallel(model)
+    if case == "roundtrip":
+        model.double().float()  # after wrapping: DDP's hooks stay on the old tensors (pytorch#104336 on CPU)
+    healthy = case.endswith("_fixed")
+    options = {"on_problem": "raise" if healthy else "ignore"}
+    if case.startswith("bucket"):
+        def hook(state, bucket):  # a faulty link: 1% of the bucket zeroed on the way to rank 1
+            fut = allreduce_hook(None, bucket)
+            if case == "bucket_fixed":
+                return fut
+
+            def damage(f):
+                t = f.value()[0] if isinstance(f.value(), list) else f.value()
+                if dist.get_rank() == 1:
+                    t[: max(1, t.numel() // 100)] = 0.0
+                return t
+
+            return fut.then(damage)
+
+        ddp.register_comm_hook(None, hook)
+        options["rank_origin"] = False  # one comm hook per DDP model: the faulty one here
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    mon = gh.GradHealth(ddp, opt, **options)
+    if case == "nan_collective":
+        plain = mon.ranks.origin._allreduce
+
+        def faulty(state, bucket):  # the all-reduce itself hands rank 1 a NaN
+            def poison(f):
+                t = f.value()[0] if isinstance(f.value(), list) else f.value()
+                if dist.get_rank() == 1:
+                    t[0] = float("nan")
+                return t
+
+            return plain(state, bucket).then(poison)
+
+        mon.ranks.origin._allreduce = faulty
+    torch.manual_seed(rank + 1)
+    reports, losses = [], []
+    for step in range(3):
+        x = torch.randn(8, 4)
+        opt.zero_grad()
+        out = model(x) if case == "around" and step == 0 else ddp(x)  # around its wrapper, once
+        loss = (out - x.sum(1, keepdim=True)).square().mean()
+        loss.backward()
+        try:
+            reports.append(_report(mon.check(loss=loss)))
+        except gh.GradHealthError as e:
+            reports.append({"raised": str(e)})
+            break
+        opt.step()
+        losses.append(loss.item())
+    mon.close()
+    return {"reports": reports}
+
+
+def s_healthy_replicas(rank, world):
+    """find_unused_parameters=True with bf16 parameters, 6 steps under raise."""
+    torch.manual_seed(0)
+    model = Partly().to(torch.bfloat16)
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    mon = gh.GradHealth(ddp, opt, on_problem="raise", expect_frozen=None, grad_patience=100)
+    torch.manual_seed(rank + 1)
+    oks = []
+    for step in range(6):
+        opt.zero_grad()
+        ddp(torch.randn(3, 4, dtype=torch.bfloat16), use_b=(rank == 0 or step % 2 == 0)).float().sum().backward()
+        r = mon.check()
+        oks.append([f.kind for f in r.findings if f.level == "error"] + [s.value for n, s in r.errors.items() if n[0] != "c"])
+        opt.step()
+    mon.close()
+    return {"errors": oks}
+
+
+def s_fsdp2_healthy(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gh.GradHealth(model, opt, on_problem="raise")
+    torch.manual_seed(rank + 1)
+    oks = []
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).square().mean().backward()
+        oks.append(mon.check().ok)
+        opt.step()
+    mon.close()
+    return {"ok": oks}
+
+
+SCENARIOS = {"healthy_replicas": s_healthy_replicas, "fsdp2_healthy": s_fsdp2_healthy,
+             **{f"replicas_{c}": (lambda c: lambda rank, world: _replicas(rank, world, c))(c)
+                for c in ("roundtrip", "roundtrip_fixed", "around", "around_fixed", "bucket", "bucket_fixed",
+                          "nan_collective")},
+"local_failure": s_local_failure, "fsdp1": s_fsdp1, "verdict": s_verdict, "nan_rank1": s_nan_rank1, "desync": s_desync, "raise": s_raise,
              "no_sync": s_no_sync, "sharded": s_sharded}

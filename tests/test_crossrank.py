@@ -72,3 +72,32 @@ def test_failure_flag_and_rank_origin_masks():
     assert across.has_pre and across.pre_bad == [0.0, 3.0, 0.0] and across.pre_zero == [0.0, 0.0, 1.0]
     vec, lay = crossrank.pack_rank(a, 1, 2, failed=True)
     assert crossrank.combine(vec, lay, a, 2).failed == 2.0
+
+
+def test_replicas_that_agree_bit_for_bit_pass_and_a_one_percent_difference_is_caught():
+    import random
+
+    rng = random.Random(0)
+    for world in (2, 3, 8, 64):
+        for _ in range(50):  # identical norms of every magnitude: the float64 rounding never trips the test
+            n = [rng.choice([1e-30, 1e-8, 1.0, 3.7e5, 1e20]) * rng.random() for _ in range(3)]
+            ranks = [obs(n, None, {}, [0.0] * 6) for _ in range(world)]
+            across, _ = reduce(ranks)
+            assert across.disagree == [], (world, n)
+    same = [2.0, 5.0, 1.0]
+    off = [2.0, 5.0 * (1 - 0.005), 1.0]  # 1% of a bucket zeroed: its norm 0.5% lower on one rank
+    across, _ = reduce([obs(same, None, {}, [0.0] * 6), obs(off, None, {}, [0.0] * 6)])
+    assert across.disagree == [1]
+    # sharded gradients are meant to differ; non-finite ones are judged elsewhere
+    across, _ = reduce([obs(same, None, {}, [0.0] * 6, sharded=(1,)), obs(off, None, {}, [0.0] * 6, sharded=(1,))])
+    assert across.disagree == []
+    across, _ = reduce([obs([2.0, math.inf, 1.0], None, {}, [0.0] * 6), obs(off, None, {}, [0.0] * 6)])
+    assert across.disagree == [] and across.bad_mask[1] == 1.0  # rank 0's bit
+
+
+def test_the_vector_grows_by_one_number_per_parameter_and_one_flag():
+    o = obs([1.0, 2.0, 3.0], None, {}, [0.0] * 6)
+    vec, lay = crossrank.pack_rank(o, 0, 2)
+    assert lay.slots["n1"][1] == 3 and "unsynced" in lay
+    # the former layout: 6 numbers per parameter, 8 flags, the update triples
+    assert vec.numel() == 7 * 3 + 9 + 3 * 2

@@ -101,3 +101,54 @@ def test_a_check_that_fails_on_one_rank_does_not_hang_the_others(tmp_path):
         assert r["report"] is False  # every rank skipped this check, none is stuck in the collective
         assert any("failed on rank(s) [1]" in s for s in r["said"]) or r is ranks[1]
     assert any("planted failure" in s for s in ranks[1]["said"])
+
+
+def _kinds(report):
+    return [f[0] for f in report["findings"]]
+
+
+@pytest.mark.parametrize("case", ["roundtrip", "around", "bucket"])
+def test_replicas_whose_gradients_differ_are_named_at_once(tmp_path, case):
+    ranks = spawn(f"replicas_{case}", tmp_path)
+    assert ranks[0]["reports"] == ranks[1]["reports"]  # one verdict on every rank
+    first = ranks[0]["reports"][0]
+    [disagree] = [f for f in first["findings"] if f[0] == "GRAD_DISAGREE"]
+    assert disagree[2] == "error" and not first["ok"]
+    if case == "bucket":  # part of one bucket: the parameters whose gradients were damaged, on rank 1
+        assert disagree[1] and set(disagree[1]) < set(first["status"])
+        assert all(v == [1] for v in disagree[3].values())
+        assert "DDP_NOT_SYNCED" not in _kinds(first)  # rank_origin=False: no hook of ours to see it
+    else:  # nothing was averaged: every parameter differs, and the lost synchronisation is named
+        assert set(disagree[1]) == set(first["status"])
+        [lost] = [f for f in first["findings"] if f[0] == "DDP_NOT_SYNCED"]
+        assert lost[3] == [0, 1]
+    if case == "around":  # only the step that bypassed the wrapper
+        assert all(f[0] not in ("GRAD_DISAGREE", "DDP_NOT_SYNCED") for r in ranks[0]["reports"][1:] for f in r["findings"])
+
+
+@pytest.mark.parametrize("case", ["roundtrip_fixed", "around_fixed", "bucket_fixed"])
+def test_the_fixed_replicas_are_silent_under_raise(tmp_path, case):
+    ranks = spawn(f"replicas_{case}", tmp_path)
+    for r in ranks:
+        assert len(r["reports"]) == 3 and all(rep.get("ok") for rep in r["reports"]), r["reports"]
+
+
+def test_a_nan_made_by_the_collective_names_the_communication_and_the_rank(tmp_path):
+    ranks = spawn("replicas_nan_collective", tmp_path)
+    first = ranks[0]["reports"][0]
+    assert ranks[0]["reports"][0] == ranks[1]["reports"][0]
+    [f] = [f for f in first["findings"] if f[0] == "NONFINITE_COLLECTIVE"]
+    assert f[3] == [1] and f[2] == "error"
+    assert "NONFINITE_RANK" not in _kinds(first)  # no rank produced it before the all-reduce
+
+
+def test_healthy_ddp_with_unused_parameters_and_bf16_is_silent(tmp_path):
+    ranks = spawn("healthy_replicas", tmp_path)
+    for r in ranks:
+        assert r["errors"] == [[]] * 6
+
+
+def test_healthy_fsdp2_is_silent_its_shards_are_not_compared(tmp_path):
+    ranks = spawn("fsdp2_healthy", tmp_path)
+    for r in ranks:
+        assert r["ok"] == [True] * 4
