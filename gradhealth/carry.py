@@ -14,6 +14,7 @@ import math
 import weakref
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from . import judges
@@ -66,10 +67,22 @@ class Carry:
         self.histories: dict[int, NormHistory] = {}  # per optimizer index
         self.streaks = Persistence()  # each unit's gaps without a usable gradient, and its past rate
         self.still = 0  # consecutive steps that changed no OK parameter (with lr > 0) that was decided
+        self.skips = 0  # optimizer steps the step guard dropped (skip_nonfinite / skip_spikes)
+        self.skips_in_a_row = 0
         self.gone: int | None = None  # the armed check whose gradients were gone when its step began
         self.patience = 3
 
     # ---------------------------------------------------------------- between
+    def add_valid(self, mask: Tensor, name: str) -> None:
+        """``monitor.track_valid``: this step's count of ``mask`` (a device sum, no host sync)."""
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"track_valid: mask must be a torch.Tensor; got {type(mask).__name__}")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"track_valid: name must be a non-empty str (the key in report.valid_counts); got {name!r}")
+        count = (mask if mask.dtype == torch.bool else mask != 0).sum()
+        prev = self.valid.get(name)
+        self.valid[name] = count if prev is None else prev + count.to(prev.device)
+
     def take_valid(self) -> dict[str, Tensor]:
         valid, self.valid = self.valid, {}
         return valid
@@ -193,13 +206,15 @@ class Carry:
             "histories": {i: h.state_dict() for i, h in self.histories.items()},
             "streaks": self.streaks.state_dict(),
             "still": self.still,
+            "skips": self.skips,
+            "skips_in_a_row": self.skips_in_a_row,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """All or nothing: everything is read and checked into new objects first; a malformed
         state raises ValueError and leaves this carry as it was."""
         try:
-            counts = {k: int(state.get(k, 0)) for k in ("calls", "checks", "amp_skips", "still")}
+            counts = {k: int(state.get(k, 0)) for k in ("calls", "checks", "amp_skips", "still", "skips", "skips_in_a_row")}
             if min(counts.values()) < 0:
                 raise ValueError(f"negative counters {counts}")
             settled = state.get("amp_settled", False)
@@ -219,5 +234,6 @@ class Carry:
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise ValueError(f"load_state_dict: not a state from GradHealth.state_dict() ({type(exc).__name__}: {exc}); "
                              "the monitor was left unchanged") from None
-        self.calls, self.checks, self.amp_skips, self.still = (counts[k] for k in ("calls", "checks", "amp_skips", "still"))
+        self.calls, self.checks, self.amp_skips, self.still, self.skips, self.skips_in_a_row = (
+            counts[k] for k in ("calls", "checks", "amp_skips", "still", "skips", "skips_in_a_row"))
         self.amp_settled, self.streaks, self.history, self.histories = settled, streaks, history, histories

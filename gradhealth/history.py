@@ -157,6 +157,13 @@ class NormHistory:
         self._rows.append(row)
         return findings
 
+    def forget_last(self) -> None:
+        """Take the newest check back out of the baseline (a step the guard skipped as a spike)."""
+        if self.total:
+            self.total.pop()
+            self._rows.pop()
+            self.seen -= 1
+
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         return {

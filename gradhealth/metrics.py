@@ -17,6 +17,8 @@ key                                       value
 ``gradhealth/experts/grad_norm_min/<m>``  the smallest and largest expert gradient norm of it
 ``gradhealth/experts/grad_norm_max/<m>``
 ``gradhealth/experts/dead/<m>[<i>]``      1.0 at a step where expert ``<i>`` is DEAD_EXPERT
+``gradhealth/skipped``                    1.0 at a step the step guard dropped (skip_nonfinite,
+                                          skip_spikes), else 0.0 (only with the guard on)
 ``gradhealth/update_norm/total``          ||Δθ|| of every parameter the step updated
 ``gradhealth/update_norm/<name>``         ||Δθ|| of a parameter or a module
 ``gradhealth/update_ratio/<name>``        ||Δθ|| / ||θ|| of a parameter or a module
@@ -73,6 +75,8 @@ def report_metrics(report: Report, granularity: str = "module", norm: str = "gra
         if f.step == report.step and f.level != "info":
             out[f"{PREFIX}/findings/{f.kind}"] = 1.0
     out.update(expert_metrics(report))
+    if report.skipped is not None or report.guarded:
+        out[f"{PREFIX}/skipped{suffix}"] = 1.0 if report.skipped is not None else 0.0
     return out
 
 

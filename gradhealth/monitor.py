@@ -28,7 +28,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from . import crossrank, experts, judges, stats
+from . import crossrank, experts, judges, skipping, stats
 from .carry import Carry, Delivery
 from .classify import as_optimizers, classify_selection, unwrap, unwrap_optimizer, wrapper_scaler
 from .deltas import UpdateTracker
@@ -131,6 +131,12 @@ class GradHealth:
             return None
         self.carry.checks += 1
         self.last_report = report
+        o = self.options
+        if o.skip_nonfinite or o.skip_spikes is not None:  # the step guard (:mod:`.skipping`)
+            opts = [optimizer] if optimizer is not None else self.optimizers
+            skipping.guard(report, o, self.carry, self.carry.history_for(report.optimizer_index),
+                           [p for x in opts for g in x.param_groups for p in g["params"]] if opts else self.view.params,
+                           self.scaler is not None, self.tracker)
         return report
 
     def publish(self, report: Report, stacklevel: int = 2) -> None:
@@ -143,13 +149,7 @@ class GradHealth:
         Read with the next check: its report's ``valid_counts[name]``, and EMPTY_VALID_SET if 0.
         Several calls with one name in a step (micro-batches) add up.
         """
-        if not isinstance(mask, Tensor):
-            raise TypeError(f"track_valid: mask must be a torch.Tensor; got {type(mask).__name__}")
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"track_valid: name must be a non-empty str (the key in report.valid_counts); got {name!r}")
-        count = (mask if mask.dtype == torch.bool else mask != 0).sum()
-        prev = self.carry.valid.get(name)
-        self.carry.valid[name] = count if prev is None else prev + count.to(prev.device)
+        self.carry.add_valid(mask, name)
 
     def flush(self) -> None:
         """Fetch the last measured optimizer step now (one transfer) instead of at the next check."""

@@ -175,6 +175,9 @@ class Options:
     rank_origin: bool = True
     grad_patience: int = 3
     experts: Any = None
+    skip_nonfinite: bool = False
+    skip_spikes: Any = None
+    skip_alarm: int = 3
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -195,6 +198,12 @@ class Options:
         check_positive_int("desync_every", self.desync_every, minimum=0)
         check_positive_int("grad_patience", self.grad_patience)
         fix("experts", check_experts(self.experts))
+        _check_bool("skip_nonfinite", self.skip_nonfinite)
+        if self.skip_spikes is not None:
+            fix("skip_spikes", _check_float("skip_spikes", self.skip_spikes))
+            if not self.skip_spikes > 0:
+                raise ValueError(f"skip_spikes must be a number > 0 (robust deviations above the median) or None; got {self.skip_spikes!r}")
+        check_positive_int("skip_alarm", self.skip_alarm)
 
     @classmethod
     def check_keywords(cls, changes: dict) -> None:

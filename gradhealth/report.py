@@ -165,6 +165,9 @@ class Report:
     #: tokens the router sent each expert since the last check, when the model returns its router
     #: logits (Hugging Face ``output_router_logits=True``)
     expert_tokens: dict[str, int] = field(default_factory=dict, repr=False)
+    #: the step guard dropped this check's gradients ("nonfinite" or "spike"), else None
+    skipped: str | None = None
+    guarded: bool = field(default=False, repr=False)  # the step guard is on
 
     def _odd(self):
         if self.not_ok is not None:

@@ -40,6 +40,7 @@ from gradhealth.metrics import report_metrics, suffix, update_metrics
 from gradhealth.monitor import GradHealth
 from gradhealth.options import Options, check_choice
 from gradhealth.replay import replay_nonfinite
+from gradhealth.skipping import defused
 from gradhealth.report import Report
 from gradhealth.snapshot import rng_state
 
@@ -208,8 +209,8 @@ class GradHealthCallback(Callback):
             return
         if self.replay_on_nonfinite and not report.grads_finite and pl_module.automatic_optimization:
             finding = self._replay(trainer, pl_module, report)
-            if finding is not None:
-                report.findings.append(finding)
+            if finding is not None:  # (a warning when the step guard dropped the step)
+                report.findings.append(defused(report, finding))
         self.last_report = report
         mon.publish(report, stacklevel=2)
 

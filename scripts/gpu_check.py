@@ -8,6 +8,9 @@
 3. fp16 AMP with a GradScaler: unscaled norms, an injected overflow reported as AMP_SKIPPED
    (info, no alarm), and the alarm after repeated skips.
 4. Lightning precision="16-mixed" with the callback: a planted bug found, a healthy run silent.
+5. skip_nonfinite with torch's fused AdamW on the GPU: a NaN step leaves the parameters and the
+   optimizer's state bit for bit as they were, and the guard adds no host sync to the check (the
+   decision comes from the check's one transfer; the fused kernel skips parameters without grads).
 Exits non-zero on the first failed check.
 """
 
@@ -106,6 +109,48 @@ def lightning_16_mixed() -> None:
     print("4. Lightning 16-mixed: the planted bug found, the healthy run clean")
 
 
+def fused_skip() -> None:
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    mon = gh.GradHealth(model, opt, on_problem="raise", skip_nonfinite=True)
+    original = stats.fetch
+
+    def fetch(parts):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return original(parts)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    stats.fetch = fetch
+    try:
+        for step in range(4):
+            x = torch.randn(32, 64, device=dev)
+            if step == 2:
+                x[0, 0] = float("nan")
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            torch.cuda.synchronize()
+            before = [p.detach().clone() for p in model.parameters()]
+            state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters() if opt.state[p]}
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                report = mon.check()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            opt.step()
+            if step == 2:
+                assert report.skipped == "nonfinite" and report.findings_of("STEP_SKIPPED"), str(report)
+                assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+                assert all(torch.equal(v, opt.state[p][k]) for p in model.parameters() for k, v in state.get(id(p), {}).items())
+    finally:
+        stats.fetch = original
+        mon.close()
+    print("5. skip_nonfinite with fused AdamW: the NaN step changed nothing, no extra host sync")
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here", file=sys.stderr)
@@ -118,6 +163,7 @@ def main() -> int:
     subprocess.run([sys.executable, "-m", "gradhealth", "bench", "--device", "cuda", "--rounds", "5"], check=True)
     amp_fp16()
     lightning_16_mixed()
+    fused_skip()
     print(f"gpu_check passed in {time.time() - t0:.0f}s")
     return 0
 

@@ -343,7 +343,33 @@ def s_fsdp2_healthy(rank, world):
     return {"ok": oks}
 
 
-SCENARIOS = {"healthy_replicas": s_healthy_replicas, "fsdp2_healthy": s_fsdp2_healthy,
+def s_skip_rank1(rank, world):
+    """skip_nonfinite under DDP: only rank 1's batch at step 3 is NaN; every rank drops that step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    mon = gh.GradHealth(ddp, opt, on_problem="raise", skip_nonfinite=True)
+    g = torch.Generator().manual_seed(10 + rank)
+    skipped, finite = [], []
+    for step in range(6):
+        x = torch.randn(8, 4, generator=g)
+        if step == 3 and rank == 1:
+            x[0, 0] = float("nan")
+        opt.zero_grad()
+        (ddp(x) - x.sum(1, keepdim=True)).square().mean().backward()
+        r = mon.check()
+        f = r.findings_of("STEP_SKIPPED")
+        skipped.append([f[0].step, f[0].data.get("ranks")] if f else None)
+        opt.step()
+        finite.append(all(bool(torch.isfinite(p).all()) for p in model.parameters()))
+    mon.close()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"skipped": skipped, "finite": finite, "params": flat.tolist(),
+            "steps": [float(opt.state[p]["step"]) for p in model.parameters()]}
+
+
+SCENARIOS = {"skip_rank1": s_skip_rank1, "healthy_replicas": s_healthy_replicas, "fsdp2_healthy": s_fsdp2_healthy,
              **{f"replicas_{c}": (lambda c: lambda rank, world: _replicas(rank, world, c))(c)
                 for c in ("roundtrip", "roundtrip_fixed", "around", "around_fixed", "bucket", "bucket_fixed",
                           "nan_collective")},

@@ -152,3 +152,11 @@ def test_healthy_fsdp2_is_silent_its_shards_are_not_compared(tmp_path):
     ranks = spawn("fsdp2_healthy", tmp_path)
     for r in ranks:
         assert r["ok"] == [True] * 4
+
+
+def test_a_nan_on_one_rank_is_skipped_by_every_rank_together(tmp_path):
+    ranks = spawn("skip_rank1", tmp_path)
+    for r in ranks:
+        assert r["skipped"] == [None, None, None, [3, [1]], None, None]  # step 3, produced on rank 1
+        assert all(r["finite"]) and r["steps"] == [5.0] * 4  # 6 steps, one dropped: 5 updates
+    assert ranks[0]["params"] == ranks[1]["params"]  # the replicas stay identical
