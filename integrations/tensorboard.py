@@ -50,7 +50,7 @@ def layout(norm: str = "grad_norm") -> dict:
             "update ratio by module": ["Multiline", [rf"{PREFIX}/update_ratio/.*"]],
             "parameter states over time": ["Multiline", [rf"{PREFIX}/status/.*"]],
             "valid counts": ["Multiline", [rf"{PREFIX}/valid/.*"]],
-            "loss and findings": ["Multiline", [rf"{PREFIX}/loss.*", rf"{PREFIX}/findings/.*"]],
+            "loss and findings": ["Multiline", [rf"{PREFIX}/loss.*", rf"{PREFIX}/findings/.*", rf"{PREFIX}/skipped.*"]],
             "expert utilization by MoE layer (0: collapse)": ["Multiline", [rf"{PREFIX}/experts/utilization/.*"]],
             "expert gradient norm, min and max by MoE layer": ["Multiline", [rf"{PREFIX}/experts/grad_norm_m.*"]],
         }
