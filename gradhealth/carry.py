@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from . import judges
+from . import state as checked
 from .steps import StepStats
 from .stale import WITNESSES
 from .findings import Finding, FindingKind
@@ -210,29 +211,39 @@ class Carry:
             "skips_in_a_row": self.skips_in_a_row,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """All or nothing: everything is read and checked into new objects first; a malformed
-        state raises ValueError and leaves this carry as it was."""
+    def load_state_dict(self, state: dict, modules: set[str] | None = None, units: set[str] | None = None) -> None:
+        """All or nothing: every key is checked (:mod:`.state`) and read into new objects first; a
+        malformed state raises ValueError naming the key and leaves this carry as it was.
+        ``modules`` / ``units``: this model's module and unit names, which the state must not exceed."""
+        keys = ("calls", "checks", "amp_skips", "amp_settled", "history", "histories", "streaks", "still", "skips",
+                "skips_in_a_row")
         try:
-            counts = {k: int(state.get(k, 0)) for k in ("calls", "checks", "amp_skips", "still", "skips", "skips_in_a_row")}
-            if min(counts.values()) < 0:
-                raise ValueError(f"negative counters {counts}")
-            settled = state.get("amp_settled", False)
+            checked.require(state, keys, "state")
+            counts = {k: checked.count(state[k], f"state[{k!r}]")
+                      for k in ("calls", "checks", "amp_skips", "still", "skips", "skips_in_a_row")}
+            settled = state["amp_settled"]
             if not isinstance(settled, bool):
-                raise TypeError(f"amp_settled must be a bool, got {type(settled).__name__}")
+                raise TypeError(f"state['amp_settled'] must be a bool, got {type(settled).__name__}")
+            checked.check_persistence(state["streaks"], "state['streaks']", units)
             streaks = Persistence()
-            streaks.load_state_dict(state.get("streaks") or {})
+            streaks.load_state_dict(state["streaks"])
             history, histories = self.history, self.histories
+            if not isinstance(state["histories"], dict):
+                raise TypeError("state['histories'] must be a dict")
             if self.history is not None:
                 history = copy.deepcopy(self._template)
-                if state.get("history") is not None:
+                if state["history"] is not None:
+                    checked.check_history(state["history"], "state['history']", modules, history.window)
                     history.load_state_dict(state["history"])
                 histories = {}
-                for i, h in (state.get("histories") or {}).items():
-                    histories[int(i)] = copy.deepcopy(self._template)
-                    histories[int(i)].load_state_dict(h)
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise ValueError(f"load_state_dict: not a state from GradHealth.state_dict() ({type(exc).__name__}: {exc}); "
+                for i, h in state["histories"].items():
+                    k = checked.count(int(i) if isinstance(i, str) and i.isdigit() else i, "state['histories'] key")
+                    histories[k] = copy.deepcopy(self._template)
+                    checked.check_history(h, f"state['histories'][{i!r}]", modules, histories[k].window)
+                    histories[k].load_state_dict(h)
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+            detail = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+            raise ValueError(f"load_state_dict: not a valid state from GradHealth.state_dict() ({detail}); "
                              "the monitor was left unchanged") from None
         self.calls, self.checks, self.amp_skips, self.still, self.skips, self.skips_in_a_row = (
             counts[k] for k in ("calls", "checks", "amp_skips", "still", "skips", "skips_in_a_row"))

@@ -58,9 +58,10 @@ def check_model(model) -> nn.Module:
     return unwrap(model)
 
 
-def named_parameters(model: nn.Module, *, validate: bool = True) -> list[tuple[str, nn.Parameter]]:
+def named_parameters(model: nn.Module, *, validate: bool = True, meta: bool = False) -> list[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` pairs as ``named_parameters()`` gives them (tied ones once), with
-    wrapper prefixes removed. Raises ``ValueError`` for an empty model or meta parameters."""
+    wrapper prefixes removed. Raises ``ValueError`` for an empty model or (unless ``meta``) meta
+    parameters."""
     module = check_model(model)
     entries = [(_clean(n), p) for n, p in module.named_parameters() if not is_lazy(p)]
     if validate:
@@ -69,7 +70,7 @@ def named_parameters(model: nn.Module, *, validate: bool = True) -> list[tuple[s
                 f"model ({type(module).__name__}) has no parameters: named_parameters() is empty, so "
                 "there is nothing to monitor; pass the module that holds the trainable weights"
             )
-        for name, p in entries:
+        for name, p in entries if not meta else ():
             if p.device.type == "meta":
                 raise ValueError(
                     f"parameter {name!r} is on the meta device and holds no data; materialise the "

@@ -19,7 +19,7 @@ from .status import Status
 
 __all__ = ["loss_cause", "empty_valid_set", "eval_mode", "stale_grad", "expect_frozen", "not_updated",
            "frozen_but_changed", "skipped_step", "amp_skip", "amp_floor", "transient_grads", "frozen_norms",
-           "checkpoint_no_grad", "norm_eval", "idle_experts", "nonfinite_experts"]
+           "checkpoint_no_grad", "norm_eval", "idle_experts", "nonfinite_experts", "meta_params"]
 
 K = FindingKind
 _MASKED_MEAN = "gh.masked_mean(..., empty='zero')"
@@ -330,3 +330,13 @@ def nonfinite_experts(states: Mapping[str, Status], step: int) -> list[Finding]:
     return [Finding(K.NONFINITE_EXPERT, f"the NaN/inf gradients of the stacked experts are in expert"
                     f"{'s' if len(bad) != 1 else ''} {_experts(bad)} (the other experts' slices are finite): look at the "
                     "tokens routed to it and at its weights", params=tuple(sorted(bad)), step=step)]
+
+
+def meta_params(names: Collection[str], step: int) -> list[Finding]:
+    """META_PARAM: parameters on the meta device (no data) that cannot be judged or trained."""
+    if not names:
+        return []
+    return [Finding(K.META_PARAM, f"{', '.join(names)} {agree(names, 'are', 'is')} on the meta device and hold"
+                    f"{agree(names, '', 's')} no data: {agree(names, 'they', 'it')} cannot be judged or trained. Materialise "
+                    f"{agree(names, 'them', 'it')} (module.to_empty(device=...) and initialise the weights, or "
+                    "load_state_dict(..., assign=True))", params=tuple(names), step=step)]

@@ -22,6 +22,7 @@ findings, so the policy acts on them at check N+1 at the latest.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 
@@ -29,11 +30,13 @@ import torch
 from torch import Tensor, nn
 
 from . import crossrank, experts, judges, skipping, stats
+from . import state as checked
 from .carry import Carry, Delivery
 from .classify import as_optimizers, classify_selection, unwrap, unwrap_optimizer, wrapper_scaler
 from .deltas import UpdateTracker
 from .distributed import Ranks, all_reduce_tensor, ranks_of
 from .errors import GradHealthInternalWarning
+from .hooks import Owned
 from .guards import ForwardRecord, ForwardWatch, diagnose_loss, uses_checkpointing
 from .observe import Observation, failed_observation, observe
 from .options import Options, check_scaler, check_step, check_tensor
@@ -70,7 +73,7 @@ class GradHealth:
         self.model = model
         scaler = wrapper_scaler(optimizer) if scaler is None else scaler  # Accelerate's wrapper carries one
         self.optimizers = as_optimizers(optimizer)
-        self.view = ParamView(model, self.optimizers, o.experts)
+        self.view = ParamView(model, self.optimizers, o.experts, strict=True)
         self.scaler = check_scaler(scaler)
         self.ranks = Ranks(model, ddp_model, o.rank_origin)
         self.carry = Carry(o.history)
@@ -87,6 +90,7 @@ class GradHealth:
             self.tracker.before_step = self.carry.note_step_start
         self._watch = ForwardWatch(model, unwrap(model), self.carry, bool(self.view.stacks)) if o.watch_forward else None
         self._changes = ModelChanges(model)
+        self._owned = Owned(self, self._watch, self._changes, self.tracker, self.carry, self.ranks)
         self._note_lazy()
 
     # ------------------------------------------------------------------ public
@@ -121,8 +125,9 @@ class GradHealth:
         s = self._gate(check_step(step))
         if s is None:
             return None
-        try:
-            report = self._build(s, loss, optimizer)
+        try:  # (inside inference_mode, the check's own tensors must be ordinary ones: they are updated later)
+            with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+                report = self._build(s, loss, optimizer)
         except Exception as exc:  # the monitor never breaks a training run unless asked to raise
             if self.options.on_problem == "raise":
                 raise
@@ -169,21 +174,14 @@ class GradHealth:
     def close(self) -> None:
         """Remove every hook this monitor installed; flush and close every sink. Idempotent."""
         if self._closed:
-            return
+            return self.publisher.close()  # a retry: the sinks that did not close
         try:
             self.flush()
         except Exception as exc:
             warnings.warn(f"gradhealth: could not fetch the last step's updates: {exc}", GradHealthInternalWarning, stacklevel=2)
         self._closed = True
-        if self._watch is not None:
-            self._watch.remove()
-        self._changes.close()
-        if self.tracker is not None:
-            self.tracker.close()
-        if self.carry.tracer is not None:
-            self.carry.tracer.disarm()
-        self.ranks.close()
-        self.publisher.close()
+        self._owned.release()
+        self.publisher.close()  # (every sink, even when one raises; a second close() retries the rest)
 
     def __enter__(self) -> GradHealth:
         return self
@@ -193,12 +191,11 @@ class GradHealth:
 
     def state_dict(self) -> dict:
         """The monitor's progress and norm histories (plain Python, for checkpoints)."""
-        return self.carry.state_dict()
+        return {**self.carry.state_dict(), "params": list(self.view.names)}
 
     def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict):
-            raise TypeError(f"load_state_dict: state must be a dict from GradHealth.state_dict(); got {type(state).__name__}")
-        self.carry.load_state_dict(state)
+        """All or nothing, every key checked (:mod:`.state`); a state from another model is refused."""
+        checked.load(self.carry, self.view, state)
 
     @property
     def parameter_names(self) -> list[str]:
@@ -243,6 +240,7 @@ class GradHealth:
         view = ParamView(self.model, self.optimizers, self.options.experts)
         self._note_lazy()
         if [(n, id(p)) for n, p in view.entries] == [(n, id(p)) for n, p in self.view.entries]:
+            self.view.meta_names = view.meta_names  # (a meta parameter attached: named at every check)
             return
         self.view = view
         self._plan = None
@@ -251,7 +249,8 @@ class GradHealth:
             self.tracker.rebind(self.view.entries)
         if self._watch is not None:
             self._watch.remove()
-            self._watch = ForwardWatch(self.model, unwrap(self.model), self.carry, bool(self.view.stacks))
+            self._watch = self._owned.watch = ForwardWatch(self.model, unwrap(self.model), self.carry,
+                                                           bool(self.view.stacks))
 
     def _gate(self, step: int | None) -> int | None:
         s = self.carry.calls if step is None else step
@@ -383,6 +382,7 @@ class GradHealth:
                 if line:
                     log.info("%s", line)
         found += judges.expect_frozen(report.status, o.expect_frozen, step)
+        found += judges.meta_params(self.view.meta_names, step)
         found += self._trace(report, nonfinite)
         if across is not None and self._desync_due(nonfinite):
             params = [self.view.params[i] for i in sel.idx]

@@ -51,8 +51,12 @@ class LiveMeta(Mapping):
 class ParamView:
     """``named_parameters()`` of the model (wrappers unwrapped, tied parameters once), indexed."""
 
-    def __init__(self, model: nn.Module, optimizers: list, experts=None):
-        self.entries = named_parameters(model)
+    def __init__(self, model: nn.Module, optimizers: list, experts=None, strict: bool = False):
+        # strict (at setup): a meta parameter is a clear error; attached later, it is named at every check
+        entries = named_parameters(model, meta=not strict)
+        #: parameters on the meta device (no data): left out, and named at every check
+        self.meta_names = [n for n, p in entries if p.device.type == "meta"]
+        self.entries = [(n, p) for n, p in entries if p.device.type != "meta"] if self.meta_names else entries
         self.optimizers = optimizers
         self.names = [n for n, _ in self.entries]
         self.params = [p for _, p in self.entries]
@@ -143,6 +147,9 @@ class ModelChanges:
 
     def close(self) -> None:
         _LIVE.discard(self)
+        if not _LIVE:  # the last live monitor: the global hooks go with it
+            while _HOOKS:
+                _HOOKS.pop().remove()
 
 
 # One pair of global hooks for the whole process, however many monitors: each registration marks

@@ -70,6 +70,7 @@ class Publisher:
         #: False silences the warnings (not the raises): on ranks other than zero
         self.emit_warnings = True
         self._broken: set[int] = set()
+        self._closed: set[int] = set()  # sinks closed
 
     def _call(self, i: int, sink, method: str, report: Report | None, stacklevel: int) -> None:
         fn = getattr(sink, method, None)
@@ -119,6 +120,18 @@ class Publisher:
             self._call(i, sink, "write_update", report, 5)
 
     def close(self) -> None:
+        """Flush and close every sink, each once: one that raises (KeyboardInterrupt included) does
+        not leave the others open; the first such error is raised after all were tried, and a
+        later close() tries again only the sinks that did not close."""
+        first = None
         for i, sink in enumerate(self.sinks):
-            for method in ("flush", "close"):
-                self._call(i, sink, method, None, 4)
+            if i in self._closed:
+                continue
+            try:
+                for method in ("flush", "close"):
+                    self._call(i, sink, method, None, 4)
+                self._closed.add(i)
+            except BaseException as exc:  # (KeyboardInterrupt, SystemExit, a sink's own error under raise)
+                first = first or exc
+        if first is not None:
+            raise first

@@ -123,17 +123,30 @@ def _crc32c_table() -> list[int]:
 _TABLE = _crc32c_table()
 
 
-def _masked_crc(data: bytes) -> int:
-    c = 0xFFFFFFFF
+def _crc32c_python(data: bytes) -> int:
+    c, table = 0xFFFFFFFF, _TABLE
     for b in data:
-        c = _TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
-    c ^= 0xFFFFFFFF
+        c = table[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+try:  # the C implementation when installed (pip install google-crc32c); the same numbers
+    from google_crc32c import value as _crc32c
+except ImportError:  # pragma: no cover - depends on the environment
+    _crc32c = _crc32c_python
+
+
+def _masked_crc(data: bytes) -> int:
+    """TFRecord's masked CRC-32C (Castagnoli) of ``data``, as TensorBoard's reader checks it."""
+    c = _crc32c(data)
     return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 def records(p: str, skipped: list[str]) -> Iterator[bytes]:
-    """The records of one event file, one at a time. Stops at the first bad one (a note in
-    ``skipped`` says where and why); what came before it is kept."""
+    """The records of one event file, one at a time, each checked like TensorBoard's reader (masked
+    CRC-32C of the length and of the data). A record whose data fails its checksum is skipped; a bad
+    header (or a cut-off file) stops the file; a note in ``skipped`` says where and why, and what
+    came before is kept."""
     name = os.path.basename(p)
     try:  # non-blocking: a FIFO swapped in after the scan must not hang the reader
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -171,7 +184,11 @@ def records(p: str, skipped: list[str]) -> Iterator[bytes]:
             if len(data) < length or len(tail) < 4:
                 skipped.append(f"{name}: a partial record at byte {pos} (cut off, or still being written): not read")
                 return
-            yield data
+            if _masked_crc(data) != struct.unpack("<I", tail)[0]:  # a flipped bit must not invent a value
+                # the header's own checksum held, so its length frames the next record: skip this one only
+                skipped.append(f"{name}: corrupt record data at byte {pos} (checksum mismatch): that record is skipped")
+            else:
+                yield data
             pos += 16 + length
 
 

@@ -114,9 +114,9 @@ def test_skip_counts_survive_a_checkpoint_and_options_are_validated():
     *_, mon = plain_run("monitor", bad=(2, 3), steps=5, skip_nonfinite=True, on_problem="ignore")
     state = mon.state_dict()
     assert state["skips"] == 2 and state["skips_in_a_row"] == 0  # steps 2 and 3 skipped, then a good step 4
-    fresh = gh.GradHealth(nn.Linear(2, 2), skip_nonfinite=True)
+    fresh = gh.GradHealth(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)), skip_nonfinite=True)
     fresh.load_state_dict(state)
-    assert fresh.carry.skips == 2
+    assert fresh.carry.skips == 2 and fresh.state_dict()["skips_in_a_row"] == 0
     for bad, err in [({"skip_nonfinite": 1}, TypeError), ({"skip_spikes": 0}, ValueError),
                      ({"skip_spikes": "3"}, TypeError), ({"skip_alarm": 0}, ValueError)]:
         with pytest.raises(err, match=next(iter(bad))):

@@ -1,0 +1,42 @@
+"""Hooks owned by a monitor: every hook it registers goes when it is closed or garbage-collected.
+
+A monitor registers module forward hooks (the forward watch), optimizer step hooks and gradient
+hooks (the update tracker and its stale-gradient witnesses), a traced step's hooks, a DDP forward
+hook, and a share of torch's global registration hooks (:class:`gradhealth.params.ModelChanges`,
+removed with the last live monitor). None of them refers to the monitor, so a monitor that is
+dropped without ``close()`` (a notebook cell run again) is collected, and a ``weakref.finalize``
+then removes its hooks: nothing keeps running at every forward, backward and step.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+__all__ = ["Owned"]
+
+
+class Owned:
+    """What one monitor registered; ``release()`` removes all of it, once."""
+
+    def __init__(self, owner, watch, changes, tracker, carry, ranks):
+        self.watch, self.changes, self.tracker, self.carry, self.ranks = watch, changes, tracker, carry, ranks
+        self._finalizer = weakref.finalize(owner, self.release)  # (self holds no reference to the owner)
+
+    def release(self) -> None:
+        if self._finalizer.alive:
+            self._finalizer.detach()
+        parts, self.watch = [self.watch], None
+        if parts[0] is not None:
+            parts[0].remove()
+        if self.changes is not None:
+            self.changes.close()
+            self.changes = None
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
+        if self.carry is not None and self.carry.tracer is not None:
+            self.carry.tracer.disarm()
+        self.carry = None
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None

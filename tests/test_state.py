@@ -1,0 +1,116 @@
+"""load_state_dict checks every key before it loads anything (gradhealth/state.py): fuzzed states
+are never half-applied, never accepted when wrong; states from another model are refused."""
+
+import copy
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import gradhealth as gh
+
+
+def trained(steps=25, model=None):
+    torch.manual_seed(0)
+    model = model or nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2), nn.Linear(2, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    for step in range(steps):
+        opt.zero_grad()
+        out = model[:3](torch.randn(3, 4)) if step % 3 else model(torch.randn(3, 4))  # model[3] used now and then
+        out.sum().backward()
+        mon.check()
+        opt.step()
+    return mon
+
+
+GOOD = trained().state_dict()
+
+
+def paths(obj, prefix=()):
+    """Every key path into the state (dict keys and list indexes)."""
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj[:3]):
+            yield from paths(v, prefix + (i,))
+
+
+PATHS = [p for p in paths(GOOD) if p]
+WRONG = st.one_of(st.none(), st.booleans(), st.just(float("inf")), st.just(float("nan")), st.just(-1), st.just(2**64),
+                  st.just(2.5), st.text(max_size=3), st.just("123"), st.lists(st.floats(), max_size=3),
+                  st.just({}), st.just([math.inf] * 30), st.just([[1.0] * 50]))
+
+
+def set_path(state, path, value):
+    obj = state
+    for k in path[:-1]:
+        obj = obj[k]
+    obj[path[-1]] = value
+
+
+def invariants_hold(state):
+    for k in ("calls", "checks", "amp_skips", "still", "skips", "skips_in_a_row"):
+        assert isinstance(state[k], int) and not isinstance(state[k], bool) and 0 <= state[k] <= 2**53
+    h = state["history"]
+    assert all(math.isfinite(v) and v >= 0 for v in h["total"])
+    assert all(len(r) <= len(h["modules"]) for r in h["rows"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(PATHS), WRONG)
+def test_a_fuzzed_state_is_refused_whole_or_is_a_valid_state(path, value):
+    mon = trained(steps=3)
+    before = mon.state_dict()
+    state = copy.deepcopy(GOOD)
+    set_path(state, path, value)
+    try:
+        mon.load_state_dict(state)
+    except (ValueError, TypeError) as exc:
+        assert "left unchanged" in str(exc) or isinstance(exc, TypeError)
+        assert mon.state_dict() == before  # nothing half-applied
+        return
+    invariants_hold(mon.state_dict())  # accepted: then it is a state the monitor can live with
+    mon.model(torch.randn(3, 4)).sum().backward()
+    assert mon.check() is not None  # and checks go on
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("calls", "7", r"state\['calls'\] must be an int"), ("calls", 2.5, "must be an int"), ("calls", 2**64, r"2\*\*53"),
+    ("amp_settled", 1, "amp_settled"), ("history", {"seen": 1, "total": [1.0]}, "lacks"),
+])
+def test_each_bad_key_is_named(key, value, words):
+    mon = trained(steps=2)
+    bad = dict(copy.deepcopy(GOOD), **{key: value})
+    with pytest.raises(ValueError, match=words):
+        mon.load_state_dict(bad)
+
+
+def test_history_values_and_widths_are_checked():
+    mon = trained(steps=2)
+    for change, words in [(lambda s: s["history"].__setitem__("total", [math.inf] * len(s["history"]["rows"])), "finite number"),
+                          (lambda s: s["history"]["rows"][0].extend([1.0] * 40), "at most"),
+                          (lambda s: s["history"]["modules"].append("not.a.module"), "does not have"),
+                          (lambda s: s.pop("streaks"), "lacks 'streaks'"),
+                          (lambda s: s["streaks"]["units"].update({"ghost.weight": [0, 0, 1, 0, None, True]}),
+                           "does not have: ghost.weight")]:
+        bad = copy.deepcopy(GOOD)
+        change(bad)
+        with pytest.raises(ValueError, match=words):
+            mon.load_state_dict(bad)
+    # a 10^4 spike after a history of infinities could never be EXPLODING_GRAD: refused above
+
+
+def test_a_state_from_another_model_is_refused_naming_the_parameters():
+    other = trained(steps=2, model=nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
+    with pytest.raises(ValueError, match=r"another model \(not in this model: 3\.weight, 3\.bias") as err:
+        other.load_state_dict(GOOD)
+    assert "left unchanged" in str(err.value)
+    same = trained(steps=2)
+    same.load_state_dict(GOOD)
+    assert same.state_dict() == GOOD
