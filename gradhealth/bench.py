@@ -366,14 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shapes", default="all", help="comma-separated shape indexes (0,1,2) or 'all'")
     ap.add_argument("--sections", default="all",
-                    help="comma-separated: checks,budget,deltas,experts,tracer,distributed,lightning,transformers,"
+                    help="comma-separated: checks,budget,deltas,experts,many,tracer,distributed,lightning,transformers,"
                          "tensorboard (default: all)")
     args = ap.parse_args(argv)
     print(f"gradhealth bench: torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
     chosen = list(SHAPES.items())
     if args.shapes != "all":
         chosen = [chosen[int(i)] for i in args.shapes.split(",")]
-    sections = ({"checks", "budget", "deltas", "experts", "tracer", "distributed", "lightning", "transformers", "tensorboard"}
+    sections = ({"checks", "budget", "deltas", "experts", "many", "tracer", "distributed", "lightning", "transformers", "tensorboard"}
                 if args.sections == "all"
                 else set(args.sections.split(",")))
     for label, (blocks, width) in chosen:
@@ -390,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_experts import bench_experts
 
         bench_experts(args.rounds)
+    if "many" in sections and args.device == "cpu":
+        from .bench_many import bench_many
+
+        bench_many(args.rounds)
     if "tracer" in sections:
         bench_tracer(args.rounds)
     if "distributed" in sections and args.device == "cpu":

@@ -107,3 +107,15 @@ def test_bench_distributed_section_runs():
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "at world size 2" in res.stdout and "the collective adds" in res.stdout
+    assert "the replicas' gradient agreement in the same collective" in res.stdout
+
+
+def test_bench_sections_for_experts_and_many_tensors_run(capsys):
+    from gradhealth.bench_experts import bench_experts
+    from gradhealth.bench_many import bench_many
+
+    bench_many(1, sizes=(200, 400))
+    bench_experts(1)
+    out = capsys.readouterr().out
+    assert "check mean" in out and "mean x floor" in out and "     400" in out
+    assert "per-expert judging costs" in out and "check(), per expert" in out

@@ -6,7 +6,7 @@ import sys
 import gradhealth
 
 # tools that live in the package but are never imported by it
-TOOLS = {"demo", "bench", "bench_experts", "__main__"}
+TOOLS = {"demo", "bench", "bench_experts", "bench_many", "__main__"}
 CORE = sorted(m.name for m in pkgutil.iter_modules(gradhealth.__path__) if m.name not in TOOLS)
 
 
