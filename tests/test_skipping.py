@@ -151,7 +151,7 @@ def lightning_run(tmp_path, skip: bool, guard: bool):
             return torch.optim.AdamW(self.parameters(), 1e-2)
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat(batches())), batch_size=16)
-    callbacks = [GradHealthCallback(on_problem="raise", skip_nonfinite=True, log=False)] if guard else []
+    callbacks = [GradHealthCallback(on_problem="raise", skip_nonfinite=True, log=False, sinks=[Kept()])] if guard else []
     model = Net()
     trainer = pl.Trainer(max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
@@ -171,6 +171,20 @@ def test_lightning_fit_with_one_nan_batch_equals_the_run_without_it(tmp_path):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert any(v != v for v in model.losses)  # the premise: a NaN loss at step 5
     assert skips(cb) == 1
+    [found] = [f for r in cb.options.sinks[0].reports for f in r.findings_of("STEP_SKIPPED")]
+    assert found.step == 5 and found.level == "warning"
+    finite = [v for v in model.losses if v == v]
+    assert sum(finite[-3:]) < sum(finite[:3])  # the loss keeps falling
+
+
+class Kept:
+    """A sink that keeps every report."""
+
+    def __init__(self):
+        self.reports = []
+
+    def write(self, report):
+        self.reports.append(report)
 
 
 def skips(cb) -> int:
@@ -218,7 +232,7 @@ def trainer_run(tmp_path, leave_out: bool):
                              per_device_train_batch_size=16, learning_rate=1e-2, lr_scheduler_type="constant",
                              warmup_steps=0, weight_decay=0.0, save_strategy="no", disable_tqdm=True, seed=0,
                              data_seed=0, logging_steps=100)
-    callbacks = [] if leave_out else [GradHealthCallback(on_problem="raise", skip_nonfinite=True)]
+    callbacks = [] if leave_out else [GradHealthCallback(on_problem="raise", skip_nonfinite=True, sinks=[Kept()])]
     model = Tiny()
     trainer = InOrder(model=model, args=args, train_dataset=Rows(), callbacks=callbacks)
     with warnings.catch_warnings():
@@ -231,6 +245,8 @@ def test_trainer_run_with_one_nan_batch_equals_the_run_without_it(tmp_path):
     model, opt, [cb] = trainer_run(tmp_path / "a", leave_out=False)
     ref, ref_opt, _ = trainer_run(tmp_path / "b", leave_out=True)
     assert skips(cb) == 1
+    [found] = [f for r in cb.options.sinks[0].reports for f in r.findings_of("STEP_SKIPPED")]
+    assert found.step == 6  # Trainer counts from 1: its 6th check, the 6th batch (index 5)
     for pa, pb in zip(model.parameters(), ref.parameters()):
         assert torch.isfinite(pa).all() and torch.equal(pa, pb)
     states = [opt.state[p] for p in model.parameters()]
