@@ -16,6 +16,7 @@ Exits non-zero on the first failed check.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -29,14 +30,13 @@ import gradhealth as gh
 from gradhealth import stats
 
 
-def sync_free_hot_path() -> None:
-    dev = torch.device("cuda")
-    model = nn.Sequential(*[m for _ in range(50) for m in (nn.Linear(256, 256), nn.LayerNorm(256))]).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    mon = gh.GradHealth(model, opt, on_problem="raise")
+@contextlib.contextmanager
+def only_the_transfer_may_sync():
+    """Inside: stats.fetch (a check's one transfer) may synchronise; sync_debug_mode "error" is
+    switched on around each check by the caller."""
     original = stats.fetch
 
-    def fetch(parts):  # the one transfer a check is allowed
+    def fetch(parts):
         torch.cuda.set_sync_debug_mode(0)
         try:
             return original(parts)
@@ -45,6 +45,17 @@ def sync_free_hot_path() -> None:
 
     stats.fetch = fetch
     try:
+        yield
+    finally:
+        stats.fetch = original
+
+
+def sync_free_hot_path() -> None:
+    dev = torch.device("cuda")
+    model = nn.Sequential(*[m for _ in range(50) for m in (nn.Linear(256, 256), nn.LayerNorm(256))]).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = gh.GradHealth(model, opt, on_problem="raise")
+    with only_the_transfer_may_sync():
         for _ in range(5):
             opt.zero_grad(set_to_none=True)
             loss = model(torch.randn(64, 256, device=dev)).square().mean()
@@ -57,9 +68,7 @@ def sync_free_hot_path() -> None:
                 torch.cuda.set_sync_debug_mode(0)
             assert report.ok, str(report)
             opt.step()
-    finally:
-        stats.fetch = original
-        mon.close()
+    mon.close()
     print("1. hot path: no host sync outside the one transfer (5 checks, 200 tensors, AdamW deltas on)")
 
 
@@ -115,17 +124,7 @@ def fused_skip() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     mon = gh.GradHealth(model, opt, on_problem="raise", skip_nonfinite=True)
-    original = stats.fetch
-
-    def fetch(parts):
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return original(parts)
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
-
-    stats.fetch = fetch
-    try:
+    with only_the_transfer_may_sync():
         for step in range(4):
             x = torch.randn(32, 64, device=dev)
             if step == 2:
@@ -145,9 +144,7 @@ def fused_skip() -> None:
                 assert report.skipped == "nonfinite" and report.findings_of("STEP_SKIPPED"), str(report)
                 assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
                 assert all(torch.equal(v, opt.state[p][k]) for p in model.parameters() for k, v in state.get(id(p), {}).items())
-    finally:
-        stats.fetch = original
-        mon.close()
+    mon.close()
     print("5. skip_nonfinite with fused AdamW: the NaN step changed nothing, no extra host sync")
 
 
