@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .naming import module_of
+from .naming import module_of, terminal_safe
 from .stats import combine_norms, fetch
 from .status import Status
 
@@ -127,7 +127,7 @@ def describe_stacks(stacks: dict[int, Stack]) -> str | None:
         by.setdefault(s.module, []).append(s)
     parts = [f"{m} ({ss[0].count} experts: {', '.join(s.name.rpartition('.')[2] for s in ss)})" for m, ss in by.items()]
     shown = ", ".join(parts[:4]) + (f" and {len(parts) - 4} more layers" if len(parts) > 4 else "")
-    return f"stacked experts judged per expert in {len(by)} layer{'s' if len(by) != 1 else ''}: {shown}"
+    return terminal_safe(f"stacked experts judged per expert in {len(by)} layer{'s' if len(by) != 1 else ''}: {shown}")
 
 
 def _slices(grad: Tensor, stack: Stack) -> Tensor:

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import re
 from collections.abc import Iterable, Sequence
 
-__all__ = ["ROOT", "module_of", "matches", "plural", "on_ranks", "spread"]
+__all__ = ["terminal_safe", "ROOT", "module_of", "matches", "plural", "on_ranks", "spread"]
+
+_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with every control character but the newline escaped (C0, DEL, C1, line and
+    paragraph separators, and the surrogate escapes of undecodable bytes): a parameter or module
+    name reaches a terminal as visible ``\x1b``, never as a terminal command."""
+    return _CONTROL.sub(lambda m: m.group(0).encode("unicode_escape", "backslashreplace").decode("ascii")
+                        if not 0xD800 <= ord(m.group(0)) <= 0xDFFF else f"\\udc{ord(m.group(0)) & 0xFF:02x}", text)
+
 
 #: how the top-level module is named where a module name is needed
 ROOT = "(root)"

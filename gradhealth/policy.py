@@ -8,6 +8,7 @@ import warnings
 
 from .errors import GradHealthError, GradHealthInternalWarning, GradHealthWarning
 from .report import Report, describe_groups, group_by_module
+from .naming import terminal_safe
 from .patience import ALPHA
 from .status import Status, hint
 
@@ -57,7 +58,7 @@ def explain(report: Report) -> str:
     for f in report.findings:
         if f.level != "info":
             lines.append(f"  {f.kind}: {f.message}")
-    return "\n".join(lines)
+    return terminal_safe("\n".join(lines))  # (names come from the user's model: no raw control characters)
 
 
 class Publisher:

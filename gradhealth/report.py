@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .findings import Finding
-from .naming import plural
+from .naming import plural, terminal_safe
 from .stats import combine_norms
 from .status import Status
 
@@ -106,8 +106,8 @@ def frozen_summary(status: dict[str, Status]) -> str | None:
     more = lambda rs: describe_groups(rs[:4]) + (f" and {len(rs) - 4} more groups" if len(rs) > 4 else "")  # noqa: E731
     adapters = any(k in n.lower() for n in status if status[n] is not Status.FROZEN
                    for k in ("lora_", "adapter", "prompt_encoder", "ia3_"))
-    return (f"{more(rows)} frozen; {len(status) - len(frozen)} of {len(status)} trainable"
-            f"{' (adapters are training)' if adapters else ''}: {more(training)}")
+    return terminal_safe(f"{more(rows)} frozen; {len(status) - len(frozen)} of {len(status)} trainable"
+                         f"{' (adapters are training)' if adapters else ''}: {more(training)}")
 
 
 def is_problem(_name: str, state: Status) -> bool:
@@ -251,6 +251,9 @@ class Report:
         return f"{plural(len(self.status), 'parameter')}: {counts}; total grad norm {_fmt(self.total_grad_norm)}"
 
     def __str__(self) -> str:
+        return terminal_safe(self._text())
+
+    def _text(self) -> str:
         head = f"gradhealth step {self.step}: "
         problems = self.problems
         if not problems and not self.findings:

@@ -112,3 +112,29 @@ def test_no_message_in_a_real_run_says_1_parameters(recwarn):
     for t in texts:
         assert not bad.search(t), t
     assert any("1.bias gets gradients but no optimizer updates it" in t for t in texts), texts[0]
+
+
+def test_hostile_names_reach_the_terminal_escaped(caplog):
+    import logging
+    import warnings
+
+    import torch
+    from torch import nn
+
+    evil = "\x1b]0;PWNED\x07unused"
+    model = nn.Module()
+    model.add_module("used", nn.Linear(2, 1))
+    model.add_module(evil, nn.Linear(2, 1))
+    model.add_module("frozen\x9b", nn.Linear(2, 1))
+    getattr(model, "frozen\x9b").requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    mon = gh.GradHealth(model, opt, grad_patience=1, sinks=[gh.LoggingSink("gh-hostile")])
+    model.used(torch.randn(3, 2)).sum().backward()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        report = mon.check()
+    texts = [str(w.message) for w in caught] + [r.getMessage() for r in caplog.records] + [str(report)]
+    assert any("PWNED" in t for t in texts) and any("frozen" in t for t in texts)  # the premise: they are named
+    for t in texts:
+        assert not any(c in t for c in ("\x1b", "\x07", "\x9b")), repr(t)
+    assert any("\\x1b]0;PWNED\\x07unused" in t for t in texts)
