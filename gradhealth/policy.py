@@ -9,6 +9,7 @@ import warnings
 from .errors import GradHealthError, GradHealthInternalWarning, GradHealthWarning
 from .report import Report, describe_groups, group_by_module
 from .naming import terminal_safe
+from .once import Once
 from .patience import ALPHA
 from .status import Status, hint
 
@@ -72,6 +73,7 @@ class Publisher:
         self.emit_warnings = True
         self._broken: set[int] = set()
         self._closed: set[int] = set()  # sinks closed
+        self.once = Once()  # what the warnings have said already
 
     def _call(self, i: int, sink, method: str, report: Report | None, stacklevel: int) -> None:
         fn = getattr(sink, method, None)
@@ -91,16 +93,29 @@ class Publisher:
         for i, sink in enumerate(self.sinks):
             self._call(i, sink, "write", report, stacklevel + 2)
         loud = alarm(report)
+        said = self.once.update(report)  # (said once: new, reminders at growing intervals, resolved)
         if self.on_problem == "ignore" or (not loud and not any(f.level == "warning" for f in report.findings)):
+            if said.resolved and self.on_problem != "ignore":
+                self._warn(f"gradhealth step {report.step}: resolved: {'; '.join(said.resolved)}", stacklevel)
             return
         message = explain(report)
         if self.on_problem == "raise" and loud:
             self.write_stop(report.step, f"GradHealthError: {message}")
             raise GradHealthError(message, report)
+        if said.reminder:
+            message = message.replace(f"gradhealth step {report.step}: ", f"gradhealth step {report.step}: still, "
+                                      f"{said.reminder} checks in a row since step {said.since} (said again at "
+                                      f"{10 * said.reminder}): ", 1)
+        if said.resolved:
+            message += f"\n  resolved: {'; '.join(said.resolved)}"
+        if said.anything:
+            self._warn(message, stacklevel)
+
+    def _warn(self, message: str, stacklevel: int) -> None:
         if self.emit_warnings:
             # warn_explicit with a throwaway registry: warnings.warn would keep every distinct
             # message (each names its step) in the caller's __warningregistry__ for ever
-            frame = sys._getframe(stacklevel)
+            frame = sys._getframe(stacklevel + 1)
             warnings.warn_explicit(message, GradHealthWarning, frame.f_code.co_filename, frame.f_lineno,
                                    module=frame.f_globals.get("__name__"), registry={}, module_globals=frame.f_globals)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol, runtime_checkable
 
+from .once import Once
 from .report import Report
 
 __all__ = ["Sink", "LoggingSink"]
@@ -20,8 +21,10 @@ class Sink(Protocol):
 class LoggingSink:
     """Logs each report to a ``logging`` logger: one summary line, then each finding.
 
-    Healthy reports are logged at ``level`` (INFO by default), reports with problems at WARNING.
-    ``every_n`` keeps only every n-th healthy report.
+    Healthy reports are logged at ``level`` (INFO by default), reports with problems at WARNING,
+    said once (:mod:`gradhealth.once`: when a problem starts or changes, as a reminder at its
+    10th, 100th, ... check in a row, and once at ``level`` when it is resolved); ``every_n`` keeps
+    only every n-th healthy report.
     """
 
     def __init__(self, logger: logging.Logger | str = "gradhealth", level: int = logging.INFO, every_n: int = 1):
@@ -35,11 +38,21 @@ class LoggingSink:
         self.level = level
         self.every_n = every_n
         self._seen = 0
+        self._once = Once()
 
     def write(self, report: Report) -> None:
         self._seen += 1
+        said = self._once.update(report)
+        if said.resolved:
+            self.logger.log(self.level, "gradhealth step %d: resolved: %s", report.step, "; ".join(said.resolved))
+        if said.new or said.reminder:
+            self.logger.warning("%s", report if not said.reminder else
+                                f"(still, {said.reminder} checks in a row since step {said.since}) {report}")
+            return
+        if not report.ok or any(f.level != "info" for f in report.findings):
+            return  # said already
         if report.ok and not report.findings:
             if (self._seen - 1) % self.every_n == 0:
                 self.logger.log(self.level, "gradhealth step %d: healthy; %s", report.step, report.summary_line())
             return
-        self.logger.warning("%s", report)
+        self.logger.log(self.level, "%s", report)  # info-level findings only (transients, idioms)

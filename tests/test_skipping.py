@@ -68,7 +68,8 @@ def test_a_nan_batch_changes_nothing_with_the_option_exactly_as_if_it_were_left_
     assert sum(finite[-3:]) < sum(finite[:3])  # the loss keeps falling
     assert all(torch.isfinite(p).all() for p in guarded[0].parameters())
     said = [str(w.message) for w in caught if issubclass(w.category, gh.GradHealthWarning)]
-    assert len(said) == 1 and "STEP_SKIPPED" in said[0]
+    assert len(said) == 2 and "STEP_SKIPPED" in said[0]  # said once, then once as resolved
+    assert said[1].startswith("gradhealth step 6: resolved:") and "STEP_SKIPPED (warning, since step 5)" in said[1]
     from gradhealth.metrics import report_metrics
 
     assert report_metrics(reports[5])["gradhealth/skipped"] == 1.0 and report_metrics(reports[4])["gradhealth/skipped"] == 0.0

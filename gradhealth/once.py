@@ -1,0 +1,97 @@
+"""Say each thing once: which problems of a report are new, still there, or resolved.
+
+The live channel (warnings, the logging sink) says a problem when it starts, again when it changes
+(other parameters, another state, level or kind), once when it clears ("resolved at step N"), and
+otherwise only as a reminder at growing intervals while it persists: at its 10th, 100th, 1000th ...
+check in a row. A problem is a parameter state with the parameters in it (``NOT_IN_OPTIMIZER:
+head.weight, head.bias``) or a finding of warning or error level with its kind, level and
+parameters. Reports, metrics and ``on_problem="raise"`` are not affected: every report still
+carries every step. Checks of different optimizers (``check(optimizer=...)``) are tracked apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Once", "Said", "problems_of"]
+
+
+def problems_of(report) -> dict[tuple, str]:
+    """Each problem of ``report`` the policy acts on (errors, warnings), with a few words for it."""
+    out: dict[tuple, str] = {}
+    by_state: dict[str, list[str]] = {}
+    for name, state in report.errors.items():
+        by_state.setdefault(state.value, []).append(name)
+    for state, names in by_state.items():
+        out[("state", state, frozenset(names))] = f"{state} ({len(names)} parameter{'s' if len(names) != 1 else ''})"
+    for f in report.findings:
+        if f.level != "info":  # (a finding about the previous step, delivered now, counts now)
+            out[("finding", str(f.kind), f.level, frozenset(f.params))] = f"{f.kind} ({f.level})"
+    return out
+
+
+@dataclass
+class Said:
+    """What to say for one report: ``new`` (say the report), ``reminder`` (say it as still going),
+    ``resolved`` (the words of the problems that cleared)."""
+
+    new: bool = False
+    reminder: int = 0  # checks in a row the current problems have lasted, when this is a reminder
+    since: int | None = None  # the step they began
+    resolved: list[str] = field(default_factory=list)
+
+    @property
+    def anything(self) -> bool:
+        return self.new or bool(self.reminder) or bool(self.resolved)
+
+
+class Once:
+    def __init__(self):
+        self._open: dict = {}  # per optimizer index: {problem: (first step, checks in a row, words)}
+
+    def update(self, report) -> Said:
+        now = problems_of(report)
+        key = report.optimizer_index
+        before = self._open.get(key, {})
+        said = Said()
+        said.resolved = _resolved(before, now)
+        current = {}
+        for p, words in now.items():
+            first, count, _ = before.get(p, (report.step, 0, words))
+            current[p] = (first, count + 1, words)
+        self._open[key] = current
+        if any(p not in before for p in now):
+            said.new = True
+        elif current:
+            counts = [c for _, c, _ in current.values()]
+            n = min(counts)
+            if n >= 10 and _power_of_ten(n):
+                said.reminder, said.since = n, min(f for f, _, _ in current.values())
+        return said
+
+
+def _resolved(before: dict, now: dict) -> list[str]:
+    """What cleared: parameters no longer in a state they were in, finding kinds no longer found
+    (a problem that grew or moved to other parameters is a change, not a resolution). ``before``
+    maps each problem to (first step, checks, words)."""
+    def names(items, state) -> set:
+        return set().union(*[p[2] for p in items if p[0] == "state" and p[1] == state])
+
+    out = []
+    for state in sorted({p[1] for p in before if p[0] == "state"}):
+        gone = sorted(names(before, state) - names(now, state))
+        if gone:
+            since = min(v[0] for p, v in before.items() if p[0] == "state" and p[1] == state)
+            shown = ", ".join(gone[:4]) + (f" and {len(gone) - 4} more" if len(gone) > 4 else "")
+            out.append(f"{state} of {shown} (since step {since})")
+    found_now = {(p[1], p[2]) for p in now if p[0] == "finding"}
+    for kind, level in sorted({(p[1], p[2]) for p in before if p[0] == "finding"} - found_now):
+        since = min(v[0] for p, v in before.items() if p[0] == "finding" and (p[1], p[2]) == (kind, level))
+        out.append(f"{kind} ({level}, since step {since})")
+    return out
+
+
+def _power_of_ten(n: int) -> bool:
+    while n >= 10 and n % 10 == 0:
+        n //= 10
+    return n == 1
