@@ -12,6 +12,9 @@ commands:
           --transformers: a tiny BERT through Hugging Face Trainer)
   bench   time a check against the naive per-parameter loop and a single fused norm pass
   report  LOGDIR [--format text|csv|json]: what gradhealth saw in a run, from its TensorBoard logs
+
+options:
+  --version  print the version
 """
 
 
@@ -19,6 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if argv[0] in ("--version", "-V", "version"):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"gradhealth {version('gradhealth')}")
+        except PackageNotFoundError:  # run from a checkout that is not installed
+            print("gradhealth (not installed: version unknown)")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":

@@ -29,7 +29,9 @@ def assert_trains(
 ) -> dict[str, Status]:
     """Run one training step and fail with a readable list of every parameter that does not train.
 
-    ``loss_fn(model, batch)`` returns the loss. A parameter fails when it gets no gradient, a
+    ``loss_fn(model, batch)`` returns the loss; a loss of the usual form ``loss_fn(output, target)``
+    (``nn.CrossEntropyLoss()``, ``F.mse_loss``) with an ``(inputs, targets)`` batch works too: the
+    model is called on the inputs. A parameter fails when it gets no gradient, a
     non-finite or all-zero gradient, is in no optimizer, or is unchanged by ``optimizer.step()``.
     Frozen parameters are skipped, unless ``expect_frozen`` (name patterns) is given: then a frozen
     parameter outside the patterns, or a trainable one inside them, fails too. The model's
@@ -42,7 +44,8 @@ def assert_trains(
     if not optimizers:
         raise TypeError("assert_trains needs an optimizer (or a list of them) to take the step with")
     if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch); got {type(loss_fn).__name__}")
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch) or loss_fn(output, target); got "
+                        f"{type(loss_fn).__name__}")
     pats = check_patterns(expect_frozen)
 
     saved_model = ModuleState(model)
@@ -53,7 +56,7 @@ def assert_trains(
     try:
         for o in optimizers:
             o.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
+        loss = _loss(loss_fn, model, batch)
         cause = diagnose_loss(loss, model)
         if cause is not None:
             failures.append(f"the loss cannot produce gradients: {cause}")
@@ -92,3 +95,28 @@ def assert_trains(
             + "\n  ".join(failures)
         )
     return status
+
+
+def _loss(loss_fn, model: nn.Module, batch):
+    """``loss_fn(model, batch)``, or ``loss_fn(model(inputs), targets)`` for a loss of the usual
+    form (a torch loss module, or a function that refuses the model) and a pair batch."""
+    pair = isinstance(batch, (tuple, list)) and len(batch) == 2
+
+    def usual():
+        inputs, target = batch
+        return loss_fn(model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs), target)
+
+    if isinstance(loss_fn, nn.Module) and pair:
+        return usual()
+    try:
+        return loss_fn(model, batch)
+    except (TypeError, AttributeError) as first:
+        if not pair:
+            raise TypeError(f"assert_trains: loss_fn(model, batch) failed ({type(first).__name__}: {first}); pass "
+                            "loss_fn(model, batch) -> loss, or a loss_fn(output, target) with an (inputs, targets) "
+                            "batch") from first
+        try:
+            return usual()
+        except (TypeError, AttributeError) as second:
+            raise TypeError(f"assert_trains: loss_fn fits neither form: loss_fn(model, batch) failed ({first}), and "
+                            f"loss_fn(model(inputs), targets) failed ({second})") from second

@@ -139,6 +139,16 @@ class NonFiniteTracer:
         self._watched: dict[int, tuple] = {}
         self._armed = False
 
+    def __repr__(self) -> str:
+        parts = [f"armed={self._armed}", f"forward_origin={self.forward_origin!r}", f"backward_origin={self.backward_origin!r}"]
+        if self.backward_op:
+            parts.append(f"op={self.backward_op!r}")
+        if self.outside:
+            parts.append(f"outside={self.outside[1]!r}")
+        if self.input_nonfinite:
+            parts.append("input_nonfinite=True")
+        return f"NonFiniteTracer({', '.join(parts)})"
+
     # ----------------------------------------------------------------- arming
     def arm(self, ops: bool = False) -> NonFiniteTracer:
         """Install the hooks. ``ops=True`` also watches every operation (:mod:`.opwatch`) to name

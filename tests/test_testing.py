@@ -90,3 +90,31 @@ def test_restore_false_keeps_the_step():
     before = model.head.weight.detach().clone()
     gh.assert_trains(model, opt, loss_fn, batch(), restore=False)
     assert not torch.equal(model.head.weight, before)
+
+
+def test_assert_trains_takes_the_usual_loss_form_with_an_inputs_targets_batch():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(6, 4), torch.randint(0, 3, (6,)))
+    for loss_fn in (nn.CrossEntropyLoss(), nn.functional.cross_entropy):
+        status = gh.assert_trains(model, opt, loss_fn, batch)
+        assert set(status.values()) == {gh.Status.OK} and len(status) == 4
+    frozen = nn.Sequential(nn.Linear(4, 3))
+    frozen[0].bias.requires_grad_(False)
+    opt2 = torch.optim.SGD([frozen[0].weight], lr=0.1)
+    status = gh.assert_trains(frozen, opt2, nn.CrossEntropyLoss(), batch)  # the frozen bias is skipped
+    assert status["0.bias"] is gh.Status.FROZEN
+    with pytest.raises(TypeError, match="fits neither form"):
+        gh.assert_trains(model, opt, lambda a, b, c: a, batch)
+
+
+def test_the_cli_prints_its_version_and_the_tracer_reads_well(capsys):
+    from gradhealth.cli import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("gradhealth 0.1")
+    model = nn.Sequential(nn.Linear(2, 2))
+    with gh.trace_nonfinite(model) as t:
+        (model(torch.randn(3, 2)) * float("inf")).sum().backward()
+    assert repr(t).startswith("NonFiniteTracer(armed=False, forward_origin=") and "backward_origin=" in repr(t)
