@@ -21,7 +21,7 @@ key                                       value
                                           skip_spikes), else 0.0 (only with the guard on)
 ``gradhealth/update_norm/total``          ||Δθ|| of every parameter the step updated
 ``gradhealth/update_norm/<name>``         ||Δθ|| of a parameter or a module
-``gradhealth/update_ratio/<name>``        ||Δθ|| / ||θ|| of a parameter or a module
+``gradhealth/update_ratio/<name>``        ||Δθ|| / ||θ|| of a parameter or a module (``total``: all)
 ========================================  ==========================================================
 
 Update keys come from :func:`update_metrics`, once the step has run; they carry the step they
@@ -115,7 +115,9 @@ def update_metrics(report: Report, granularity: str = "module", suffix: str = ""
         g = group_name(name, granularity)
         upd.setdefault(g, []).append(u)
         par.setdefault(g, []).append(u / r if r and math.isfinite(r) and r > 0 else 0.0)
-    out[f"{PREFIX}/update_norm/total{suffix}"] = combine_norms([u for us in upd.values() for u in us])
+    out[f"{PREFIX}/update_norm/total{suffix}"] = total = combine_norms([u for us in upd.values() for u in us])
+    theta_total = combine_norms([t for ts in par.values() for t in ts])
+    out[f"{PREFIX}/update_ratio/total{suffix}"] = total / theta_total if theta_total > 0 else 0.0
     for g, us in upd.items():
         theta = combine_norms(par[g])
         out[f"{PREFIX}/update_norm/{g}"] = combine_norms(us)

@@ -59,7 +59,7 @@ from transformers.trainer_callback import CallbackHandler, ExportableState
 
 from gradhealth.errors import GradHealthInternalWarning, GradModeError
 from gradhealth.findings import Finding
-from gradhealth.metrics import report_metrics, update_metrics
+from gradhealth.metrics import PREFIX, report_metrics, update_metrics
 from gradhealth.monitor import GradHealth
 from gradhealth.options import ON_PROBLEM, Options, check_choice
 from gradhealth.report import Report
@@ -109,11 +109,25 @@ class _LogsSink:
         self.loud = False
 
     def write(self, report: Report) -> None:
-        self.pending = report_metrics(report, granularity=self.granularity, norm=NORM)
+        metrics = report_metrics(report, granularity="module" if self.granularity == "total" else self.granularity,
+                                 norm=NORM)
+        self.pending = _headline(metrics) if self.granularity == "total" else metrics
         self.loud = not report.ok or any(f.level != "info" for f in report.findings)
 
     def write_update(self, report: Report) -> None:
-        self.pending.update(update_metrics(report, granularity=self.granularity))
+        metrics = update_metrics(report, granularity="module" if self.granularity == "total" else self.granularity)
+        self.pending.update(_headline(metrics) if self.granularity == "total" else metrics)
+
+
+#: the per-name key families left out of Trainer's logs at granularity="total"
+_DETAIL = (f"{PREFIX}/{NORM}/", f"{PREFIX}/update_norm/", f"{PREFIX}/update_ratio/", f"{PREFIX}/experts/",
+           f"{PREFIX}/valid/")
+
+
+def _headline(metrics: dict[str, float]) -> dict[str, float]:
+    """The headline numbers (totals, state counts, findings, skips): a logged line stays short
+    whatever the model's depth; per-module keys are one option away (granularity="module")."""
+    return {k: v for k, v in metrics.items() if not k.startswith(_DETAIL) or k.endswith("/total")}
 
 
 class GradHealthCallback(TrainerCallback, ExportableState):
@@ -125,12 +139,15 @@ class GradHealthCallback(TrainerCallback, ExportableState):
 
     Args:
         log: merge the ``gradhealth/...`` metrics into Trainer's logs (every ``report_to``).
-        granularity: "module" (default) or "param": one metric key per module or per parameter.
+        granularity: "total" (default): only headline numbers in Trainer's logs (the pre-clip total
+            norm, the problem-state counts, the findings, the total update norm and ratio), so a
+            logged line stays short whatever the depth of the model; "module" or "param": one
+            metric key per module or per parameter too.
         check_loss: when the model returns a loss that cannot produce gradients, raise
             :class:`gradhealth.GradModeError` naming the cause instead of autograd's bare error.
     """
 
-    def __init__(self, *, log: bool = True, granularity: str = "module", check_loss: bool = True, **options):
+    def __init__(self, *, log: bool = True, granularity: str = "total", check_loss: bool = True, **options):
         Options.check_keywords(options)
         on_problem = options.get("on_problem", "warn")
         check_choice("on_problem", on_problem, ON_PROBLEM + ("stop",))
@@ -138,7 +155,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         if self.stop:
             options["on_problem"] = "warn"
         self.options = Options(**options)
-        self.granularity = check_choice("granularity", granularity, ("module", "param"))
+        self.granularity = check_choice("granularity", granularity, ("total", "module", "param"))
         self.log = bool(log)
         self.check_loss = bool(check_loss)
         self.monitor: GradHealth | None = None

@@ -233,7 +233,7 @@ def test_metrics_reach_tensorboard_through_report_to(tmp_path, monkeypatch):
 
     logdir = tmp_path / "tb"
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(logdir))
-    cb = GradHealthCallback()
+    cb = GradHealthCallback(granularity="module")  # per-module keys too (the default logs headlines only)
     trainer = Trainer(model=tiny_bert(), args=arguments(tmp_path / "out", report_to=["tensorboard"]),
                       train_dataset=Tokens(), callbacks=[cb])
     train_strict(trainer)
@@ -398,3 +398,27 @@ def test_every_option_but_sinks_rides_in_the_callbacks_json_state():
     args = cb.state()["args"]
     assert args["change_every"] == 2 and args["update_every"] == 7
     json.dumps(args)
+
+
+def test_trainer_logs_stay_short_on_a_deep_model_and_detail_is_one_option_away(tmp_path):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=12, num_attention_heads=2, intermediate_size=32,
+                     max_position_embeddings=32)
+    lengths, keys = {}, {}
+    for granularity in ("total", "module"):
+        cb = GradHealthCallback(granularity=granularity)
+        trainer = Trainer(model=BertForMaskedLM(cfg), args=arguments(tmp_path / granularity, max_steps=10),
+                          train_dataset=Tokens(), callbacks=[cb])
+        train_strict(trainer)
+        rows = [h for h in trainer.state.log_history if "gradhealth/grad_norm_preclip/total" in h]
+        assert rows
+        lengths[granularity] = max(len(str(h)) for h in trainer.state.log_history)
+        keys[granularity] = set().union(*rows)
+    assert lengths["total"] <= 2000  # the bound: one logged line of at most 2,000 characters, 12 layers or not
+    assert "gradhealth/status/NO_GRAD" in keys["total"] and "gradhealth/findings/STALE_GRAD" not in keys["total"]
+    assert not any(k.startswith("gradhealth/update_norm/bert.") for k in keys["total"])
+    per_module = {k for k in keys["module"] if k.startswith("gradhealth/grad_norm_preclip/bert.encoder.layer.")}
+    assert len({k.split(".layer.")[1].split(".")[0] for k in per_module}) == 12  # every layer with the option
+    assert lengths["module"] > 5 * lengths["total"]
