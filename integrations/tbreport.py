@@ -7,6 +7,7 @@ import json
 import math
 import re
 import sys
+import textwrap
 
 from gradhealth.metrics import PREFIX
 from gradhealth.naming import plural
@@ -56,6 +57,8 @@ class Summary:
         self.updates: dict[str, list] = {}  # module -> [measured, all zero]
         self.stopped: tuple[int, str] | None = None
         self.dead: dict[str, list[int]] = {}  # dead expert -> [first step, steps]
+        self.modules: set[str] = set()  # every module (or parameter) a norm was logged for
+        self.full = False  # csv, json: every text whole (the text view wraps instead)
 
     def add(self, step: int, tag: str, value: float, text: str | None) -> None:
         if text is not None:
@@ -91,6 +94,7 @@ class Summary:
             where = sorted(m.group(2) for t, v in values.items()
                            if (m := _NORM.match(t)) and not _TOTAL.match(t) and not math.isfinite(v))
             self.nonfinite = (step, where)
+        self.modules.update(m.group(2) for t in values if (m := _NORM.match(t)) and not _TOTAL.match(t))
         for t, v in values.items():
             if (m := _STATUS.match(t)) and v > 0:
                 state = m.group(1)
@@ -114,19 +118,22 @@ class Summary:
         while self._steps:
             self._close(min(self._steps))
 
-    def items(self, verbose: bool = False) -> list[dict]:
-        """One dict per thing found: run, kind, step, detail (and names, the parameters or modules)."""
+    def items(self, verbose: bool = False, full: bool = False) -> list[dict]:
+        """One dict per thing found: run, kind, step, detail (and names, the parameters or modules);
+        ``full``: no detail cut (csv, json, --verbose)."""
         self.finish()
+        clip = lambda text, n: " ".join(text.split())  # noqa: E731 (whole: the text view wraps, never cuts)
         out: list[dict] = []
         if self.stopped is not None:
             out.append(self._item("STOPPED", self.stopped[0], f"training stopped at step {self.stopped[0]}: "
-                                  + _clip(self.stopped[1].strip(), 2 * _DETAIL)))
+                                  + clip(self.stopped[1].strip(), 2 * _DETAIL)))
         if self.nonfinite is not None:
             step, where = self.nonfinite
             origin = next((m for s, m in sorted(self.origins) if s >= step), "")
             origin = origin.split(". Usual repairs")[0]
-            detail = f"first non-finite gradients at step {step} in {_modules(where, verbose) or 'the total norm'}"
-            out.append(self._item("NON_FINITE_GRAD", step, detail + (f"; origin: {_clip(origin, _DETAIL)}" if origin else ""),
+            detail = (f"first non-finite gradients at step {step} in "
+                      f"{_modules(where, verbose, universe=sorted(self.modules)) or 'the total norm'}")
+            out.append(self._item("NON_FINITE_GRAD", step, detail + (f"; origin: {clip(origin, _DETAIL)}" if origin else ""),
                                   where))
         for state in ("NO_GRAD", "NOT_IN_OPTIMIZER", "ZERO_GRAD"):
             if state in self.states:
@@ -142,7 +149,7 @@ class Summary:
                 shown = ", ".join(map(str, steps)) + (" ..." if count > len(steps) else "")
                 detail = f"{what} at {plural(count, 'step')} ({shown})"
                 if kind in self.texts:
-                    detail += ": " + _clip(self.texts[kind][1], _DETAIL)
+                    detail += ": " + clip(self.texts[kind][1], _DETAIL)
                 out.append(self._item(kind, steps[0], detail))
         if self.dead:
             dead = sorted(self.dead, key=lambda u: (self.dead[u][0], u))
@@ -152,7 +159,7 @@ class Summary:
                 f"{u} (step {self.dead[u][0]}, {plural(self.dead[u][1], 'check')})" if not u.startswith("and ") else u
                 for u in shown))
             if "DEAD_EXPERT" in self.texts:
-                detail += ": " + _clip(self.texts["DEAD_EXPERT"][1].partition(": a dead expert")[2].strip(" ,."), _DETAIL)
+                detail += ": " + clip(self.texts["DEAD_EXPERT"][1].partition(": a dead expert")[2].strip(" ,."), _DETAIL)
             out.append(self._item("DEAD_EXPERT", first, detail, dead))
         never = sorted(m for m, (n, zero) in self.updates.items() if n >= 2 and zero)
         if never:
@@ -182,16 +189,8 @@ def _modules(names: list[str], verbose: bool, universe: list[str] | None = None)
     chosen = set(names)
     rows = group_by_module(status, lambda n, s: n in chosen)
     text = describe_groups(rows).replace(" params)", " modules)").replace(" param)", " module)")
+    text = re.sub(r"\ball (\d+) parameters\b", r"all \1 modules", text).replace("the only parameter", "the only module")
     return text.replace("every parameter (", "every module (")
-
-
-def _clip(text: str, n: int) -> str:
-    """``text`` cut at a word boundary to at most ``n`` characters, with an ellipsis."""
-    text = " ".join(text.split())
-    if len(text) <= n:
-        return text
-    cut = text[:n].rsplit(" ", 1)[0].rstrip(",;:")
-    return cut + " …"
 
 
 def summarize_run(frame) -> list[dict]:
@@ -216,7 +215,7 @@ def _cell(value):
     return value
 
 
-def _summaries(runs: dict[str, Run], verbose: bool, progress: bool) -> tuple[list[dict], dict[str, int]]:
+def _summaries(runs: dict[str, Run], verbose: bool, progress: bool, full: bool = False) -> tuple[list[dict], dict[str, int]]:
     items: list[dict] = []
     found: dict[str, int] = {}
     for n, run in enumerate(runs.values(), 1):
@@ -227,7 +226,7 @@ def _summaries(runs: dict[str, Run], verbose: bool, progress: bool) -> tuple[lis
             for step, tag, value, _, text in events(p, run.skipped):
                 run.read += 1
                 s.add(step, tag, value, text)
-        mine = s.items(verbose) if run.read else []
+        mine = s.items(verbose, full) if run.read else []
         found[run.name] = len(mine)
         items.extend(mine)
     if progress:
@@ -249,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"gradhealth report: {safe(exc)}", file=sys.stderr)
         return 2
-    items, found = _summaries(runs, args.verbose, args.format == "text" and sys.stderr.isatty())
+    items, found = _summaries(runs, args.verbose, args.format == "text" and sys.stderr.isatty(), args.format != "text")
     readable = [r for r in runs.values() if r.read]
     unreadable = [r for r in runs.values() if not r.read]
     rows = list(items)
@@ -271,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in readable:
             mine = [i for i in items if i["run"] == r.name]
             print(f"\n{safe(r.name)}: " + ("nothing to report" if not mine else plural(len(mine), "finding")))
-            for i in mine:
-                print(f"  {i['kind']}: {safe(i['detail'])}")
+            for i in mine:  # wrapped, never cut: a NaN origin keeps its file:line
+                print(textwrap.fill(f"{i['kind']}: {safe(i['detail'])}", width=100, initial_indent="  ",
+                                    subsequent_indent="      ", break_long_words=False, break_on_hyphens=False))
             for s in r.skipped:
                 print(f"  (skipped {safe(s)})")
         if unreadable or notes:
