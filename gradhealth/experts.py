@@ -209,11 +209,6 @@ def tokens_by_unit(layers: dict[str, list[str]], counts: list[list[float]] | Non
     return out
 
 
-def tensor_norm(values: list[float]) -> float:
-    """A stacked tensor's own norm from its slices' (exact where they are)."""
-    return combine_norms(values)
-
-
 def judge(stacks: dict[int, Stack], status: dict[str, Status], slices: dict[int, list[float]]
           ) -> tuple[dict[str, Status], dict[str, float], dict[str, list[str]]]:
     """Per-expert states and norms: ``({unit: state}, {unit: norm}, {experts module: [units]})``."""

@@ -132,7 +132,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         it = iter(norms)
         merged, at = [], dict(zip(stacked, values))
         for k in range(len(grads)):
-            merged.append(experts.tensor_norm(at[k]) if k in at else next(it))
+            merged.append(stats.combine_norms(at[k]) if k in at else next(it))  # a stack's norm: its slices'
         norms = merged
         slices = {with_grad[k]: v for k, v in at.items()}
 

@@ -96,9 +96,9 @@ class Persistence:
     def _used(self, r: list) -> int:
         return r[0] + (self._judged(r[4]) - r[3] if r[2] == 0 else 0)
 
-    def update(self, status: dict, not_ok: list, key=None) -> tuple[dict, set]:
-        """Count this check; return (gap of every NO_GRAD / ZERO_GRAD unit now, names whose gap
-        closed now). Units not judged at this check (another optimizer's) keep their numbers."""
+    def update(self, status: dict, not_ok: list, key=None) -> dict:
+        """Count this check; return the gap of every NO_GRAD / ZERO_GRAD unit now. Units not
+        judged at this check (another optimizer's) keep their numbers."""
         missing = [n for n in not_ok if status[n] in _NO_USABLE]
         rec = self.rec
         now = self._judged(key)
@@ -113,7 +113,6 @@ class Persistence:
                 self.open.add(n)
             r[2] += 1
             gaps[n] = r[2]
-        closed = set()
         if self.open:
             miss = set(missing)
             for n in [n for n in self.open if n not in miss and n in status and status[n] in _USABLE]:
@@ -123,13 +122,12 @@ class Persistence:
                 r[2], r[5] = 0, False
                 r[3] = now + 1
                 self.open.discard(n)
-                closed.add(n)
                 if r[0] + r[1] > CAP:
                     r[0], r[1] = r[0] // 2, r[1] // 2
         self.n[key] = self.n.get(key, 0) + 1
         trainable = sum(1 for s in status.values() if s is not Status.FROZEN) if missing else 0
         self.blank = self.blank + 1 if missing and len(missing) == trainable else 0
-        return gaps, closed
+        return gaps
 
     # ------------------------------------------------------------------- judge
     def judge(self, gaps: dict, patience: int, status: dict | None = None) -> Verdict:
@@ -244,7 +242,7 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
     if units:
         status = {**status, **units}
         not_ok = list(not_ok) + [u for u, s in units.items() if s is not Status.OK]
-    gaps, _ = persistence.update(status, not_ok, report.optimizer_index)
+    gaps = persistence.update(status, not_ok, report.optimizer_index)
     report.grad_streak = gaps
     if not gaps:
         return []

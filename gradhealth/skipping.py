@@ -33,8 +33,9 @@ _DATA = (FindingKind.NON_FINITE_LOSS, FindingKind.NONFINITE_RANK, FindingKind.NO
 
 
 def _spike(history, total: float, k: float) -> tuple[float, float] | None:
-    """(median, robust sigma) when ``total`` (the newest value in the history) is a spike."""
-    past = list(history.total)[:-1] if history.total and history.total[-1] == total else list(history.total)
+    """(median, robust sigma) when ``total`` is a spike against the history before it (the check
+    has already added its finite total as the newest value)."""
+    past = list(history.total)[:-1]
     if len(past) < history.warmup:
         return None
     med = statistics.median(past)

@@ -326,7 +326,7 @@ def test_persistence_counts_equal_a_naive_count_over_random_usage():
             used = bool(torch.rand((), generator=rng) >= q)
             seqs[n].append(used)
             status[n] = S.OK if used else S.NO_GRAD
-        gaps, _ = p.update(status, [n for n, s in status.items() if s is not S.OK])
+        gaps = p.update(status, [n for n, s in status.items() if s is not S.OK])
         for n in names:
             used, missed, gap, never = naive_history(seqs[n])
             assert gaps.get(n, 0) == gap
@@ -348,7 +348,7 @@ def test_persistence_rule_matches_the_beta_predictive_by_hand():
     g = 0
     while True:
         g += 1
-        gaps, _ = p.update(status(False), ["a"])
+        gaps = p.update(status(False), ["a"])
         # by hand: P(g misses) = prod_{i<g} (m + 1 + i) / (m + u + 2 + i) with m=10, u=20
         by_hand = math.prod((11 + i) / (32 + i) for i in range(g))
         verdict = p.judge(gaps, 3, status(False))
