@@ -36,21 +36,21 @@ def main(argv: list[str] | None = None) -> int:
         if "--transformers" in rest:
             rest = [a for a in rest if a != "--transformers"]
             try:
-                from gradhealth.integrations.transformers_demo import main as run
+                from gradhealth.demos.hf_trainer import main as run
             except ImportError as exc:
                 print(f"gradhealth demo --transformers needs transformers ({exc}); "
                       "pip install 'transformers>=5,<6' accelerate", file=sys.stderr)
                 return 2
         elif "--plain" in rest:
             rest = [a for a in rest if a != "--plain"]
-            from .demo import main as run
+            from gradhealth.demos.plain import main as run
         else:
             try:  # the Lightning demo when Lightning is installed; the plain-loop one otherwise
-                from gradhealth.integrations.demo import main as run
+                from gradhealth.demos.lightning_fit import main as run
             except ImportError:
-                from .demo import main as run
+                from gradhealth.demos.plain import main as run
     elif cmd == "bench":
-        from .bench import main as run
+        from gradhealth.benchmarks.core import main as run
     elif cmd == "report":
         try:
             from gradhealth.integrations.tbreport import main as run

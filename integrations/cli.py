@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lightning.pytorch.cli import LightningCLI
 
-from .lightning_demo import DemoModule, SyntheticData
+from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
 
 
 def main(args=None, run: bool = True) -> LightningCLI:

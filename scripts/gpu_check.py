@@ -103,7 +103,7 @@ def lightning_16_mixed() -> None:
     import lightning.pytorch as pl
 
     from gradhealth.integrations.lightning import GradHealthCallback
-    from gradhealth.integrations.lightning_demo import DemoModule, SyntheticData
+    from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
 
     for bug, expect in [("not_in_optimizer", "NOT_IN_OPTIMIZER"), ("none", None)]:
         cb = GradHealthCallback(on_problem="ignore")

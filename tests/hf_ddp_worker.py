@@ -13,7 +13,7 @@ from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
 import gradhealth as gh  # noqa: E402
 from gradhealth.integrations.transformers import GradHealthCallback  # noqa: E402
-from gradhealth.integrations.transformers_demo import HeadOutOfOptimizer, Tokens, tiny_bert  # noqa: E402
+from gradhealth.demos.hf_trainer import HeadOutOfOptimizer, Tokens, tiny_bert  # noqa: E402
 
 out = sys.argv[1]; bug = sys.argv[2] == "bug"
 cb = GradHealthCallback(on_problem="warn")

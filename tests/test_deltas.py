@@ -207,7 +207,7 @@ def test_frozen_in_sgd_with_grad_and_momentum(mlp):
 
 def test_memory_budget_on_the_three_bench_shapes():
     """Samples within 1% of the parameters; the rule's temporaries within 1% (at least 1 MiB)."""
-    from gradhealth.bench import build_model
+    from gradhealth.benchmarks.core import build_model
     from gradhealth.classify import named_parameters
     from gradhealth.deltas import UpdateTracker
 

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 import sys
 
-from gradhealth import demo
+from gradhealth.demos import plain as demo
 
 
 def test_detached_output_is_a_loss_side_problem():
@@ -111,8 +111,8 @@ def test_bench_distributed_section_runs():
 
 
 def test_bench_sections_for_experts_and_many_tensors_run(capsys):
-    from gradhealth.bench_experts import bench_experts
-    from gradhealth.bench_many import bench_many
+    from gradhealth.benchmarks.experts import bench_experts
+    from gradhealth.benchmarks.many import bench_many
 
     bench_many(1, sizes=(200, 400))
     bench_experts(1)

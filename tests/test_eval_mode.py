@@ -164,7 +164,7 @@ def test_lightning_inner_model_left_in_eval_is_flagged(dropout, named):
     import lightning.pytorch as pl
 
     from gradhealth.integrations.lightning import GradHealthCallback
-    from gradhealth.integrations.lightning_demo import SyntheticData
+    from gradhealth.demos.lightning_parts import SyntheticData
 
     class Wrapper(pl.LightningModule):
         def __init__(self):

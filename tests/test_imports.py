@@ -1,12 +1,15 @@
+import importlib
 import os
 import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 import gradhealth
 
 # tools that live in the package but are never imported by it
-TOOLS = {"demo", "bench", "bench_experts", "bench_many", "__main__"}
+TOOLS = {"__main__"}
 CORE = sorted(m.name for m in pkgutil.iter_modules(gradhealth.__path__) if m.name not in TOOLS)
 
 
@@ -17,21 +20,28 @@ def test_core_modules_import_no_framework_demo_or_bench():
         f"for m in {CORE!r}: importlib.import_module('gradhealth.' + m)\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'tensorboard',"
         " 'tensorboardX', 'matplotlib', 'transformers', 'peft', 'accelerate')"
-        " or m.startswith(('torch.utils.tensorboard', 'gradhealth.integrations', 'gradhealth.demo', 'gradhealth.bench'))]\n"
+        " or m.startswith(('torch.utils.tensorboard', 'gradhealth.integrations', 'gradhealth.demos', 'gradhealth.benchmarks'))]\n"
         "print(bad); sys.exit(1 if bad else 0)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_integrations_package_maps_to_top_level_folder():
+@pytest.mark.parametrize("package", ["integrations", "demos", "benchmarks"])
+def test_adapters_demos_and_benchmarks_map_to_their_own_top_level_folders(package):
+    mod = importlib.import_module("gradhealth." + package)
+    where = os.path.realpath(list(mod.__path__)[0])
+    core = os.path.realpath(os.path.dirname(gradhealth.__file__))
+    # the top-level folder beside gradhealth/, not a folder inside the core
+    assert os.path.basename(where) == package
+    assert os.path.dirname(where) == os.path.dirname(core) and not where.startswith(core + os.sep)
+
+
+def test_adapters_hold_no_demo_or_benchmark():
     import gradhealth.integrations as gi
 
-    where = os.path.realpath(list(gi.__path__)[0])
-    core = os.path.realpath(os.path.dirname(gradhealth.__file__))
-    # the top-level integrations/ folder beside gradhealth/, not a folder inside the core
-    assert os.path.basename(where) == "integrations"
-    assert os.path.dirname(where) == os.path.dirname(core) and not where.startswith(core + os.sep)
+    names = {m.name for m in pkgutil.iter_modules(gi.__path__)}
+    assert not {n for n in names if "demo" in n or "bench" in n}, names
 
 
 def test_no_core_module_is_too_long_to_read():

@@ -93,7 +93,7 @@ def test_warmup_from_zero_in_lightning_under_raise():
     import lightning.pytorch as pl
 
     from gradhealth.integrations.lightning import GradHealthCallback
-    from gradhealth.integrations.lightning_demo import DemoModule, SyntheticData
+    from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
 
     class Warm(DemoModule):
         def configure_optimizers(self):
@@ -264,7 +264,7 @@ def test_a_learning_rate_set_to_zero_between_change_tests_is_an_error_at_the_nex
 @pytest.mark.parametrize("blocks, width", [(100, 64), (4, 512), (2, 2048)])  # the bench's tensor shapes
 @pytest.mark.parametrize("name", ["SGD", "AdamW"])
 def test_update_norm_error_on_the_bench_shapes(blocks, width, name):
-    from gradhealth.bench import OPTIMIZERS, build_model
+    from gradhealth.benchmarks.core import OPTIMIZERS, build_model
 
     torch.manual_seed(0)
     model = build_model(blocks, width)

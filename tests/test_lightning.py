@@ -14,7 +14,7 @@ from torch import nn
 
 import gradhealth as gh
 from gradhealth.integrations.lightning import GradHealthCallback, metrics_of
-from gradhealth.integrations.lightning_demo import DemoModule, SyntheticData
+from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
 
 
 def fit(module, callbacks, steps=4, data=None, **trainer_kw):

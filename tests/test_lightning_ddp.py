@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 import gradhealth as gh
 from gradhealth.integrations.lightning import GradHealthCallback
-from gradhealth.integrations.lightning_demo import DemoModule, SyntheticData
+from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
 from conftest import run_spawned
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

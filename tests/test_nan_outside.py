@@ -50,7 +50,7 @@ def test_lightning_replay_names_the_division_in_the_loss():
     import lightning.pytorch as pl
 
     from gradhealth.integrations.lightning import GradHealthCallback
-    from gradhealth.integrations.lightning_demo import DemoModule, SyntheticData
+    from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
 
     cb = GradHealthCallback(on_problem="ignore", log=False)
     trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,

@@ -253,7 +253,7 @@ def test_gan_layer_in_no_optimizer_under_lightning_manual_optimization():
     import lightning.pytorch as pl
 
     from gradhealth.integrations.lightning import GradHealthCallback
-    from gradhealth.integrations.lightning_demo import SyntheticData
+    from gradhealth.demos.lightning_parts import SyntheticData
 
     class GAN(pl.LightningModule, Gen):
         def __init__(self):

@@ -19,7 +19,7 @@ from torch import nn
 import gradhealth as gh
 from conftest import free_port
 from gradhealth.integrations.lightning import GradHealthCallback, metrics_of
-from gradhealth.integrations.lightning_demo import DemoModule, SyntheticData
+from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
 from gradhealth.integrations.gradient_flow import gradient_flow_image
 from gradhealth.integrations.tensorboard import TensorBoardSink, read_run
 

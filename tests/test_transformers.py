@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from gradhealth.integrations.transformers import GradHealthCallback  # noqa: E402
-from gradhealth.integrations.transformers_demo import HeadOutOfOptimizer, NaNLossOnce, Tokens, tiny_bert  # noqa: E402
+from gradhealth.demos.hf_trainer import HeadOutOfOptimizer, NaNLossOnce, Tokens, tiny_bert  # noqa: E402
 from gradhealth.report import frozen_summary  # noqa: E402
 
 

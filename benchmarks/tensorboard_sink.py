@@ -7,10 +7,10 @@ import tempfile
 
 import torch
 
-from gradhealth.bench import build_model, interleaved
+from gradhealth.benchmarks.core import build_model, interleaved
 from gradhealth.monitor import GradHealth
 
-from .tensorboard import TensorBoardSink
+from gradhealth.integrations.tensorboard import TensorBoardSink
 
 
 def main(rounds: int = 5) -> None:
@@ -19,7 +19,7 @@ def main(rounds: int = 5) -> None:
 
 
 def _one(rounds: int, width: int) -> None:
-    from gradhealth.bench import floor_pass
+    from gradhealth.benchmarks.core import floor_pass
 
     torch.manual_seed(0)
     model = build_model(100, width)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .errors import GradHealthWarning, GradModeError
-from .guards import check_loss
-from .monitor import GradHealth
+from gradhealth.errors import GradHealthWarning, GradModeError
+from gradhealth.guards import check_loss
+from gradhealth.monitor import GradHealth
 
 
 class Net(nn.Module):

@@ -15,10 +15,10 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from gradhealth.demo import show
+from gradhealth.demos.plain import show
 from gradhealth.errors import GradHealthWarning
 
-from .transformers import GradHealthCallback
+from gradhealth.integrations.transformers import GradHealthCallback
 
 __all__ = ["tiny_bert", "Tokens", "HeadOutOfOptimizer", "NaNLossOnce", "run_scenario", "main"]
 

@@ -11,8 +11,8 @@ import time
 import torch
 from torch import nn
 
-from .bench import floor_pass
-from .monitor import GradHealth
+from gradhealth.benchmarks.core import floor_pass
+from gradhealth.monitor import GradHealth
 
 __all__ = ["Wide", "bench_many"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .bench import floor_pass, interleaved
-from .monitor import GradHealth
+from gradhealth.benchmarks.core import floor_pass, interleaved
+from gradhealth.monitor import GradHealth
 
 __all__ = ["MoEStack", "bench_experts"]
 

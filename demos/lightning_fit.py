@@ -14,11 +14,11 @@ import warnings
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from gradhealth.demo import show
+from gradhealth.demos.plain import show
 from gradhealth.errors import GradHealthWarning, GradModeError
 
-from .lightning import GradHealthCallback
-from .lightning_demo import DemoModule, SyntheticData
+from gradhealth.integrations.lightning import GradHealthCallback
+from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
 
 SCENARIOS = [
     ("detached", "detached output", "out = model(x).detach() before the loss"),

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .monitor import GradHealth
+from gradhealth.monitor import GradHealth
 
 SHAPES = {
     # name: (blocks, width) -> blocks x (Linear(width, width) + LayerNorm(width)) = 4 tensors a block
@@ -92,7 +92,7 @@ def bench_shape(label: str, blocks: int, width: int, rounds: int, device: str) -
         "check()": lambda: monitor.check(),
     }
     try:  # Lightning's grad_norm utility, when Lightning is installed (through the adapter package)
-        from gradhealth.integrations.bench_lightning import lightning_grad_norm
+        from gradhealth.benchmarks.lightning_fit import lightning_grad_norm
 
         fns["lightning grad_norm"] = lambda: lightning_grad_norm(model)
     except ImportError:
@@ -248,7 +248,7 @@ def bench_update_error(blocks: int, width: int, steps: int = 3) -> None:
 
 def bench_tracer(rounds: int) -> None:
     """One training step plain, with the NaN tracer armed, and under detect_anomaly."""
-    from .trace import NonFiniteTracer
+    from gradhealth.trace import NonFiniteTracer
 
     print("\nNaN tracer: one forward+backward of an 8-block MLP (Linear+GELU+LayerNorm), interleaved:")
     for width, batch in [(256, 64), (1024, 256)]:
@@ -291,7 +291,7 @@ def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> Non
         model(torch.randn(32, 64)).square().mean().backward()
         mon = GradHealth(model, opt, on_problem="ignore", deltas="off", desync_every=0)
         mon.carry.checks = 1  # past the first check: no DESYNC fingerprint in the timed loop
-        from . import crossrank
+        from gradhealth import crossrank
 
         def timed(agreement: bool):
             crossrank.AGREEMENT = agreement  # the same order on every rank: one layout per collective
@@ -303,7 +303,7 @@ def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> Non
         # the rank-origin comm hook: a DDP training step with and without it
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from .distributed import RankOrigin
+        from gradhealth.distributed import RankOrigin
 
         torch.manual_seed(0)
         plain, hooked = DDP(build_model(100, 64)), DDP(build_model(100, 64))
@@ -387,11 +387,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nupdate norms on {label}:")
             bench_update_error(blocks, width)
     if "experts" in sections:
-        from .bench_experts import bench_experts
+        from gradhealth.benchmarks.experts import bench_experts
 
         bench_experts(args.rounds)
     if "many" in sections and args.device == "cpu":
-        from .bench_many import bench_many
+        from gradhealth.benchmarks.many import bench_many
 
         bench_many(args.rounds)
     if "tracer" in sections:
@@ -400,21 +400,21 @@ def main(argv: list[str] | None = None) -> int:
         bench_distributed(args.rounds)
     if "tensorboard" in sections:
         try:
-            from gradhealth.integrations.bench_tensorboard import main as bench_tensorboard
+            from gradhealth.benchmarks.tensorboard_sink import main as bench_tensorboard
         except ImportError:
             bench_tensorboard = None
         if bench_tensorboard is not None:
             bench_tensorboard(args.rounds)
     if "lightning" in sections and args.device == "cpu":
         try:  # the integrations' own costs, when their frameworks are installed
-            from gradhealth.integrations.bench_lightning import main as bench_lightning
+            from gradhealth.benchmarks.lightning_fit import main as bench_lightning
         except ImportError:
             bench_lightning = None
         if bench_lightning is not None:
             bench_lightning(rounds=max(5, args.rounds))
     if "transformers" in sections and args.device == "cpu":
         try:
-            from gradhealth.integrations.bench_transformers import main as bench_transformers
+            from gradhealth.benchmarks.hf_trainer import main as bench_transformers
         except ImportError:
             bench_transformers = None
         if bench_transformers is not None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from .lightning import GradHealthCallback
+from gradhealth.integrations.lightning import GradHealthCallback
 
 
 def lightning_grad_norm(model: nn.Module) -> dict[str, float]:

@@ -11,8 +11,8 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from .bench_lightning import _Clock, measure_overhead, print_overhead
-from .transformers import GradHealthCallback
+from gradhealth.benchmarks.lightning_fit import _Clock, measure_overhead, print_overhead
+from gradhealth.integrations.transformers import GradHealthCallback
 
 
 class _StepTimer(TrainerCallback):
