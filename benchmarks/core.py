@@ -366,16 +366,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shapes", default="all", help="comma-separated shape indexes (0,1,2) or 'all'")
     ap.add_argument("--sections", default="all",
-                    help="comma-separated: checks,budget,deltas,experts,many,tracer,distributed,lightning,transformers,"
+                    help="comma-separated: step,checks,budget,deltas,experts,many,tracer,distributed,lightning,transformers,"
                          "tensorboard (default: all)")
     args = ap.parse_args(argv)
     print(f"gradhealth bench: torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
     chosen = list(SHAPES.items())
     if args.shapes != "all":
         chosen = [chosen[int(i)] for i in args.shapes.split(",")]
-    sections = ({"checks", "budget", "deltas", "experts", "many", "tracer", "distributed", "lightning", "transformers", "tensorboard"}
+    sections = ({"step", "checks", "budget", "deltas", "experts", "many", "tracer", "distributed", "lightning", "transformers", "tensorboard"}
                 if args.sections == "all"
                 else set(args.sections.split(",")))
+    if "step" in sections and args.device == "cpu":
+        from gradhealth.benchmarks.whole_step import bench_whole_step
+
+        bench_whole_step(args.rounds, chosen, many=(1000, 10000) if args.shapes == "all" else ())
     for label, (blocks, width) in chosen:
         if "checks" in sections:
             bench_shape(label, blocks, width, args.rounds, args.device)

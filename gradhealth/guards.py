@@ -122,14 +122,18 @@ def _first_grad_tensor(output) -> list[Tensor]:
 
 
 class ForwardWatch:
-    """Forward hooks that see what the training forward really ran (Python state only, no sync).
+    """What the training forward really ran (Python state only, no sync), with two hooks on the
+    model in a healthy run.
 
     * on the model: its grad mode and inference mode, and whether it was in training mode, in
       ``carry.forward`` (for the loss diagnosis);
-    * on the model, its direct children and every dropout / batch-norm module wherever it sits
-      (a LightningModule's inner model included): a module that ran in eval() mode with grad
-      enabled lands in ``carry.eval_backward`` only when a backward really goes through its output
-      (a hook on that output fires then, and never for validation forwards).
+    * the model, its direct children and every dropout / batch-norm module wherever it sits (a
+      LightningModule's inner model included) are *watched*: a pre-hook on the model (on each
+      direct child of a LightningModule, whose forward Lightning never calls) reads their
+      ``training`` flags (one attribute each) and, only for those found in eval() mode, puts a
+      forward hook on them, kept while they stay in eval(). A module that ran in eval() mode with grad enabled lands in
+      ``carry.eval_backward`` only when a backward really goes through its output (a hook on that
+      output fires then, and never for validation forwards).
 
     Normalisation layers in eval() mode are intended idioms, not eval-mode mistakes: with frozen
     (or no) affine parameters, frozen-BatchNorm fine-tuning (``carry.frozen_norms``); with
@@ -137,7 +141,9 @@ class ForwardWatch:
     (``carry.norm_eval``). The model itself, a direct child that is not a normalisation layer, or
     a dropout module in eval() during a training backward stays a GRAD_MODE error. A module that
     runs with grad disabled inside a training model under a reentrant ``torch.utils.checkpoint``
-    sets ``carry.reentrant`` (for CHECKPOINT_NO_GRAD).
+    sets ``carry.reentrant`` (for CHECKPOINT_NO_GRAD): looked for by hooks on the direct children
+    during the forwards after a check that found NO_GRAD parameters (``probe``), the only time the
+    answer is used.
     """
 
     def __init__(self, model: nn.Module, module: nn.Module, carry, experts: bool = False):
@@ -146,11 +152,35 @@ class ForwardWatch:
         self.experts = experts  # stacked experts were found: count the tokens the router sends them
         cfg = getattr(module, "config", None)
         self.top_k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "moe_topk", None)
+        children = dict(module.named_children())
+        watched = [(name, m) for name, m in module.named_modules()
+                   if name == "" or name in children or isinstance(m, _DROPOUT_OR_NORM)]
+        # where the modes are read: the model's own forward, or, for a LightningModule (its
+        # training_step calls the inner modules, never its forward), each direct child's
+        entries = [("", module)] if not callable(getattr(module, "training_step", None)) else list(children.items())
         self.handles = [model.register_forward_hook(self._on_model)]
-        children = {name for name, _ in module.named_children()}
-        for name, m in module.named_modules():
-            if name == "" or name in children or isinstance(m, _DROPOUT_OR_NORM):
-                self.handles.append(m.register_forward_hook(functools.partial(self._on_module, name)))
+        self._hooked: list[dict[int, object]] = []  # per entry: id(module) -> its hook for these forwards
+        for i, (top, m) in enumerate(entries):
+            under = [(n, w) for n, w in watched if not top or n == "" or n == top or n.startswith(top + ".")]
+            self._hooked.append({})
+            self.handles.append(m.register_forward_pre_hook(functools.partial(
+                self._before, i, under, [(n, w) for n, w in under if n in children])))
+        #: look for a reentrant checkpoint at the next forwards (set by the monitor after NO_GRAD)
+        self.probe = False
+
+    def _before(self, i: int, watched: list, children: list, module, args) -> None:
+        if not torch.is_grad_enabled():
+            return
+        want = {id(m): (n, m) for n, m in watched if not m.training}
+        if self.probe and self.root.training:
+            want.update({id(m): (n, m) for n, m in children})
+        hooked = self._hooked[i]
+        if want.keys() != hooked.keys():  # modes changed (rare): hook exactly the modules that need it
+            for key in [k for k in hooked if k not in want]:
+                hooked.pop(key).remove()
+            for key, (name, m) in want.items():
+                if key not in hooked:
+                    hooked[key] = m.register_forward_hook(functools.partial(self._on_module, name))
 
     def _on_model(self, module, args, output) -> None:
         self.carry.forward = ForwardRecord(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.root.training)
@@ -188,8 +218,9 @@ class ForwardWatch:
         self.carry.eval_backward = ForwardRecord(True, False, ROOT not in names, tuple(sorted(names - {ROOT})))
 
     def remove(self) -> None:
-        for h in self.handles:
+        for h in [*self.handles, *(h for hooked in self._hooked for h in hooked.values())]:
             h.remove()
+        self._hooked = [{} for _ in self._hooked]
 
 
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")

@@ -295,9 +295,8 @@ class GradHealth:
         updates, stale, steps_ran = [], set(), None
         if tracker is not None and not reeval:
             tracker.witness.clear()
-            stale = tracker.witness.take(self.view.entries)
-            updates, tracker.pending = tracker.pending, []
-            steps_ran = tracker.steps_since_check
+            stale, updates, steps_ran = tracker.witness.take(self.view.entries), tracker.pending, tracker.steps_since_check
+            tracker.pending = []
         valid = carry.take_valid()
         try:
             obs, self._plan = observe(self.view, sel, loss, valid, updates, self.scaler, self._plan,
@@ -367,6 +366,8 @@ class GradHealth:
         if nonfinite and report.expert_status:
             found += judges.nonfinite_experts(report.expert_status, step)
         no_grad = [n for n, s in report.errors.items() if s is Status.NO_GRAD]
+        if self._watch is not None:  # NO_GRAD now: the next forwards look for a reentrant checkpoint
+            self._watch.probe = any(s is Status.NO_GRAD for s in report.problems.values())
         if no_grad:  # only then: is the model checkpointing its layers?
             found += judges.checkpoint_no_grad(no_grad, uses_checkpointing(unwrap(self.model)), report.status, step,
                                                carry.reentrant)

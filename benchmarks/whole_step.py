@@ -1,0 +1,152 @@
+"""The whole-step section of ``gradhealth bench``: what a user pays, a whole training step
+(zero_grad, forward, backward, check, optimizer.step) timed with and without the monitor.
+
+Every variant trains its own copy of the same model (same weights, same batches) with its own
+optimizer; the variants take turns, a block of steps each, round after round, so a noisy
+neighbour slows them alike. Each step is timed on its own; the table gives the mean (which counts
+the periodic steps: the update norms every ``update_every`` checks, the change test every
+``change_every``) and the median, as milliseconds above the plain step, as a share of the plain
+step, and in floors (one fused norm pass over every gradient read back to the host, timed right
+after a backward, where the check runs).
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from gradhealth.benchmarks.core import SHAPES, build_model, floor_pass
+from gradhealth.benchmarks.many import Wide
+from gradhealth.monitor import GradHealth
+
+__all__ = ["VARIANTS", "bench_whole_step", "measure"]
+
+#: name -> monitor options (None: no monitor at all); "stale witnesses off" and the sink are set up below
+VARIANTS = {
+    "plain step": None,
+    "default monitor": {},
+    "forward watch off": {"watch_forward": False},
+    "update tracking off": {"deltas": "off"},
+    "history off": {"history": False},
+    "stale witnesses off": {},
+    "+ TensorBoardSink": {},
+}
+
+
+def _sink(tmp: str):
+    try:
+        from gradhealth.integrations.tensorboard import TensorBoardSink
+    except ImportError:
+        return None
+    return TensorBoardSink(tmp)
+
+
+def _no_witnesses(monitor: GradHealth) -> None:
+    """No option turns the stale-gradient witnesses off (they are the missing-zero_grad verdict):
+    the bench removes them to show what they cost."""
+    monitor.tracker.witness.close()
+    monitor.tracker.witness.arm = lambda *a, **k: None
+
+
+def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=VARIANTS) -> dict[str, dict[str, float]]:
+    """Per variant: ``mean`` and ``median`` seconds of a whole step, and ``floor`` (seconds of one
+    fused norm pass, measured in the plain run). Returns ``{variant: {...}}``."""
+    torch.manual_seed(0)
+    base = make_model()
+    tmp = tempfile.mkdtemp(prefix="gradhealth_bench_")
+    runs = {}
+    for name, options in variants.items():
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+        monitor = None
+        if options is not None:
+            kw = dict(options)
+            if name == "+ TensorBoardSink":
+                sink = _sink(tmp)
+                if sink is None:
+                    continue
+                kw["sinks"] = [sink]
+            monitor = GradHealth(model, opt, on_problem="ignore", **kw)
+            if name == "stale witnesses off":
+                _no_witnesses(monitor)
+        runs[name] = (model, opt, monitor, [])
+    floors: list[float] = []
+    with torch.no_grad():
+        target = torch.randn_like(base(batch))  # a regression target: every layer gets a gradient
+
+    def step(model, opt, monitor, times, timed_floor=False):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(batch), target)
+        loss.backward()
+        if monitor is not None:
+            monitor.check(loss=loss)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        if timed_floor:  # one fused norm pass, where the check would run (after a backward)
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(batch), target).backward()
+            t1 = time.perf_counter()
+            floor_pass(model)
+            floors.append(time.perf_counter() - t1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model, opt, monitor, times in runs.values():  # warm-up: every code path once
+            for _ in range(max(10, steps)):
+                step(model, opt, monitor, [])
+        for _ in range(rounds):
+            for name, (model, opt, monitor, times) in runs.items():
+                for _ in range(steps):
+                    step(model, opt, monitor, times)
+            model, opt, _, _ = runs["plain step"]
+            step(model, opt, None, [], timed_floor=True)
+    out = {name: {"mean": statistics.fmean(t), "median": statistics.median(t)} for name, (_, _, _, t) in runs.items()}
+    for model, opt, monitor, _ in runs.values():
+        if monitor is not None:
+            monitor.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+    floor = statistics.median(floors)
+    for row in out.values():
+        row["floor"] = floor
+    return out
+
+
+def _print(label: str, res: dict[str, dict[str, float]]) -> None:
+    plain = res["plain step"]
+    floor = plain["floor"]
+    print(f"\nthe whole training step on {label} (SGD momentum, batch 8; floor {floor * 1e3:.3f} ms; "
+          f"plain step mean {plain['mean'] * 1e3:.2f} ms, median {plain['median'] * 1e3:.2f} ms):")
+    print(f"  {'':<22}{'mean ms':>9}{'+ms':>8}{'% step':>8}{'floors':>8}   {'median ms':>9}{'+ms':>8}{'% step':>8}{'floors':>8}")
+    for name, row in res.items():
+        cells = []
+        for key in ("mean", "median"):
+            extra = row[key] - plain[key]
+            cells.append(f"{row[key] * 1e3:>9.2f}{extra * 1e3:>+8.2f}{100 * extra / plain[key]:>+7.1f}%{extra / floor:>+8.2f}")
+        print(f"  {name:<22}" + "   ".join(cells))
+
+
+def bench_whole_step(rounds: int, shapes=None, many=(1000, 10000)) -> dict:
+    """Print the whole-step table for the chosen bench shapes and the many-tensors models."""
+    print("\nwhat the user pays: a whole training step with and without the monitor, each part off in turn "
+          "(interleaved; targets: default <= 10% / 1.5 floors on the small shape, <= 2% on the large ones)")
+    results = {}
+    items = list(SHAPES.items()) if shapes is None else shapes
+    for label, (blocks, width) in items:
+        steps = 20 if width <= 64 else 4
+        res = measure(lambda: build_model(blocks, width), torch.randn(8, width), max(3, rounds), steps)
+        _print(label, res)
+        results[label] = res
+    for n in many:
+        label = f"{n:,} small tensors ({n // 2} Linear(8) side by side)"
+        res = measure(lambda: Wide(n), torch.randn(8, 8), max(3, rounds // 2), 10 if n <= 1000 else 3)
+        _print(label, res)
+        results[label] = res
+    return results
