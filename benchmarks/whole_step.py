@@ -100,7 +100,7 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for model, opt, monitor, times in runs.values():  # warm-up: every code path once
-            for _ in range(max(10, steps)):
+            for _ in range(max(3, steps)):
                 step(model, opt, monitor, [])
         for _ in range(rounds):
             for name, (model, opt, monitor, times) in runs.items():
@@ -140,13 +140,14 @@ def bench_whole_step(rounds: int, shapes=None, many=(1000, 10000)) -> dict:
     results = {}
     items = list(SHAPES.items()) if shapes is None else shapes
     for label, (blocks, width) in items:
-        steps = 20 if width <= 64 else 4
-        res = measure(lambda: build_model(blocks, width), torch.randn(8, width), max(3, rounds), steps)
+        small = width <= 64  # large shapes: one step per turn, more rounds (a step is long and noisy)
+        res = measure(lambda: build_model(blocks, width), torch.randn(8, width), max(3, rounds) * (1 if small else 3),
+                      20 if small else 1)
         _print(label, res)
         results[label] = res
     for n in many:
         label = f"{n:,} small tensors ({n // 2} Linear(8) side by side)"
-        res = measure(lambda: Wide(n), torch.randn(8, 8), max(3, rounds // 2), 10 if n <= 1000 else 3)
+        res = measure(lambda: Wide(n), torch.randn(8, 8), max(3, rounds if n <= 1000 else rounds // 2), 10 if n <= 1000 else 1)
         _print(label, res)
         results[label] = res
     return results

@@ -15,8 +15,8 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from gradhealth.demos.plain import show
-from gradhealth.errors import GradHealthWarning
+from gradhealth.demos.console import Capture, show, table, verdict
+from gradhealth.demos.plain import choose
 
 from gradhealth.integrations.transformers import GradHealthCallback
 
@@ -71,48 +71,60 @@ class NaNLossOnce(Trainer):
 
 SCENARIOS = [
     ("not_in_optimizer", HeadOutOfOptimizer, "a custom create_optimizer leaves cls.predictions.transform out"),
-    ("nan_batch", NaNLossOnce, f"a token mean over an empty mask at step {NaNLossOnce.bad_step + 1} (0/0), which "
-                               "Trainer's NaN filter hides from its loss log"),
+    ("nan_batch", NaNLossOnce, f"a token mean over an empty mask at step {NaNLossOnce.bad_step + 1} (0/0), hidden "
+                               "by Trainer's NaN filter"),
     ("healthy", Trainer, "the same tiny BERT, nothing planted"),
 ]
 
 
-def run_scenario(name: str, cls, root: str, steps: int = 12) -> tuple[list[str], list[dict]]:
-    """One Trainer run; (what gradhealth warned, Trainer's log history)."""
+def run_scenario(name: str, cls, root: str, steps: int = 12) -> tuple[list, list[dict]]:
+    """One Trainer run; (every report gradhealth made, Trainer's log history)."""
     os.environ["TENSORBOARD_LOGGING_DIR"] = os.path.join(root, name)
     args = TrainingArguments(os.path.join(root, name, "trainer"), use_cpu=True, max_steps=steps,
                              per_device_train_batch_size=4, logging_steps=1, warmup_steps=2, save_strategy="no",
                              report_to=["tensorboard"], disable_tqdm=True, seed=0, data_seed=0)
-    trainer = cls(model=tiny_bert(), args=args, train_dataset=Tokens(), callbacks=[GradHealthCallback()])
+    capture = Capture()
+    trainer = cls(model=tiny_bert(), args=args, train_dataset=Tokens(), callbacks=[GradHealthCallback(sinks=[capture])])
     trainer.remove_callback(PrinterCallback)  # one line per scenario, not one per logged step
     trainer.remove_callback(ProgressCallback)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", GradHealthWarning)
+    with warnings.catch_warnings(record=True):  # the demo prints the short form instead
+        warnings.simplefilter("always")
         trainer.train()
     os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
-    return [str(w.message) for w in caught if issubclass(w.category, GradHealthWarning)], trainer.state.log_history
+    return capture.reports, trainer.state.log_history
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gradhealth demo --transformers", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12, help="optimizer steps per scenario")
     ap.add_argument("--logdir", default="gradhealth_runs/transformers", help="where the TensorBoard logs go")
+    ap.add_argument("--only", default=None, help="comma-separated scenario names (default: all): "
+                    + ", ".join(s[0] for s in SCENARIOS))
     args = ap.parse_args(argv)
+    picked = choose(args.only, [s[0] for s in SCENARIOS], ap.prog)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(min(4, torch.get_num_threads()))
-    print(f"gradhealth demo: Hugging Face Trainer on a tiny BERT (random weights), {len(SCENARIOS)} scenarios\n")
-    for i, (name, cls, what) in enumerate(SCENARIOS, 1):
-        print(f"[{i}/{len(SCENARIOS)}] {name}: {what}", flush=True)
-        said, history = run_scenario(name, cls, args.logdir, args.steps)
-        show(said)
+    chosen = [s for s in SCENARIOS if s[0] in picked]
+    print(f"gradhealth demo --transformers: Hugging Face Trainer on a tiny BERT (random weights), {len(chosen)} "
+          f"scenario{'' if len(chosen) == 1 else 's'}\n(what gradhealth said, in short: gh.brief(report); its warnings "
+          "carry the full words)\n")
+    rows = []
+    for i, (name, cls, what) in enumerate(chosen, 1):
+        print(f"[{i}/{len(chosen)}] {name}: {what}", flush=True)
+        reports, history = run_scenario(name, cls, args.logdir, args.steps)
+        show(reports, None, "transformers", [h["loss"] for h in history if "loss" in h])
         if name == "nan_batch":
             step = NaNLossOnce.bad_step + 1  # the step Trainer logs it at, and gradhealth's number for it
             row = next((h for h in history if h.get("step") == step and "loss" in h), None)
             if row is not None:
-                print(f"    (Trainer's own log at that step: loss {row['loss']:.4g}, grad_norm {row.get('grad_norm')})")
+                print(f"    (Trainer's own log at step {step}: loss {row['loss']:.4g}, grad_norm {row.get('grad_norm')}: "
+                      "its NaN filter hid the 0/0)")
+        rows.append((name, verdict(reports, None)))
         print(flush=True)
-    print(f"Logs are in {os.path.abspath(args.logdir)}. Read what gradhealth saw with:\n"
-          f"    gradhealth report {args.logdir}\nor open the dashboards with:\n"
+    table(rows)
+    print(f"\nTrainer's and gradhealth's logs are in\n    {os.path.abspath(args.logdir)}\n"
+          f"what gradhealth saw, per run:\n    gradhealth report {args.logdir}\n"
+          f"the dashboards (the CUSTOM SCALARS and IMAGES tabs at http://localhost:6006):\n"
           f"    tensorboard --logdir {args.logdir}")
     return 0
 

@@ -1,7 +1,8 @@
 """``gradhealth demo``: the planted-bug scenarios as real ``Trainer.fit`` runs on synthetic data.
 
 Each scenario trains the demo module with one classic mistake, with ``GradHealthCallback`` and a
-TensorBoard logger, and prints what gradhealth said; the last one is healthy and says nothing.
+TensorBoard logger, and prints what gradhealth said, in short; the last one is healthy and says
+nothing. ``gradhealth demo --plain`` runs the same scenarios in a plain PyTorch loop.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import warnings
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from gradhealth.demos.plain import show
-from gradhealth.errors import GradHealthWarning, GradModeError
+from gradhealth.demos.console import Capture, show, table, verdict
+from gradhealth.demos.plain import choose
+from gradhealth.errors import GradModeError
 
 from gradhealth.integrations.lightning import GradHealthCallback
 from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
@@ -36,44 +38,55 @@ SCENARIOS = [
 ]
 
 
-def run_scenario(bug: str, root: str, steps: int, progress: bool = False) -> list[str]:
+def run_scenario(bug: str, root: str, steps: int, progress: bool = False) -> tuple[list, str | None, list]:
+    """One ``Trainer.fit``: (every report, the GradModeError that stopped it or None, the losses)."""
     pl.seed_everything(0, verbose=False)
     options = {"expect_frozen": []} if bug == "frozen" else {}
-    callback = GradHealthCallback(**options)
+    capture = Capture()
+    callback = GradHealthCallback(sinks=[capture], **options)
     trainer = pl.Trainer(
         max_steps=steps, accelerator="cpu", devices=1, logger=TensorBoardLogger(root, name=bug, version=0),
         callbacks=[callback], enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=1,
         num_sanity_val_steps=0, limit_val_batches=0, enable_progress_bar=progress,
     )
-    said: list[str] = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", GradHealthWarning)
+    error = None
+    with warnings.catch_warnings(record=True):  # the demo prints the short form instead (and no framework noise)
+        warnings.simplefilter("always")
         try:
             trainer.fit(DemoModule(bug=bug), SyntheticData(n_batches=steps))
         except GradModeError as exc:
-            said.append(f"GradModeError: {exc}")
-    said += [str(w.message) for w in caught if issubclass(w.category, GradHealthWarning)]
-    return said
+            error = str(exc)
+    losses = [r.loss for r in capture.reports if r.loss is not None]
+    return capture.reports, error, losses
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="gradhealth demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="gradhealth demo", description=__doc__.splitlines()[0],
+                                 epilog="gradhealth demo --plain: the same scenarios in a plain PyTorch loop; "
+                                        "gradhealth demo --transformers: Hugging Face Trainer on a tiny BERT")
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per scenario")
     ap.add_argument("--logdir", default="gradhealth_runs/demo", help="where the TensorBoard logs go")
-    ap.add_argument("--only", default=None, help="comma-separated scenario names (default: all)")
+    ap.add_argument("--only", default=None, help="comma-separated scenario names (default: all): "
+                    + ", ".join(s[0] for s in SCENARIOS))
     ap.add_argument("--progress", action="store_true", help="show Lightning's progress bar (off: one line per scenario)")
     ap.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)  # the default now
     args = ap.parse_args(argv)
+    picked = choose(args.only, [s[0] for s in SCENARIOS], ap.prog)
     for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
         logging.getLogger(name).setLevel(logging.ERROR)  # drop the banners
-    chosen = [s for s in SCENARIOS if args.only is None or s[0] in args.only.split(",")]
-    print(f"gradhealth demo: Trainer.fit of a 3-layer classifier on synthetic data, {len(chosen)} scenario{'' if len(chosen) == 1 else 's'}\n")
+    chosen = [s for s in SCENARIOS if s[0] in picked]
+    print(f"gradhealth demo: Trainer.fit on synthetic data, {len(chosen)} scenario{'' if len(chosen) == 1 else 's'}"
+          "\n(what gradhealth said, in short: gh.brief(report); its warnings carry the full words)\n")
+    rows = []
     for i, (bug, title, what) in enumerate(chosen, 1):
         print(f"[{i}/{len(chosen)}] {title}: {what}", flush=True)
-        said = run_scenario(bug, args.logdir, args.steps, progress=args.progress and not args.no_progress)
-        show(said)
+        reports, error, losses = run_scenario(bug, args.logdir, args.steps, progress=args.progress and not args.no_progress)
+        show(reports, error, "lightning", losses)
+        rows.append((bug, verdict(reports, error)))
         print(flush=True)
-    print(f"TensorBoard logs of every scenario are in {os.path.abspath(args.logdir)}. What gradhealth saw, per run:\n"
-          f"    gradhealth report {args.logdir}\nThe dashboards:\n"
-          f"    tensorboard --logdir {args.logdir}\nthen browse http://localhost:6006 (the SCALARS tab, tags gradhealth/...).")
+    table(rows)
+    print(f"\nTensorBoard logs of every scenario are in\n    {os.path.abspath(args.logdir)}\n"
+          f"what gradhealth saw, per run:\n    gradhealth report {args.logdir}\n"
+          f"the dashboards (the CUSTOM SCALARS and IMAGES tabs at http://localhost:6006):\n"
+          f"    tensorboard --logdir {args.logdir}")
     return 0

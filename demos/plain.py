@@ -1,24 +1,26 @@
 """``gradhealth demo``: a small model on synthetic data, one planted bug at a time.
 
 Each scenario trains a few steps of a plain PyTorch loop with one classic mistake and prints what
-gradhealth said about it; the last one is a healthy run, which says nothing.
+gradhealth said about it, in short; the last one is a healthy run, which says nothing. The
+scenarios are the Lightning demo's, under the same names.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
-import textwrap
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from gradhealth.errors import GradHealthWarning, GradModeError
+from gradhealth.errors import GradModeError
 from gradhealth.guards import check_loss
+from gradhealth.replay import replay_nonfinite
+from gradhealth.snapshot import rng_state
 from gradhealth.monitor import GradHealth
+from gradhealth.demos.console import Capture, show, table, verdict
 
 
 class Net(nn.Module):
@@ -42,37 +44,44 @@ def synthetic_batches(n: int, batch: int = 32, d_in: int = 16, n_classes: int = 
 
 @dataclass
 class Outcome:
-    said: list[str]
-    report: object = None
+    reports: list = field(default_factory=list)
+    error: str | None = None
+    losses: list = field(default_factory=list)
 
 
 def _run(train_step: Callable, monitor_kw: dict, steps: int = 5, model_fn=Net, opt_fn=None) -> Outcome:
     torch.manual_seed(0)
     model = model_fn()
     opt = (opt_fn or (lambda m: torch.optim.SGD(m.parameters(), lr=0.1)))(model)
-    said: list[str] = []
-    report = None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", GradHealthWarning)
-        with GradHealth(model, opt, **monitor_kw) as monitor:
-            for x, y in synthetic_batches(steps):
+    out, capture = Outcome(), Capture()
+    with warnings.catch_warnings(record=True):  # the demo prints the short form instead
+        warnings.simplefilter("always")
+        with GradHealth(model, opt, sinks=[capture], **monitor_kw) as monitor:
+            for i, (x, y) in enumerate(synthetic_batches(steps)):
                 try:
-                    report = train_step(model, opt, monitor, x, y) or report
+                    report = train_step(model, opt, monitor, x, y, i)
                 except GradModeError as exc:
-                    said.append(f"GradModeError: {exc}")
+                    out.error = str(exc)
                     break
-    said += [str(w.message) for w in caught if issubclass(w.category, GradHealthWarning)]
-    return Outcome(said, report)
+                if report is not None and report.loss is not None:
+                    out.losses.append(report.loss)
+    out.reports = capture.reports
+    return out
 
 
-def _step(model, opt, monitor, x, y, forward=None, loss_fn=None, zero_grad=True):
+def _step(model, opt, monitor, x, y, i=0, forward=None, loss_fn=None, zero_grad=True, replay=False):
     if zero_grad:
         opt.zero_grad(set_to_none=True)
-    out = (forward or model)(x)
-    loss = (loss_fn or nn.functional.cross_entropy)(out, y)
+    rng = rng_state() if replay else None
+    compute = lambda: (loss_fn or nn.functional.cross_entropy)((forward or model)(x), y)  # noqa: E731
+    loss = compute()
     check_loss(loss, model)  # the loss-side check: names why backward() could not work
     loss.backward()
     report = monitor.check(loss=loss)
+    if report is not None and not report.grads_finite and replay:  # run it again under the tracer
+        found = replay_nonfinite(model, lambda: compute().backward(), rng=rng, step=report.step, label=f"batch {i}")
+        if found is not None:
+            report.findings.append(found)
     if report is None or report.grads_finite:  # never apply NaN/inf gradients
         opt.step()
     return report
@@ -80,7 +89,7 @@ def _step(model, opt, monitor, x, y, forward=None, loss_fn=None, zero_grad=True)
 
 def scenario_detached(steps: int) -> Outcome:
     # The model's output is detached before the loss (e.g. to log it) and that tensor is used.
-    return _run(lambda m, o, mon, x, y: _step(m, o, mon, x, y, forward=lambda x: m(x).detach()), {}, steps)
+    return _run(lambda m, o, mon, x, y, i: _step(m, o, mon, x, y, i, forward=lambda x: m(x).detach()), {}, steps)
 
 
 def scenario_frozen(steps: int) -> Outcome:
@@ -105,12 +114,12 @@ def scenario_division_by_zero(steps: int) -> Outcome:
         weight[0] = 0.0
         return (nn.functional.cross_entropy(out, y, reduction="none") / weight).mean()
 
-    return _run(lambda m, o, mon, x, y: _step(m, o, mon, x, y, loss_fn=loss_fn), {}, steps)
+    return _run(lambda m, o, mon, x, y, i: _step(m, o, mon, x, y, i, loss_fn=loss_fn), {}, steps)
 
 
 def scenario_missing_zero_grad(steps: int) -> Outcome:
     # optimizer.zero_grad() forgotten: each backward adds onto the gradients already applied.
-    return _run(lambda m, o, mon, x, y: _step(m, o, mon, x, y, zero_grad=False), {}, steps)
+    return _run(lambda m, o, mon, x, y, i: _step(m, o, mon, x, y, i, zero_grad=False), {}, steps)
 
 
 def scenario_lr_zero(steps: int) -> Outcome:
@@ -124,7 +133,7 @@ def scenario_all_masked(steps: int) -> Outcome:
         valid = torch.zeros(out.shape[0], dtype=torch.bool)  # every sample is padding
         return nn.functional.cross_entropy(out[valid], y[valid])
 
-    return _run(lambda m, o, mon, x, y: _step(m, o, mon, x, y, loss_fn=loss_fn), {}, steps)
+    return _run(lambda m, o, mon, x, y, i: _step(m, o, mon, x, y, i, loss_fn=loss_fn), {}, steps)
 
 
 class _Standardize(nn.Module):
@@ -172,47 +181,83 @@ def scenario_where_overflow(steps: int) -> Outcome:
     return _run(_step, {}, steps, model_fn=_WhereOverflowNet)
 
 
+def scenario_eval_mode(steps: int) -> Outcome:
+    # A validation helper that ran model.eval() and never put the model back in train().
+    def step(m, o, mon, x, y, i):
+        m.eval()
+        return _step(m, o, mon, x, y, i)
+
+    return _run(step, {}, steps, model_fn=lambda: nn.Sequential(Net(), nn.Dropout(0.1)))
+
+
+def scenario_nan_batch(steps: int) -> Outcome:
+    # A per-sample weight of 0 divided by, masked after the division, on batch 2 only: the loss
+    # is finite, its gradient NaN. The loop replays that batch under the tracer to find the origin.
+    def loss_fn_at(i):
+        def loss_fn(out, y):
+            per = nn.functional.cross_entropy(out, y, reduction="none")
+            den = torch.ones_like(per)
+            if i == 2:
+                den[0] = 0.0
+            return torch.where(den != 0, per / den, torch.zeros_like(per)).mean()
+        return loss_fn
+
+    return _run(lambda m, o, mon, x, y, i: _step(m, o, mon, x, y, i, loss_fn=loss_fn_at(i), replay=True), {}, steps)
+
+
 def scenario_healthy(steps: int) -> Outcome:
     return _run(_step, {}, steps)
 
 
-SCENARIOS: list[tuple[str, str, Callable[[int], Outcome]]] = [
-    ("detached output", "out = model(x).detach() before the loss", scenario_detached),
-    ("frozen layer", "encoder.0 left frozen (expect_frozen=[] says nothing should be)", scenario_frozen),
-    ("layer missing from the optimizer", "SGD(model.encoder.parameters()) leaves out the head", scenario_not_in_optimizer),
-    ("division by zero", "a per-sample weight of 0 divided by", scenario_division_by_zero),
-    ("missing zero_grad", "optimizer.zero_grad() left out of the loop", scenario_missing_zero_grad),
-    ("learning rate 0", "a scheduler stuck at lr=0", scenario_lr_zero),
-    ("all-masked batch", "a padding mask that selects nothing, mean over the empty set", scenario_all_masked),
-    ("mask after divide", "standardize by std, then mask the std=0 feature (the forward is clean)", scenario_mask_after_divide),
-    ("torch.where over an overflow", "log(1+exp(x)) with the infs replaced by torch.where", scenario_where_overflow),
-    ("healthy run", "the same loop with no bug", scenario_healthy),
+#: (name for --only, title, what is planted, run); the names and order are the Lightning demo's
+SCENARIOS: list[tuple[str, str, str, Callable[[int], Outcome]]] = [
+    ("detached", "detached output", "out = model(x).detach() before the loss", scenario_detached),
+    ("frozen", "frozen layer", "encoder.0 left frozen; expect_frozen=[] says nothing should be", scenario_frozen),
+    ("not_in_optimizer", "layer missing from the optimizer", "SGD(model.encoder.parameters()) leaves out the head",
+     scenario_not_in_optimizer),
+    ("division_by_zero", "division by zero", "a per-sample weight of 0 divided by", scenario_division_by_zero),
+    ("missing_zero_grad", "missing zero_grad", "optimizer.zero_grad() left out of the loop", scenario_missing_zero_grad),
+    ("lr_zero", "learning rate 0", "a scheduler stuck at lr=0", scenario_lr_zero),
+    ("all_masked", "all-masked batch", "a padding mask that selects nothing: mean over the empty set",
+     scenario_all_masked),
+    ("eval_mode", "model left in eval()", "a validation helper that forgot model.train()", scenario_eval_mode),
+    ("mask_after_divide", "mask after divide", "standardize by std, then mask the std=0 feature (forward is clean)",
+     scenario_mask_after_divide),
+    ("where_overflow", "torch.where over an overflow", "log(1+exp(x)) with the infs replaced by torch.where",
+     scenario_where_overflow),
+    ("nan_batch", "NaN on one batch", "a zero weight divided by on batch 2 only: replayed to find the origin",
+     scenario_nan_batch),
+    ("none", "healthy run", "the same loop with no bug", scenario_healthy),
 ]
 
 
-def show(said: list[str]) -> None:
-    """What gradhealth said in one scenario, each different message once (the same words come on
-    many steps), indented under the scenario's title. Used by every demo."""
-    if not said:
-        print("    gradhealth said nothing: every parameter trains normally.")
-        return
-    seen: dict[str, str] = {}
-    for message in said:
-        seen.setdefault(re.sub(r"step \d+|batch \d+", "N", message), message)
-    for message in seen.values():
-        print(textwrap.indent(message, "    "))
-    extra = len(said) - len(seen)
-    if extra:
-        print(f"    (and {extra} more warning{'' if extra == 1 else 's'} like these on the following steps)")
+def choose(only: str | None, names: list[str], prog: str) -> list[str]:
+    """The scenario names ``--only`` picks; an unknown name is an error listing the valid ones."""
+    if only is None:
+        return names
+    picked = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in picked if n not in names]
+    if unknown or not picked:
+        raise SystemExit(f"{prog}: error: unknown scenario{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(map(repr, unknown)) or repr(only)} for --only; the scenarios are: {', '.join(names)}")
+    return picked
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="gradhealth demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="gradhealth demo --plain", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5, help="training steps per scenario")
+    ap.add_argument("--only", default=None, help="comma-separated scenario names (default: all): "
+                    + ", ".join(s[0] for s in SCENARIOS))
     args = ap.parse_args(argv)
-    print("gradhealth demo: a 3-layer classifier on synthetic data, one planted bug per scenario\n")
-    for i, (title, what, fn) in enumerate(SCENARIOS, 1):
-        print(f"[{i}/{len(SCENARIOS)}] {title}: {what}")
-        show(fn(args.steps).said)
+    chosen = [s for s in SCENARIOS if s[0] in choose(args.only, [s[0] for s in SCENARIOS], ap.prog)]
+    print(f"gradhealth demo --plain: a PyTorch loop on synthetic data, {len(chosen)} scenario{'' if len(chosen) == 1 else 's'}"
+          "\n(what gradhealth said, in short: gh.brief(report); its warnings carry the full words)\n")
+    rows = []
+    for i, (name, title, what, fn) in enumerate(chosen, 1):
+        print(f"[{i}/{len(chosen)}] {title}: {what}")
+        out = fn(args.steps)
+        show(out.reports, out.error, "plain", out.losses)
+        rows.append((name, verdict(out.reports, out.error)))
         print()
+    table(rows)
     return 0

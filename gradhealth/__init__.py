@@ -7,6 +7,7 @@ and where a NaN came from, after every backward pass.
     monitor.check()
 """
 
+from .brief import brief
 from .classify import classify
 from .errors import (
     EmptyValidSetError,
@@ -39,6 +40,7 @@ __all__ = [
     "FindingKind",
     "Options",
     "replay_nonfinite",
+    "brief",
     "Sink",
     "LoggingSink",
     "check_loss",

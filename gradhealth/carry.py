@@ -61,6 +61,9 @@ class Carry:
         self.reentrant = False  # a module ran under a reentrant torch.utils.checkpoint
         self.valid: dict[str, Tensor] = {}
         self.router: list[Tensor] | None = None  # tokens per expert of each MoE layer since the last check
+        #: (the model's output was finite, the gradient reaching it was finite) since the last check,
+        #: 0-d device tensors read only at a check with NaN/inf gradients
+        self.output_grad: tuple[Tensor, Tensor] | None = None
         # the options' history is a template: each monitor keeps copies of its own (the default one,
         # for checks of every parameter, and one per optimizer)
         self.history = copy.deepcopy(history)
@@ -91,6 +94,10 @@ class Carry:
     def take_router(self) -> list[Tensor] | None:
         router, self.router = self.router, None
         return router
+
+    def take_output_grad(self) -> tuple[Tensor, Tensor] | None:
+        seen, self.output_grad = self.output_grad, None
+        return seen
 
     def take_eval_backward(self) -> ForwardRecord | None:
         record, self.eval_backward = self.eval_backward, None

@@ -184,6 +184,9 @@ class ForwardWatch:
 
     def _on_model(self, module, args, output) -> None:
         self.carry.forward = ForwardRecord(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.root.training)
+        if torch.is_grad_enabled() and self.root.training:
+            for t in _first_grad_tensor(output):  # was a NaN in the gradient before it entered the model?
+                t.register_hook(functools.partial(self._output_grad, torch.isfinite(t.detach()).all()))
         if self.experts and torch.is_grad_enabled() and self.root.training:
             from .experts import router_counts
 
@@ -192,6 +195,11 @@ class ForwardWatch:
                 prev = self.carry.router
                 self.carry.router = counts if prev is None or len(prev) != len(counts) else [
                     a + b for a, b in zip(prev, counts)]
+
+    def _output_grad(self, out_finite, grad) -> None:
+        seen = (out_finite, torch.isfinite(grad).all())  # no sync: read at a failing check
+        prev = self.carry.output_grad
+        self.carry.output_grad = seen if prev is None else (prev[0] & seen[0], prev[1] & seen[1])
 
     def _on_module(self, name: str, module, args, output) -> None:
         if not torch.is_grad_enabled():

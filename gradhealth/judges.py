@@ -8,6 +8,8 @@ that spans checks (which optimizer step is pending, how many AMP skips in a row)
 
 from __future__ import annotations
 
+import torch
+
 import math
 from collections.abc import Collection, Mapping
 
@@ -19,7 +21,7 @@ from .status import Status
 
 __all__ = ["loss_cause", "empty_valid_set", "eval_mode", "stale_grad", "expect_frozen", "not_updated",
            "frozen_but_changed", "skipped_step", "amp_skip", "amp_floor", "transient_grads", "frozen_norms",
-           "checkpoint_no_grad", "norm_eval", "idle_experts", "nonfinite_experts", "meta_params"]
+           "checkpoint_no_grad", "norm_eval", "norm_idioms", "nan_from_loss", "idle_experts", "nonfinite_experts", "meta_params"]
 
 K = FindingKind
 _MASKED_MEAN = "gh.masked_mean(..., empty='zero')"
@@ -55,7 +57,7 @@ def empty_valid_set(valid_counts: Mapping[str, int], loss: float | None, norms: 
                         step=step)]
     return [Finding(K.NON_FINITE_LOSS, f"the loss is {loss}: check the inputs and targets of this batch, a log or "
                     "division inside the loss, or a mean over an empty mask (gh.masked_mean makes the empty case "
-                    "explicit)", step=step)]
+                    "explicit)", step=step, data={"value": loss})]
 
 
 def eval_mode(record: ForwardRecord | None, step: int, where: str = "") -> list[Finding]:
@@ -66,7 +68,8 @@ def eval_mode(record: ForwardRecord | None, step: int, where: str = "") -> list[
         what = "the model was in eval() mode during the training forward"
     else:
         shown = ", ".join(record.eval_modules[:5]) + (" ..." if len(record.eval_modules) > 5 else "")
-        what = f"submodules {shown} were in eval() mode during the training forward"
+        one = len(record.eval_modules) == 1
+        what = f"{'submodule' if one else 'submodules'} {shown} {'was' if one else 'were'} in eval() mode during the training forward"
     return [Finding(K.GRAD_MODE, f"{what}{where}: dropout is off and batch norm uses (and no longer updates) its running "
                     "statistics. Call model.train() after validation, before training resumes", step=step,
                     params=record.eval_modules)]
@@ -95,6 +98,18 @@ def norm_eval(names: Collection[str], step: int) -> list[Finding]:
                     "eval() mode while the rest of the model trained: the norm_eval / freeze_bn_stats idiom (running "
                     "statistics kept fixed on purpose, the affine parameters still training), taken as intended; not "
                     "an eval-mode mistake", params=tuple(sorted(names)), level="info", step=step)]
+
+
+def norm_idioms(carry, step: int) -> list[Finding]:
+    """FROZEN_NORM / the norm_eval info, each once, at the first check after such layers ran."""
+    found = []
+    if carry.frozen_norms and not carry.frozen_norms_said:
+        found += frozen_norms(carry.frozen_norms, step)
+        carry.frozen_norms_said = True
+    if carry.norm_eval and not carry.norm_eval_said:
+        found += norm_eval(carry.norm_eval, step)
+        carry.norm_eval_said = True
+    return found
 
 
 def checkpoint_no_grad(no_grad: Collection[str], checkpointing: bool, status: Mapping[str, Status],
@@ -340,3 +355,19 @@ def meta_params(names: Collection[str], step: int) -> list[Finding]:
                     f"{agree(names, '', 's')} no data: {agree(names, 'they', 'it')} cannot be judged or trained. Materialise "
                     f"{agree(names, 'them', 'it')} (module.to_empty(device=...) and initialise the weights, or "
                     "load_state_dict(..., assign=True))", params=tuple(names), step=step)]
+
+
+def nan_from_loss(seen, step: int, origin_found: bool) -> list[Finding]:
+    """NONFINITE_ORIGIN when the model's output was finite but the gradient reaching it was not:
+    the NaN/inf was made between the output and the loss (one read, only at a check with NaN/inf
+    gradients). ``seen`` is the forward watch's (output finite, gradient finite)."""
+    if seen is None or origin_found:
+        return []
+    out_ok, grad_ok = torch.stack(list(seen)).tolist()
+    if not out_ok or grad_ok:
+        return []
+    return [Finding(K.NONFINITE_ORIGIN, "the model's output was finite but the gradient reaching it was already NaN/inf: "
+                    "the NaN was made in the loss, between the model's output and loss.backward(), not in the model "
+                    "(a 0/0 such as a mean over an empty mask, a division by a zero count or weight, log(0)); compute "
+                    "that mean with gh.masked_mean(values, mask, empty='zero') or guard the division (gh.safe_div)",
+                    step=step, data={"from_loss": True})]

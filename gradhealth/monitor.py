@@ -372,12 +372,7 @@ class GradHealth:
             found += judges.checkpoint_no_grad(no_grad, uses_checkpointing(unwrap(self.model)), report.status, step,
                                                carry.reentrant)
         if obs.eval_record is None:  # said once, at the first check after they ran (not beside an eval() mistake)
-            if carry.frozen_norms and not carry.frozen_norms_said:
-                found += judges.frozen_norms(carry.frozen_norms, step)
-                carry.frozen_norms_said = True
-            if carry.norm_eval and not carry.norm_eval_said:
-                found += judges.norm_eval(carry.norm_eval, step)
-                carry.norm_eval_said = True
+            found += judges.norm_idioms(carry, step)
         if carry.checks == 0:  # at the first check: what is frozen, what trains beside it, which stacks
             for line in (frozen_summary(report.status), experts.describe_stacks(self.view.stacks)):
                 if line:
@@ -385,6 +380,9 @@ class GradHealth:
         found += judges.expect_frozen(report.status, o.expect_frozen, step)
         found += judges.meta_params(self.view.meta_names, step)
         found += self._trace(report, nonfinite)
+        seen = carry.take_output_grad()
+        if nonfinite and across is None:  # what this process's output saw: said in one process only
+            found += judges.nan_from_loss(seen, step, any(f.kind == "NONFINITE_ORIGIN" and f.level == "error" for f in found))
         if across is not None and self._desync_due(nonfinite):
             params = [self.view.params[i] for i in sel.idx]
             found += crossrank.desync_findings(params, sel.names, report.status, step, self.ranks.device)

@@ -49,7 +49,10 @@ def explain(report: Report) -> str:
         by_state.setdefault(row[2], []).append(row)
     for state, rows in by_state.items():
         count = sum(len(names) for _, names, _ in rows)
-        lines.append(f"  {state.value}: {describe_groups(rows)}{_how_long(report, rows)} {hint(state, count)}")
+        words = hint(state, count)
+        if state is Status.NON_FINITE_GRAD and report.findings_of("NONFINITE_ORIGIN"):
+            words = words.split(" Wrap one step in")[0]  # the origin is said below: no hint to go and trace it
+        lines.append(f"  {state.value}: {describe_groups(rows)}{_how_long(report, rows)} {words}")
         experts = [label for label, _, _ in rows if _EXPERT.search(label)]
         if experts and state in (Status.NO_GRAD, Status.ZERO_GRAD):
             lines.append(f"    expert{'s' if len(experts) > 1 else ''} {', '.join(experts)} received no tokens"

@@ -37,7 +37,9 @@ def origin_finding(tracer: NonFiniteTracer, step: int, context: str, level: str 
                    level=level or ("error" if named else "info"), step=step,
                    data={"forward_origin": tracer.forward_origin, "backward_origin": tracer.backward_origin,
                          "op": tracer.backward_op or (tracer.outside[1] if tracer.outside else None),
-                         "source": tracer.op_source or (tracer.outside[2] if tracer.outside else None), **data})
+                         "source": tracer.op_source or (tracer.outside[2] if tracer.outside else None),
+                         "poisoned": tracer.forward_origin is not None and tracer.forward_origin in tracer.nonfinite_weights,
+                         "input_nonfinite": tracer.forward_origin is not None and tracer.input_nonfinite, **data})
 
 
 def traced(carry, model: nn.Module, report, arm: bool) -> list[Finding]:

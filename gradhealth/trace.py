@@ -360,9 +360,9 @@ class NonFiniteTracer:
             return (
                 f"the weights of module {self.forward_origin!r} are already NaN/inf: an earlier optimizer.step() "
                 "applied non-finite gradients, so every later step is poisoned and the true origin is in that "
-                "earlier step. Skip optimizer.step() on a step whose report has non-finite gradients (if "
-                "report.grads_finite: optimizer.step()), reload the last good checkpoint, and trace that batch "
-                "again with gh.trace_nonfinite(model)"
+                "earlier step. Keep such a step's gradients out of the weights (the step guard: skip_nonfinite=True on "
+                "the monitor or either callback; in a plain loop, optimizer.step() only if report.grads_finite), "
+                "reload the last good checkpoint, and trace that batch again with gh.trace_nonfinite(model)"
             )
         if self.forward_origin is not None and self.input_nonfinite:
             return (
