@@ -9,7 +9,7 @@ import os
 
 from .findings import FindingKind as K
 from .naming import terminal_safe
-from .report import describe_groups, describe_names, group_by_module
+from .report import Report, describe_groups, describe_names, group_by_module
 from .status import Status
 
 __all__ = ["brief", "FRAMEWORKS"]
@@ -105,8 +105,11 @@ def brief(report, framework: str = "plain") -> list[str]:
     """What is wrong in ``report``, a few short lines: ``STATE in where: what``, the loss, the
     origin of a NaN, the findings by kind, then ``do: ...`` (the most specific fix: the origin's,
     then a finding's, then a state's). Empty when healthy."""
+    if not isinstance(report, Report):
+        raise TypeError(f"brief: report must be a gradhealth Report (what monitor.check() returns); got "
+                        f"{type(report).__name__}")
     if framework not in FRAMEWORKS:
-        raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}; got {framework!r}")
+        raise ValueError(f"brief: framework must be one of {', '.join(FRAMEWORKS)}; got {framework!r}")
     lines, todo, state_todo = [], [], []
     errors = report.errors
     by_state: dict[Status, list] = {}

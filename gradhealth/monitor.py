@@ -381,7 +381,7 @@ class GradHealth:
         found += judges.meta_params(self.view.meta_names, step)
         found += self._trace(report, nonfinite)
         seen = carry.take_output_grad()
-        if nonfinite and across is None:  # what this process's output saw: said in one process only
+        if nonfinite and across is None and self.scaler is None:  # one process's output; under a scaler, the scale
             found += judges.nan_from_loss(seen, step, any(f.kind == "NONFINITE_ORIGIN" and f.level == "error" for f in found))
         if across is not None and self._desync_due(nonfinite):
             params = [self.view.params[i] for i in sel.idx]

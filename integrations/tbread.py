@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gradhealth.metrics import PREFIX
+from gradhealth.naming import terminal_safe
 
 __all__ = ["EVENT_FILE", "NAMES", "Run", "scan", "records", "events", "read_run", "safe"]
 
@@ -265,10 +266,9 @@ def _joined(notes: list[str]) -> str:
     return (" (" + "; ".join(safe(n) for n in notes[:5]) + (" ..." if len(notes) > 5 else "") + ")") if notes else ""
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-
 def safe(text) -> str:
-    """Control characters escaped (ESC, BEL, CR, newlines...): names and texts from event files
-    reach the terminal as visible escapes, never as terminal commands."""
-    return _CONTROL.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), str(text))
+    """Control characters escaped (ESC, BEL, CR, newlines, C1, and the surrogate escapes of
+    undecodable bytes in a run directory's name): names and texts from event files reach the
+    terminal as visible escapes, never as terminal commands (the core's ``terminal_safe``, with
+    newlines escaped too: one item, one line)."""
+    return terminal_safe(str(text)).replace("\n", "\\n")

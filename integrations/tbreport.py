@@ -209,9 +209,12 @@ def summarize_run(frame) -> list[dict]:
 
 # ---------------------------------------------------------------------- output
 def _cell(value):
-    """A CSV cell that no spreadsheet runs as a formula."""
-    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
-        return "'" + value
+    """A CSV cell that no spreadsheet runs as a formula and no terminal as a command (control
+    characters escaped)."""
+    if isinstance(value, str):
+        value = safe(value)
+        if value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+            return "'" + value
     return value
 
 

@@ -160,6 +160,43 @@ def test_control_characters_are_escaped_and_csv_cells_neutralised(tmp_path):
     assert nan["names"] == ["\x1b]0;pwned\x07mod"]
 
 
+def test_csv_and_text_escape_esc_c1_and_undecodable_run_names(tmp_path):
+    # a run directory whose name holds a raw C1 byte (0x9B, CSI): undecodable in UTF-8, so Python
+    # sees it as a surrogate escape
+    raw = os.fsencode(str(tmp_path)) + b"/run\x9b2J"
+    problem_run(os.fsdecode(raw), module="mod\x1b]0;x\x07")
+    assert any("\udc9b" in d for d in os.listdir(tmp_path))  # the premise: an undecodable name
+    out = report(tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "\x9b" not in out.stdout and "\udc9b" not in out.stdout and "\x1b" not in out.stdout
+    assert "run\\udc9b2J" in out.stdout
+    csv_out = report(tmp_path, "--format", "csv").stdout
+    assert "\x1b" not in csv_out and "\x07" not in csv_out and "\udc9b" not in csv_out
+    assert "mod\\x1b]0;x\\x07" in csv_out
+
+
+def test_tensorboard_text_is_escaped(tmp_path, one_thread):
+    import torch
+    from torch import nn
+
+    import gradhealth as gh
+    from gradhealth.integrations.tbread import read_run
+    from gradhealth.integrations.tensorboard import TensorBoardSink
+
+    model = nn.Module()
+    model.add_module("used", nn.Linear(2, 1))
+    model.add_module("head\x1b]0;PWNED\x07", nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.used.parameters(), lr=0.1)
+    sink = TensorBoardSink(str(tmp_path))
+    with gh.GradHealth(model, opt, on_problem="ignore", sinks=[sink]) as mon:
+        (model.used(torch.ones(1, 2)) + getattr(model, "head\x1b]0;PWNED\x07")(torch.ones(1, 2))).sum().backward()
+        mon.check()
+    frame = read_run(str(tmp_path), text=True)
+    texts = list(frame[frame.tag == "gradhealth/findings_text"].text)
+    assert texts and any("PWNED" in t for t in texts)  # the premise: the name is in the text
+    assert not any("\x1b" in t or "\x07" in t for t in texts) and any("\\x1b]0;PWNED\\x07" in t for t in texts)
+
+
 def test_long_texts_are_wrapped_whole_and_names_grouped_with_verbose_listing_all(tmp_path):
     modules = [f"enc.layer{i}.proj" for i in range(12)] + ["head"]
     data = b""

@@ -43,6 +43,7 @@ def read_run(*a):
 M = model
 T = torch.ones(3)
 MASK = torch.ones(3, dtype=torch.bool)
+_REPORT = gh.Report(step=0, status={}, grad_norm={}, total_grad_norm=0.0)
 
 # (label, call, exception, words the message must contain)
 TABLE = [
@@ -81,6 +82,9 @@ TABLE = [
     ("track_valid name", lambda: checked().track_valid(MASK, name=5), TypeError, "track_valid: name must be a non-empty str"),
     ("load_state_dict None", lambda: checked().load_state_dict(None), TypeError, "state must be a dict"),
     ("load_state_dict bad", lambda: checked().load_state_dict({"checks": "x"}), ValueError, "the monitor was left unchanged"),
+    ("brief report", lambda: gh.brief("step 0"), TypeError, "brief: report must be a gradhealth Report"),
+    ("brief framework", lambda: gh.brief(_REPORT, "keras"), ValueError,
+     "brief: framework must be one of plain, lightning, transformers"),
     ("masked_mean values", lambda: gh.masked_mean("a", MASK), TypeError, "values must be a torch.Tensor"),
     ("masked_mean mask", lambda: gh.masked_mean(T, [1]), TypeError, "mask must be a torch.Tensor of bools"),
     ("masked_mean empty", lambda: gh.masked_mean(T, MASK, empty="x"), ValueError, "empty must be one of 'zero', 'nan', 'raise'"),
