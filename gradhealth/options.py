@@ -161,7 +161,7 @@ class Options:
 
     on_problem: str = "warn"
     every_n_steps: int = 1
-    sinks: Any = ()
+    sinks: Any = None  # None: no sinks (normalised to ()); a dump of the config round-trips
     expect_frozen: Any = None
     deltas: str = "auto"
     update_every: int = 100

@@ -92,11 +92,13 @@ class TensorBoardSink:
         close_writer: close the writer at ``close()`` (default: only one this sink opened).
         every_n: write every n-th report (like Lightning's ``log_every_n_steps``); a report with a
             problem or a finding above info level is always written, and so is the first.
+        on_steps: write at the steps that are multiples of ``every_n`` instead (Trainer's
+            ``logging_steps``: the same steps as Trainer's own scalars).
     """
 
     def __init__(self, logdir_or_writer, *, granularity: str | None = None, histograms: bool = False,
                  heatmap_every: int = 50, heatmap_window: int = 200, scalars: bool = True, norm: str = "grad_norm",
-                 close_writer: bool | None = None, every_n: int = 10):
+                 close_writer: bool | None = None, every_n: int = 10, on_steps: bool = False):
         if granularity not in (None, "param", "module"):
             raise ValueError(f"granularity must be one of None, 'param', 'module'; got {granularity!r}")
         if not isinstance(heatmap_every, int) or heatmap_every < 0:
@@ -118,6 +120,7 @@ class TensorBoardSink:
         else:
             raise TypeError(f"TensorBoardSink needs a log directory or a SummaryWriter; got {type(logdir_or_writer).__name__}")
         self.every_n = every_n
+        self.on_steps = bool(on_steps)
         self._seen = 0
         self._written: list[int] = []  # the steps written lately (their updates follow them)
         self.granularity = granularity
@@ -147,7 +150,8 @@ class TensorBoardSink:
 
     def _wanted(self, report: Report) -> bool:
         self._seen += 1
-        return (self._seen - 1) % self.every_n == 0 or not report.ok or any(f.level != "info" for f in report.findings)
+        due = report.step % self.every_n == 0 if self.on_steps else (self._seen - 1) % self.every_n == 0
+        return due or not report.ok or any(f.level != "info" for f in report.findings)
 
     def write(self, report: Report) -> None:
         if not self._wanted(report):

@@ -145,9 +145,14 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             metric key per module or per parameter too.
         check_loss: when the model returns a loss that cannot produce gradients, raise
             :class:`gradhealth.GradModeError` naming the cause instead of autograd's bare error.
+        tensorboard: with ``report_to`` TensorBoard, also write the full detail into Trainer's
+            TensorBoard run (a :class:`gradhealth.integrations.tensorboard.TensorBoardSink` on its
+            writer: every per-module scalar, the dashboards, the findings as text, which name the
+            parameters for ``gradhealth report``), on the main process.
     """
 
-    def __init__(self, *, log: bool = True, granularity: str = "total", check_loss: bool = True, **options):
+    def __init__(self, *, log: bool = True, granularity: str = "total", check_loss: bool = True,
+                 tensorboard: bool = True, **options):
         Options.check_keywords(options)
         on_problem = options.get("on_problem", "warn")
         check_choice("on_problem", on_problem, ON_PROBLEM + ("stop",))
@@ -158,6 +163,9 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self.granularity = check_choice("granularity", granularity, ("total", "module", "param"))
         self.log = bool(log)
         self.check_loss = bool(check_loss)
+        self.tensorboard = bool(tensorboard)
+        self._callbacks: list | None = None  # Trainer's callback list (found at on_train_begin)
+        self._tb_sink = None
         self.monitor: GradHealth | None = None
         self.last_report: Report | None = None
         self._pending_state: dict | None = None
@@ -178,7 +186,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         args["history"] = o.history is not None  # a tuned NormHistory comes back with default settings
         if self.stop:
             args["on_problem"] = "stop"
-        args.update(log=self.log, granularity=self.granularity, check_loss=self.check_loss)
+        args.update(log=self.log, granularity=self.granularity, check_loss=self.check_loss, tensorboard=self.tensorboard)
         monitor = self.monitor.state_dict() if self.monitor is not None else self._pending_state
         return {"args": args, "attributes": {"_pending_state": monitor}}
 
@@ -205,10 +213,14 @@ class GradHealthCallback(TrainerCallback, ExportableState):
                               "norm history starts afresh", GradHealthInternalWarning, stacklevel=2)
         self._pending_state = None
         self._hook = model.register_forward_hook(self._on_forward)
+        self._callbacks = self._callback_list()
         if self.log:
             self._move_before_reporters()
+        self._tb_sink = None
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if self.tensorboard and self._tb_sink is None and state.is_world_process_zero:
+            self._add_tensorboard_sink(args)
         self._in_step, self._step = True, state.global_step + 1
         self._report, self._queued, self._loss = None, False, None
 
@@ -281,22 +293,43 @@ class GradHealthCallback(TrainerCallback, ExportableState):
                 self._report = self.monitor.measure(self._loss, step=self._step)
             self._loss = None
 
-    def _move_before_reporters(self) -> None:
-        """Put this callback before the ``report_to`` callbacks, so the keys it merges into
-        ``logs`` reach them (Trainer keeps no reference a callback could use; its handler is
-        found as the referrer of its callback list)."""
+    def _callback_list(self) -> list | None:
+        """Trainer's callback list (Trainer keeps no reference a callback could use; its handler
+        is found as the referrer of its callback list)."""
         for lst in gc.get_referrers(self):
             if not isinstance(lst, list) or not any(x is self for x in lst):
                 continue
-            if not any(isinstance(h, CallbackHandler) and h.callbacks is lst for h in gc.get_referrers(lst)):
-                continue
-            reporters = [i for i, cb in enumerate(lst)
-                         if type(cb).__module__.startswith("transformers.integrations")]
-            mine = next(i for i, cb in enumerate(lst) if cb is self)
-            if reporters and reporters[0] < mine:
-                lst.pop(mine)
-                lst.insert(reporters[0], self)
+            if any(isinstance(h, CallbackHandler) and h.callbacks is lst for h in gc.get_referrers(lst)):
+                return lst
+        return None
+
+    def _add_tensorboard_sink(self, args) -> None:
+        """The full detail into Trainer's TensorBoard run, on its own writer (created by Trainer's
+        TensorBoardCallback in its on_train_begin, so looked for at the first step)."""
+        self._tb_sink = False  # looked for once per train()
+        tb = next((cb for cb in self._callbacks or () if type(cb).__name__ == "TensorBoardCallback"), None)
+        writer = getattr(tb, "tb_writer", None)
+        if writer is None or self.monitor is None:
             return
+        try:
+            from .tensorboard import TensorBoardSink
+        except ImportError:  # tensorboard not installed: Trainer's own scalars still flow
+            return
+        self._tb_sink = TensorBoardSink(writer, norm=NORM, granularity="module", close_writer=False, on_steps=True,
+                                        every_n=max(1, int(args.logging_steps)) if args.logging_steps >= 1 else 1)
+        self.monitor.publisher.sinks = self.monitor.publisher.sinks + (self._tb_sink,)
+
+    def _move_before_reporters(self) -> None:
+        """Put this callback before the ``report_to`` callbacks, so the keys it merges into
+        ``logs`` reach them."""
+        lst = self._callbacks
+        if lst is None:
+            return
+        reporters = [i for i, cb in enumerate(lst) if type(cb).__module__.startswith("transformers.integrations")]
+        mine = next(i for i, cb in enumerate(lst) if cb is self)
+        if reporters and reporters[0] < mine:
+            lst.pop(mine)
+            lst.insert(reporters[0], self)
 
     def _close(self) -> None:
         if self._hook is not None:

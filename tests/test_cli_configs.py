@@ -54,3 +54,17 @@ def test_multiprocess_config(tmp_path):
     assert cli.trainer.world_size == 2
     metrics = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "metrics.csv"]
     assert metrics and "gradhealth/grad_norm_preclip/total" in open(metrics[0]).read()
+    import csv
+
+    rows = [r for r in csv.DictReader(open(metrics[0])) if r.get("gradhealth/grad_norm_preclip/total")]
+    assert sorted({int(r["step"]) for r in rows}) == list(range(10))  # every one of the 10 steps logged
+
+
+def test_a_lightningcli_run_warns_nothing_about_its_own_config(tmp_path):
+    args = ["fit", "--config", os.path.join(ROOT, "configs", "default.yaml"), "--trainer.max_steps=2",
+            f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli_main(args)
+    said = [f"{w.category.__name__}: {w.message}" for w in caught if w.category.__name__ == "JsonargparseWarning"]  # (its deprecation warnings are Lightning's)
+    assert not said, said

@@ -427,3 +427,35 @@ def test_trainer_logs_stay_short_on_a_deep_model_and_detail_is_one_option_away(t
     per_module = {k for k in keys["module"] if k.startswith("gradhealth/grad_norm_preclip/bert.encoder.layer.")}
     assert len({k.split(".layer.")[1].split(".")[0] for k in per_module}) == 12  # every layer with the option
     assert lengths["module"] > 5 * lengths["total"]
+
+
+def test_report_names_the_parameters_of_a_trainer_run(tmp_path, monkeypatch):
+    """With report_to TensorBoard the callback also writes the full detail into Trainer's run, so
+    `gradhealth report` names the parameters in every format, as for Lightning runs."""
+    import csv
+    import io
+    import subprocess
+    import sys
+
+    from gradhealth.demos.hf_trainer import HeadOutOfOptimizer
+
+    logdir = tmp_path / "tb"
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(logdir))
+    trainer = HeadOutOfOptimizer(model=tiny_bert(), args=arguments(tmp_path / "out", report_to=["tensorboard"], max_steps=6),
+                                 train_dataset=Tokens(), callbacks=[GradHealthCallback(on_problem="ignore")])
+    trainer.train()
+    head = [f"cls.predictions.transform.{m}" for m in ("dense.weight", "dense.bias", "LayerNorm.weight", "LayerNorm.bias")]
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, GradHealthCallback))
+    assert names(cb.last_report, gh.Status.NOT_IN_OPTIMIZER) == head  # the premise
+
+    def report(*args):
+        res = subprocess.run([sys.executable, "-m", "gradhealth", "report", str(logdir), *args], capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        return res.stdout
+
+    [row] = [r for r in json.loads(report("--format", "json")) if r["kind"] == "NOT_IN_OPTIMIZER"]
+    assert row["names"] == head and row["step"] == 1
+    assert "cls.predictions.transform.* (4 params)" in report()
+    assert " ".join(head) in " ".join(c for r in csv.reader(io.StringIO(report("--format", "csv"))) for c in r)
+    assert "cls.predictions.transform.dense.weight" in " ".join(report("--verbose").split())
