@@ -2,8 +2,9 @@
 (zero_grad, forward, backward, check, optimizer.step) timed with and without the monitor.
 
 Every variant trains its own copy of the same model (same weights, same batches) with its own
-optimizer; the variants take turns, a block of steps each, round after round, so a noisy
-neighbour slows them alike. Each step is timed on its own; the table gives the mean (which counts
+optimizer; the variants take turns, a block of steps each, round after round (each round starting
+with the next variant, so none is always first after another), so a noisy neighbour slows them
+alike. Each step is timed on its own; the table gives the mean (which counts
 the periodic steps: the update norms every ``update_every`` checks, the change test every
 ``change_every``) and the median, as milliseconds above the plain step, as a share of the plain
 step, and in floors (one fused norm pass over every gradient read back to the host, timed right
@@ -102,8 +103,10 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
         for model, opt, monitor, times in runs.values():  # warm-up: every code path once
             for _ in range(max(3, steps)):
                 step(model, opt, monitor, [])
-        for _ in range(rounds):
-            for name, (model, opt, monitor, times) in runs.items():
+        names = list(runs)
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:  # each round starts one later
+                model, opt, monitor, times = runs[name]
                 for _ in range(steps):
                     step(model, opt, monitor, times)
             model, opt, _, _ = runs["plain step"]

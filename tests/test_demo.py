@@ -173,3 +173,18 @@ def test_bench_sections_for_experts_and_many_tensors_run(capsys):
     out = capsys.readouterr().out
     assert "check mean" in out and "mean x floor" in out and "     400" in out
     assert "per-expert judging costs" in out and "check(), per expert" in out
+
+
+def test_whole_step_bench_measures_every_variant(capsys):
+    import torch
+
+    from gradhealth.benchmarks.core import build_model
+    from gradhealth.benchmarks.whole_step import VARIANTS, _print, measure
+
+    res = measure(lambda: build_model(3, 8), torch.randn(8, 8), rounds=1, steps=2)
+    assert set(res) == set(VARIANTS)
+    for row in res.values():
+        assert row["mean"] > 0 and row["median"] > 0 and row["floor"] > 0
+    _print("tiny", res)
+    out = capsys.readouterr().out
+    assert "default monitor" in out and "floors" in out and "% step" in out
