@@ -3,13 +3,14 @@ then a closing table scenario -> verdict. Lines stay within ``WIDTH`` columns.""
 
 from __future__ import annotations
 
+import os
 import re
 import textwrap
 
 from gradhealth.brief import brief
 from gradhealth.naming import terminal_safe
 
-__all__ = ["Capture", "WIDTH", "show", "table", "verdict"]
+__all__ = ["Capture", "WIDTH", "logs", "show", "table", "verdict"]
 
 WIDTH = 100
 
@@ -98,3 +99,11 @@ def table(rows: list[tuple[str, str]]) -> None:
     print("what gradhealth said, per scenario:")
     for name, said in rows:
         print("\n".join(_wrap(f"{name:<{width}}  {said}", "  ", " " * (width + 4))))
+
+
+def logs(logdir: str, what: str) -> None:
+    """The closing lines: where the logs are, and the two commands that read them."""
+    print(f"\n{what} are in\n    {os.path.abspath(logdir)}\n"
+          f"what gradhealth saw, per run:\n    gradhealth report {logdir}\n"
+          f"the dashboards (the CUSTOM SCALARS and IMAGES tabs at http://localhost:6006):\n"
+          f"    tensorboard --logdir {logdir}")

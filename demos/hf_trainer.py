@@ -15,7 +15,7 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from gradhealth.demos.console import Capture, show, table, verdict
+from gradhealth.demos.console import Capture, logs, show, table, verdict
 from gradhealth.demos.plain import choose
 
 from gradhealth.integrations.transformers import GradHealthCallback
@@ -122,10 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((name, verdict(reports, None)))
         print(flush=True)
     table(rows)
-    print(f"\nTrainer's and gradhealth's logs are in\n    {os.path.abspath(args.logdir)}\n"
-          f"what gradhealth saw, per run:\n    gradhealth report {args.logdir}\n"
-          f"the dashboards (the CUSTOM SCALARS and IMAGES tabs at http://localhost:6006):\n"
-          f"    tensorboard --logdir {args.logdir}")
+    logs(args.logdir, "Trainer's and gradhealth's logs")
     return 0
 
 

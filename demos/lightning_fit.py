@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import warnings
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from gradhealth.demos.console import Capture, show, table, verdict
+from gradhealth.demos.console import Capture, logs, show, table, verdict
 from gradhealth.demos.plain import choose
 from gradhealth.errors import GradModeError
 
@@ -85,8 +84,5 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((bug, verdict(reports, error)))
         print(flush=True)
     table(rows)
-    print(f"\nTensorBoard logs of every scenario are in\n    {os.path.abspath(args.logdir)}\n"
-          f"what gradhealth saw, per run:\n    gradhealth report {args.logdir}\n"
-          f"the dashboards (the CUSTOM SCALARS and IMAGES tabs at http://localhost:6006):\n"
-          f"    tensorboard --logdir {args.logdir}")
+    logs(args.logdir, "TensorBoard logs of every scenario")
     return 0

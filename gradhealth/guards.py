@@ -131,9 +131,12 @@ class ForwardWatch:
       LightningModule's inner model included) are *watched*: a pre-hook on the model (on each
       direct child of a LightningModule, whose forward Lightning never calls) reads their
       ``training`` flags (one attribute each) and, only for those found in eval() mode, puts a
-      forward hook on them, kept while they stay in eval(). A module that ran in eval() mode with grad enabled lands in
-      ``carry.eval_backward`` only when a backward really goes through its output (a hook on that
-      output fires then, and never for validation forwards).
+      forward hook on them, kept while they stay in eval(). A module that ran in eval() mode with
+      grad enabled lands in ``carry.eval_backward`` only when a backward really goes through its
+      output (a hook on that output fires then, and never for validation forwards);
+    * on the model's output: whether it was finite, and whether the gradient reaching it was
+      (``carry.output_grad``, two 0-d device flags, read only at a check with NaN/inf gradients:
+      a finite output with a NaN gradient means the NaN was made in the loss).
 
     Normalisation layers in eval() mode are intended idioms, not eval-mode mistakes: with frozen
     (or no) affine parameters, frozen-BatchNorm fine-tuning (``carry.frozen_norms``); with

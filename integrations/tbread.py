@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import stat
 import struct
 import sys
