@@ -65,7 +65,7 @@ def show(reports: list, error: str | None = None, framework: str = "plain", loss
             continue
         lines = brief(r, framework)
         # the same problem at another step (weights poisoned by an earlier NaN step: a new story)
-        key = re.sub(r"\d+", "N", lines[0]) + ("|poisoned" if any("already NaN/inf" in x for x in lines) else "")
+        key = re.sub(r"\bsteps? \d+", "step N", lines[0]) + ("|poisoned" if any("already NaN/inf" in x for x in lines) else "")
         seen.setdefault(key, []).append(r.step)
         if key not in shown or _precision(lines) > _precision(shown[key]):
             shown[key] = lines  # the first said, unless a later step names the origin more precisely

@@ -188,3 +188,18 @@ def test_whole_step_bench_measures_every_variant(capsys):
     _print("tiny", res)
     out = capsys.readouterr().out
     assert "default monitor" in out and "floors" in out and "% step" in out
+
+
+def test_the_demo_keeps_problems_of_different_modules_apart(capsys):
+    """Only step numbers are folded together: layer3 and layer4 are two problems, not one."""
+    from gradhealth.demos.console import show
+
+    def report(step, bad):
+        status = {"layer3.w": gh.Status.OK, "layer4.w": gh.Status.OK, "x.w": gh.Status.OK}
+        status[bad] = gh.Status.NOT_IN_OPTIMIZER
+        return gh.Report(step=step, status=status, grad_norm={}, total_grad_norm=1.0)
+
+    show([report(0, "layer3.w"), report(1, "layer3.w"), report(2, "layer4.w")])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("    step 0 (and step 1): NOT_IN_OPTIMIZER in layer3.w")
+    assert out[2].startswith("    step 2: NOT_IN_OPTIMIZER in layer4.w")
