@@ -2,12 +2,13 @@
 (zero_grad, forward, backward, check, optimizer.step) timed with and without the monitor.
 
 Every variant trains its own copy of the same model (same weights, same batches) with its own
-optimizer; the variants take turns, a block of steps each, round after round (each round starting
-with the next variant, so none is always first after another), so a noisy neighbour slows them
-alike. Each step is timed on its own; the table gives the mean (which counts
-the periodic steps: the update norms every ``update_every`` checks, the change test every
-``change_every``) and the median, as milliseconds above the plain step, as a share of the plain
-step, and in floors (one fused norm pass over every gradient read back to the host, timed right
+optimizer. A round runs a block of plain steps, a block of one monitored variant, plain again, the
+next variant, and so on (the variants' order rotating from round to round); a variant's cost in a
+round is its block minus the mean of the two plain blocks around it, so a machine that drifts
+between blocks (a noisy neighbour) cancels out. The table gives the mean of these costs (block
+means: they count the periodic steps, the update norms every ``update_every`` checks and the change
+test every ``change_every``) and their median (block medians), as milliseconds, as a share of the
+plain step and in floors (one fused norm pass over every gradient read back to the host, timed right
 after a backward, where the check runs).
 """
 
@@ -38,6 +39,7 @@ VARIANTS = {
     "history off": {"history": False},
     "stale witnesses off": {},
     "+ TensorBoardSink": {},
+    "every_n_steps=10": {"every_n_steps": 10},
 }
 
 
@@ -57,8 +59,14 @@ def _no_witnesses(monitor: GradHealth) -> None:
 
 
 def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=VARIANTS) -> dict[str, dict[str, float]]:
-    """Per variant: ``mean`` and ``median`` seconds of a whole step, and ``floor`` (seconds of one
-    fused norm pass, measured in the plain run). Returns ``{variant: {...}}``."""
+    """Per variant: ``mean`` and ``median`` seconds of a whole step, ``extra_mean`` and
+    ``extra_median`` (what it costs above the plain step, from the sandwiches below) and ``floor``
+    (seconds of one fused norm pass, measured in the plain run). Returns ``{variant: {...}}``.
+
+    Each round runs ``steps`` steps of the plain variant, then of one monitored variant, then plain
+    again, and so on (P V1 P V2 ... Vn P, the variants' order rotating from round to round): a
+    variant's cost in a round is its block minus the mean of the two plain blocks around it, so a
+    machine that slows down or speeds up between blocks cancels out."""
     torch.manual_seed(0)
     base = make_model()
     tmp = tempfile.mkdtemp(prefix="gradhealth_bench_")
@@ -98,20 +106,36 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
             floor_pass(model)
             floors.append(time.perf_counter() - t1)
 
+    def block(name) -> tuple[float, float]:
+        model, opt, monitor, times = runs[name]
+        mine: list[float] = []
+        for _ in range(steps):
+            step(model, opt, monitor, mine)
+        times += mine
+        return statistics.fmean(mine), statistics.median(mine)
+
+    extra: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for model, opt, monitor, times in runs.values():  # warm-up: every code path once
             for _ in range(max(3, steps)):
                 step(model, opt, monitor, [])
-        names = list(runs)
+        others = [name for name in runs if name != "plain step"]
         for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:  # each round starts one later
-                model, opt, monitor, times = runs[name]
-                for _ in range(steps):
-                    step(model, opt, monitor, times)
+            before = block("plain step")
+            for name in others[r % len(others):] + others[:r % len(others)]:
+                mine = block(name)
+                after = block("plain step")
+                extra[name].append(tuple(m - (b + a) / 2 for m, b, a in zip(mine, before, after)))
+                before = after
             model, opt, _, _ = runs["plain step"]
             step(model, opt, None, [], timed_floor=True)
-    out = {name: {"mean": statistics.fmean(t), "median": statistics.median(t)} for name, (_, _, _, t) in runs.items()}
+    out = {}
+    for name, (_, _, _, t) in runs.items():
+        diffs = extra[name] or [(0.0, 0.0)]
+        out[name] = {"mean": statistics.fmean(t), "median": statistics.median(t),
+                     "extra_mean": statistics.fmean(d[0] for d in diffs),
+                     "extra_median": statistics.median(d[1] for d in diffs)}
     for model, opt, monitor, _ in runs.values():
         if monitor is not None:
             monitor.close()
@@ -126,13 +150,16 @@ def _print(label: str, res: dict[str, dict[str, float]]) -> None:
     plain = res["plain step"]
     floor = plain["floor"]
     print(f"\nthe whole training step on {label} (SGD momentum, batch 8; floor {floor * 1e3:.3f} ms; "
-          f"plain step mean {plain['mean'] * 1e3:.2f} ms, median {plain['median'] * 1e3:.2f} ms):")
-    print(f"  {'':<22}{'mean ms':>9}{'+ms':>8}{'% step':>8}{'floors':>8}   {'median ms':>9}{'+ms':>8}{'% step':>8}{'floors':>8}")
+          f"plain step mean {plain['mean'] * 1e3:.2f} ms, median {plain['median'] * 1e3:.2f} ms; the floor "
+          f"alone is {100 * floor / plain['median']:.1f}% of the step); above the plain blocks around it:")
+    print(f"  {'':<22}{'mean +ms':>9}{'% step':>8}{'floors':>8}   {'median +ms':>10}{'% step':>8}{'floors':>8}")
     for name, row in res.items():
+        if name == "plain step":
+            continue
         cells = []
-        for key in ("mean", "median"):
-            extra = row[key] - plain[key]
-            cells.append(f"{row[key] * 1e3:>9.2f}{extra * 1e3:>+8.2f}{100 * extra / plain[key]:>+7.1f}%{extra / floor:>+8.2f}")
+        for key, width in (("mean", 9), ("median", 10)):
+            extra = row[f"extra_{key}"]
+            cells.append(f"{extra * 1e3:>+{width}.2f}{100 * extra / plain[key]:>+7.1f}%{extra / floor:>+8.2f}")
         print(f"  {name:<22}" + "   ".join(cells))
 
 
@@ -144,8 +171,8 @@ def bench_whole_step(rounds: int, shapes=None, many=(1000, 10000)) -> dict:
     items = list(SHAPES.items()) if shapes is None else shapes
     for label, (blocks, width) in items:
         small = width <= 64  # large shapes: one step per turn, more rounds (a step is long and noisy)
-        res = measure(lambda: build_model(blocks, width), torch.randn(8, width), max(3, rounds) * (1 if small else 3),
-                      20 if small else 1)
+        res = measure(lambda: build_model(blocks, width), torch.randn(8, width), max(3, rounds) * (2 if small else 3),
+                      10 if small else 1)
         _print(label, res)
         results[label] = res
     for n in many:

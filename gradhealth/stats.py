@@ -65,19 +65,26 @@ def plan_groups(tensors: Sequence[Tensor]) -> list[tuple[torch.device, torch.dty
 
 
 _DTYPE, _LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("layout")
+#: on the CPU, tensors of one shape with at most this many elements are normed stacked (see ``_batches``)
+STACK_NUMEL = 1 << 14
 
 
 class NormPlan:
     """How a list of tensors is grouped into fused kernels, kept with the (dtype, device index,
     layout) of each tensor it was built for: another list fits it exactly when those are the same
     (one converted middle layer must not land in a kernel of another dtype); three C-level passes
-    to check. (A device index does not name the device type: a tensor moved between two types
-    whose indexes agree, e.g. cuda:0 and mps:0, cannot happen on one machine.)"""
+    to check. Shapes are not in the key (reading them costs as much again): a stacked kernel whose
+    members no longer share one shape fails in ``torch.stack``, and :func:`_pack_fitted` plans
+    again. (A device index does not name the device
+    type: a tensor moved between two types whose indexes agree, e.g. cuda:0 and mps:0, cannot
+    happen on one machine.)"""
 
     def __init__(self, tensors: Sequence[Tensor], key: tuple | None = None):
         self.groups = plan_groups(tensors)
         self.key = key if key is not None else plan_key(tensors)
-        self.perm = [i for _, _, idx in self.groups for i in idx]
+        #: per group, its kernels: (stacked, indices); stacked ones are reduced as one [k, n] tensor
+        self.batches = [(dtype, _batches(tensors, device, idx)) for device, dtype, idx in self.groups]
+        self.perm = [i for _, batches in self.batches for _, idx in batches for i in idx]
         self.identity = self.perm == list(range(len(self.perm)))
         self.plain = False  # (grad_norms) built over the gradients themselves: dense and real
 
@@ -87,6 +94,32 @@ class NormPlan:
 
 def plan_key(tensors: Sequence[Tensor]) -> tuple:
     return list(map(_DTYPE, tensors)), list(map(Tensor.get_device, tensors)), list(map(_LAYOUT, tensors))
+
+
+def _batches(tensors: Sequence[Tensor], device: torch.device, idx: list[int]) -> list[tuple[bool, list[int]]]:
+    """One group's kernels. On the CPU ``_foreach_norm`` is a loop of one reduction per tensor
+    (a few microseconds each, whatever the size): small tensors of one shape are stacked and
+    reduced along rows in one kernel instead (the copy is cheaper than the per-tensor calls up
+    to ``STACK_NUMEL`` elements). Other devices keep the fused kernel."""
+    if device.type != "cpu" or len(idx) < 2:
+        return [(False, idx)]
+    by_shape: dict[torch.Size, list[int]] = {}
+    rest: list[int] = []
+    for i in idx:
+        t = tensors[i]
+        if 0 < t.numel() <= STACK_NUMEL and t.layout is torch.strided and not t.is_complex():
+            by_shape.setdefault(t.shape, []).append(i)
+        else:
+            rest.append(i)
+    out = []
+    for members in by_shape.values():
+        if len(members) > 1:
+            out.append((True, members))
+        else:
+            rest += members
+    if rest:
+        out.append((False, sorted(rest)))
+    return out
 
 
 def foreach_norms(members: Sequence[Tensor]) -> list[Tensor]:
@@ -114,20 +147,40 @@ def pack_norms(tensors: Sequence[Tensor], plan: NormPlan | None = None):
         return None, [], plan
     if plan is None or not plan.fits(tensors):
         plan = NormPlan(tensors)
-    return _pack(tensors, plan), plan.perm, plan
+    packed, plan = _pack_fitted(tensors, plan)
+    return packed, plan.perm, plan
+
+
+def _pack_fitted(tensors: Sequence[Tensor], plan: NormPlan) -> tuple[Tensor, NormPlan]:
+    """:func:`_pack`, planned again when the plan's stacks no longer fit the shapes."""
+    try:
+        return _pack(tensors, plan), plan
+    except RuntimeError:
+        if not any(stacked for _, batches in plan.batches for stacked, _ in batches):
+            raise
+    fresh = NormPlan(tensors, plan.key)
+    fresh.plain = plan.plain
+    return _pack(tensors, fresh), fresh
 
 
 def _pack(tensors: Sequence[Tensor], plan: NormPlan) -> Tensor:
     pieces: list[Tensor] = []
     target = None
-    for device, dtype, idx in plan.groups:
-        members = tensors if len(plan.groups) == 1 else [tensors[i] for i in idx]
-        piece = torch.stack(foreach_norms(members)).to(torch.float64)
-        if target is None:
-            target = device
-        elif device != target:
-            piece = piece.to(target, non_blocking=True)
-        pieces.append(piece)
+    for (device, _, _), (dtype, batches) in zip(plan.groups, plan.batches):
+        for stacked, idx in batches:
+            members = tensors if len(plan.groups) == 1 and len(batches) == 1 else [tensors[i] for i in idx]
+            if stacked:  # (float32 accumulation, as in foreach_norms)
+                rows = torch.stack(members).reshape(len(members), -1)
+                acc = _acc_dtype(dtype)
+                piece = torch.linalg.vector_norm(rows, dim=1, dtype=None if dtype == acc else acc)
+            else:
+                piece = torch.stack(foreach_norms(members))
+            piece = piece.to(torch.float64)
+            if target is None:
+                target = device
+            elif device != target:
+                piece = piece.to(target, non_blocking=True)
+            pieces.append(piece)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
@@ -184,7 +237,7 @@ def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None
             plan.plain = plain
         elif not plan.plain:
             views = list(map(dense_view, grads))
-        packed = _pack(views, plan)
+        packed, plan = _pack_fitted(views, plan)
     perm = plan.perm if grads else []
     values = fetch([packed, *extras] if packed is not None else list(extras))
     n = len(perm)

@@ -259,3 +259,30 @@ def test_meta_parameters():
         m = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="'weight' is on the meta device.*to_empty"):
         gh.GradHealth(m)
+
+
+def test_stacked_norms_match_float64_reference():
+    """On the CPU, small tensors of one shape are normed stacked, one kernel per shape: every norm
+    still matches float64 (non-contiguous views, 1e20s, 1e-30s, zeros, NaN, inf, four dtypes), and
+    a list whose shapes changed gets a new plan when its stack fails, not a wrong norm."""
+    from gradhealth import stats
+
+    tensors = []
+    for d, dtype in enumerate(DTYPES):
+        for k, situation in enumerate(SITUATIONS[1:] * 2):
+            shape = (16, 16) if k % 2 else (7,)
+            g = make_grad(shape, dtype, situation, 100 * d + k)
+            tensors.append(g.t() if g.dim() == 2 and k % 4 == 1 else g)  # some transposed views
+        tensors.append(torch.randn(stats.STACK_NUMEL + 1).to(dtype))  # too large to stack: foreach
+    assert not all(t.is_contiguous() for t in tensors)
+    norms, _, plan = stats.grad_norms(tensors)
+    stacked = [idx for _, batches in plan.batches for s, idx in batches if s]
+    assert len(stacked) == 2 * len(DTYPES) and all(len(i) >= 9 for i in stacked)  # the path under test ran
+    for t, v in zip(tensors, norms):
+        assert same_float(v, reference_norm(t)), (t.dtype, t.shape)
+    changed = [torch.randn(16, 16), *tensors[1:]]  # a (7,) slot now holds a (16, 16)
+    assert tensors[0].shape == (7,) and changed[0].dtype == tensors[0].dtype and plan.fits(changed)  # (shapes: not keyed)
+    norms2, _, plan2 = stats.grad_norms(changed, plan=plan)
+    assert plan2 is not plan
+    for t, v in zip(changed, norms2):
+        assert same_float(v, reference_norm(t)), (t.dtype, t.shape)
