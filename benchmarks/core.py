@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds per shape (median)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shapes", default="all", help="comma-separated shape indexes (0,1,2) or 'all'")
+    ap.add_argument("--batch", type=int, default=8, help="the whole-step section's batch size (default 8)")
     ap.add_argument("--sections", default="all",
                     help="comma-separated: step,checks,budget,deltas,experts,many,tracer,distributed,lightning,transformers,"
                          "tensorboard (default: all)")
@@ -379,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     if "step" in sections and args.device == "cpu":
         from gradhealth.benchmarks.whole_step import bench_whole_step
 
-        bench_whole_step(args.rounds, chosen, many=(1000, 10000) if args.shapes == "all" else ())
+        bench_whole_step(args.rounds, chosen, many=(1000, 10000) if args.shapes == "all" else (), batch=args.batch)
     for label, (blocks, width) in chosen:
         if "checks" in sections:
             bench_shape(label, blocks, width, args.rounds, args.device)

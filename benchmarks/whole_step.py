@@ -146,10 +146,10 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
     return out
 
 
-def _print(label: str, res: dict[str, dict[str, float]]) -> None:
+def _print(label: str, res: dict[str, dict[str, float]], batch: int = 8) -> None:
     plain = res["plain step"]
     floor = plain["floor"]
-    print(f"\nthe whole training step on {label} (SGD momentum, batch 8; floor {floor * 1e3:.3f} ms; "
+    print(f"\nthe whole training step on {label} (SGD momentum, batch {batch}; floor {floor * 1e3:.3f} ms; "
           f"plain step mean {plain['mean'] * 1e3:.2f} ms, median {plain['median'] * 1e3:.2f} ms; the floor "
           f"alone is {100 * floor / plain['median']:.1f}% of the step); above the plain blocks around it:")
     print(f"  {'':<22}{'mean +ms':>9}{'% step':>8}{'floors':>8}   {'median +ms':>10}{'% step':>8}{'floors':>8}")
@@ -163,21 +163,25 @@ def _print(label: str, res: dict[str, dict[str, float]]) -> None:
         print(f"  {name:<22}" + "   ".join(cells))
 
 
-def bench_whole_step(rounds: int, shapes=None, many=(1000, 10000)) -> dict:
-    """Print the whole-step table for the chosen bench shapes and the many-tensors models."""
+def bench_whole_step(rounds: int, shapes=None, many=(1000, 10000), batch: int = 8) -> dict:
+    """Print the whole-step table for the chosen bench shapes and the many-tensors models. Above
+    batch 8 only the plain step, the default monitor and ``every_n_steps=10`` are timed (a step
+    that computes is long; the parts' rows are read at batch 8)."""
     print("\nwhat the user pays: a whole training step with and without the monitor, each part off in turn "
           "(interleaved; targets: default <= 10% / 1.5 floors on the small shape, <= 2% on the large ones)")
+    variants = VARIANTS if batch <= 8 else {k: VARIANTS[k] for k in ("plain step", "default monitor", "every_n_steps=10")}
     results = {}
     items = list(SHAPES.items()) if shapes is None else shapes
     for label, (blocks, width) in items:
         small = width <= 64  # large shapes: one step per turn, more rounds (a step is long and noisy)
-        res = measure(lambda: build_model(blocks, width), torch.randn(8, width), max(3, rounds) * (2 if small else 3),
-                      10 if small else 1)
-        _print(label, res)
+        res = measure(lambda: build_model(blocks, width), torch.randn(batch, width), max(3, rounds) * (2 if small else 3),
+                      10 if small else 1, variants)
+        _print(label, res, batch)
         results[label] = res
     for n in many:
         label = f"{n:,} small tensors ({n // 2} Linear(8) side by side)"
-        res = measure(lambda: Wide(n), torch.randn(8, 8), max(3, rounds if n <= 1000 else rounds // 2), 10 if n <= 1000 else 1)
-        _print(label, res)
+        res = measure(lambda: Wide(n), torch.randn(batch, 8), max(3, 2 * rounds if n <= 1000 else rounds), 10 if n <= 1000 else 1,
+                      variants)
+        _print(label, res, batch)
         results[label] = res
     return results

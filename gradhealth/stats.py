@@ -65,8 +65,9 @@ def plan_groups(tensors: Sequence[Tensor]) -> list[tuple[torch.device, torch.dty
 
 
 _DTYPE, _LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("layout")
-#: on the CPU, tensors of one shape with at most this many elements are normed stacked (see ``_batches``)
-STACK_NUMEL = 1 << 14
+#: on the CPU, tensors of one shape with at most this many elements are normed stacked (see
+#: ``_batches``), at most ``STACK_ELEMENTS`` elements a stack (its copy: 4 MiB of float32)
+STACK_NUMEL, STACK_ELEMENTS = 1 << 14, 1 << 20
 
 
 class NormPlan:
@@ -75,9 +76,8 @@ class NormPlan:
     (one converted middle layer must not land in a kernel of another dtype); three C-level passes
     to check. Shapes are not in the key (reading them costs as much again): a stacked kernel whose
     members no longer share one shape fails in ``torch.stack``, and :func:`_pack_fitted` plans
-    again. (A device index does not name the device
-    type: a tensor moved between two types whose indexes agree, e.g. cuda:0 and mps:0, cannot
-    happen on one machine.)"""
+    again. (A device index does not name the device type: a tensor moved between two types whose
+    indexes agree, e.g. cuda:0 and mps:0, cannot happen on one machine.)"""
 
     def __init__(self, tensors: Sequence[Tensor], key: tuple | None = None):
         self.groups = plan_groups(tensors)
@@ -100,7 +100,8 @@ def _batches(tensors: Sequence[Tensor], device: torch.device, idx: list[int]) ->
     """One group's kernels. On the CPU ``_foreach_norm`` is a loop of one reduction per tensor
     (a few microseconds each, whatever the size): small tensors of one shape are stacked and
     reduced along rows in one kernel instead (the copy is cheaper than the per-tensor calls up
-    to ``STACK_NUMEL`` elements). Other devices keep the fused kernel."""
+    to ``STACK_NUMEL`` elements; a chunk of one shape can be a single tensor, normed alone as
+    ``[1, n]``). Other devices keep the fused kernel."""
     if device.type != "cpu" or len(idx) < 2:
         return [(False, idx)]
     by_shape: dict[torch.Size, list[int]] = {}
@@ -113,8 +114,9 @@ def _batches(tensors: Sequence[Tensor], device: torch.device, idx: list[int]) ->
             rest.append(i)
     out = []
     for members in by_shape.values():
-        if len(members) > 1:
-            out.append((True, members))
+        if len(members) > 1:  # in chunks: a stack's copy stays within STACK_ELEMENTS
+            per = max(2, STACK_ELEMENTS // tensors[members[0]].numel())
+            out += [(True, members[a:a + per]) for a in range(0, len(members), per)]
         else:
             rest += members
     if rest:

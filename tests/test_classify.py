@@ -286,3 +286,17 @@ def test_stacked_norms_match_float64_reference():
     assert plan2 is not plan
     for t, v in zip(changed, norms2):
         assert same_float(v, reference_norm(t)), (t.dtype, t.shape)
+
+
+def test_stacks_are_chunked_within_their_memory_bound():
+    """Many small tensors of one shape are stacked in chunks of at most STACK_ELEMENTS elements
+    (the stack is a copy), and every norm still matches float64."""
+    from gradhealth import stats
+
+    tensors = [torch.randn(stats.STACK_NUMEL) for _ in range(2 * stats.STACK_ELEMENTS // stats.STACK_NUMEL + 1)]
+    norms, _, plan = stats.grad_norms(tensors)
+    chunks = [idx for _, batches in plan.batches for s, idx in batches if s]
+    assert len(chunks) == 3 and max(len(c) for c in chunks) * stats.STACK_NUMEL <= stats.STACK_ELEMENTS
+    assert sorted(i for c in chunks for i in c) == list(range(len(tensors)))
+    for t, v in zip(tensors, norms):
+        assert same_float(v, reference_norm(t))

@@ -1,5 +1,6 @@
 """The demo's planted bugs, each identified at the right stage; the healthy run silent."""
 
+import math
 import os
 import subprocess
 
@@ -181,13 +182,16 @@ def test_whole_step_bench_measures_every_variant(capsys):
     from gradhealth.benchmarks.core import build_model
     from gradhealth.benchmarks.whole_step import VARIANTS, _print, measure
 
-    res = measure(lambda: build_model(3, 8), torch.randn(8, 8), rounds=1, steps=2)
+    res = measure(lambda: build_model(3, 8), torch.randn(8, 8), rounds=2, steps=2)
     assert set(res) == set(VARIANTS)
     for row in res.values():
         assert row["mean"] > 0 and row["median"] > 0 and row["floor"] > 0
-    _print("tiny", res)
+        assert math.isfinite(row["extra_mean"]) and math.isfinite(row["extra_median"])  # against the plain blocks
+    assert res["plain step"]["extra_mean"] == 0.0
+    _print("tiny", res, batch=256)
     out = capsys.readouterr().out
-    assert "default monitor" in out and "floors" in out and "% step" in out
+    assert "default monitor" in out and "floors" in out and "% step" in out and "every_n_steps=10" in out
+    assert "batch 256" in out and "the floor alone is" in out
 
 
 def test_the_demo_keeps_problems_of_different_modules_apart(capsys):
