@@ -261,27 +261,30 @@ def test_meta_parameters():
         gh.GradHealth(m)
 
 
-def test_stacked_norms_match_float64_reference():
-    """On the CPU, small tensors of one shape are normed stacked, one kernel per shape: every norm
-    still matches float64 (non-contiguous views, 1e20s, 1e-30s, zeros, NaN, inf, four dtypes), and
-    a list whose shapes changed gets a new plan when its stack fails, not a wrong norm."""
+def test_cpu_kernels_match_float64_reference():
+    """On the CPU, small tensors of one shape are normed stacked and larger contiguous ones as rows
+    (see stats._batches): every norm still matches float64 (four dtypes, transposed views, 1e20s,
+    1e-30s, zeros, NaN, inf, a tensor that fits neither path), and a list whose shapes changed is
+    planned again when its stack or view fails, never given a wrong norm."""
     from gradhealth import stats
 
     tensors = []
     for d, dtype in enumerate(DTYPES):
-        for k, situation in enumerate(SITUATIONS[1:] * 2):
-            shape = (16, 16) if k % 2 else (7,)
+        for k, situation in enumerate(SITUATIONS[1:] * 3):
+            shape = [(7,), (16, 16), (96, 256)][k % 3]
             g = make_grad(shape, dtype, situation, 100 * d + k)
             tensors.append(g.t() if g.dim() == 2 and k % 4 == 1 else g)  # some transposed views
-        tensors.append(torch.randn(stats.STACK_NUMEL + 1).to(dtype))  # too large to stack: foreach
+        tensors.append(torch.randn(stats.STACK_NUMEL + 1).to(dtype))  # odd and large: neither path
     assert not all(t.is_contiguous() for t in tensors)
     norms, _, plan = stats.grad_norms(tensors)
-    stacked = [idx for _, batches in plan.batches for s, idx in batches if s]
-    assert len(stacked) == 2 * len(DTYPES) and all(len(i) >= 9 for i in stacked)  # the path under test ran
+    kinds = [(kind, len(idx)) for _, batches in plan.batches for kind, _, idx in batches]
+    assert {k for k, _ in kinds} == {"stack", "rows", "each"} and all(n >= 2 for k, n in kinds if k == "stack")
     for t, v in zip(tensors, norms):
-        assert same_float(v, reference_norm(t)), (t.dtype, t.shape)
+        assert same_float(v, reference_norm(t)), (t.dtype, t.shape, t.is_contiguous())
     changed = [torch.randn(16, 16), *tensors[1:]]  # a (7,) slot now holds a (16, 16)
-    assert tensors[0].shape == (7,) and changed[0].dtype == tensors[0].dtype and plan.fits(changed)  # (shapes: not keyed)
+    rows_at = next(i for i, t in enumerate(tensors) if t.shape == (96, 256) and t.is_contiguous())
+    changed[rows_at] = torch.randn(24577)  # a tensor reduced as rows now divides into none
+    assert tensors[0].shape == (7,) and plan.fits(changed)  # (shapes are not keyed)
     norms2, _, plan2 = stats.grad_norms(changed, plan=plan)
     assert plan2 is not plan
     for t, v in zip(changed, norms2):
@@ -295,7 +298,7 @@ def test_stacks_are_chunked_within_their_memory_bound():
 
     tensors = [torch.randn(stats.STACK_NUMEL) for _ in range(2 * stats.STACK_ELEMENTS // stats.STACK_NUMEL + 1)]
     norms, _, plan = stats.grad_norms(tensors)
-    chunks = [idx for _, batches in plan.batches for s, idx in batches if s]
+    chunks = [idx for _, batches in plan.batches for kind, _, idx in batches if kind == "stack"]
     assert len(chunks) == 3 and max(len(c) for c in chunks) * stats.STACK_NUMEL <= stats.STACK_ELEMENTS
     assert sorted(i for c in chunks for i in c) == list(range(len(tensors)))
     for t, v in zip(tensors, norms):
