@@ -20,11 +20,10 @@ from torch import Tensor
 from . import judges
 from . import state as checked
 from .steps import StepStats
-from .stale import WITNESSES
+from .stale import discarded, witnesses
 from .findings import Finding, FindingKind
 from .guards import ForwardRecord
 from .history import NormHistory
-from .naming import spread
 from .patience import Persistence
 from .report import Report
 from .status import Status
@@ -114,8 +113,7 @@ class Carry:
     def arm(self, report: Report, params: list, with_grad: list[int], scale: float | None) -> None:
         """Remember ``report`` until its optimizer step is measured, and a few of its gradients."""
         self.armed = report
-        self.witnesses = [(weakref.ref(params[i]), weakref.ref(params[i].grad), params[i].grad._version)
-                          for i in spread(with_grad, WITNESSES)]
+        self.witnesses = witnesses(params, with_grad)
         self.last_scale = scale
 
     def note_step_start(self, _opt) -> None:
@@ -155,14 +153,7 @@ class Carry:
 
     def _discarded(self) -> bool:
         """Were the armed check's gradients thrown away (zeroed or set to None) since?"""
-        for param, ref, version in self.witnesses:
-            p = param()
-            if p is None:
-                return True
-            g = p.grad
-            if g is None or g is not ref() or g._version > version + 1:
-                return True
-        return False
+        return discarded(self.witnesses)
 
     def _measured(self, updates: list[StepStats], names: list[str]) -> Delivery | None:
         """Write the measured update norms into the armed report; NOT_UPDATED / FROZEN_BUT_CHANGED

@@ -97,6 +97,8 @@ class UpdateTracker:
         self.index = {id(p): i for i, (_, p) in enumerate(entries)}
         self.armed_step: int | None = None
         self.steps_since_check = 0
+        self.stepped: dict[int, int] = {}  # per optimizer id: its steps so far
+        self.total_steps = 0
         self.pending: list[StepStats] = []
         self._unarmed: StepStats | None = None  # the skips of steps no check armed, in pending
         self.watched: set[int] = set()  # entries whose change test uses the checksum
@@ -258,6 +260,8 @@ class UpdateTracker:
     def _post(self, opt, args, kwargs) -> None:
         self._in_step.pop(id(opt), None)
         self.steps_since_check += 1
+        self.stepped[id(opt)] = self.stepped.get(id(opt), 0) + 1
+        self.total_steps += 1
         state = self._inflight.pop(id(opt), None)
         if state is not None:
             try:

@@ -41,6 +41,7 @@ class FindingKind(str, enum.Enum):
     DDP_NOT_SYNCED = "DDP_NOT_SYNCED"
     NONFINITE_COLLECTIVE = "NONFINITE_COLLECTIVE"
     NONFINITE_EXPERT = "NONFINITE_EXPERT"
+    NOT_STEPPED = "NOT_STEPPED"
 
     def __str__(self) -> str:
         return self.value

@@ -108,7 +108,7 @@ class NormHistory:
         modules whose gradients come and go (skipped layers, experts): their norm follows how many
         tokens reached them, so a low one is no collapse."""
         findings: list[Finding] = []
-        if not math.isfinite(total):
+        if not math.isfinite(total) or total < 0:
             return findings  # non-finite gradients are a parameter state already; keep them out
         row = self._row(module_norms)
         judged = self.seen >= self.warmup
@@ -118,8 +118,9 @@ class NormHistory:
                         "the learning rate, clip gradients (clip_grad_norm_), or look for a bad batch",
                         step=step, data={"total": total, "ceiling": self.ceiling})
             )
-        elif judged:
-            med = statistics.median(self.total)
+        elif judged and (med := statistics.median(self.total)) > 0:
+            # (a zero median is no baseline yet: a loss term weighted 0 until now, a GAN phase
+            # whose loss starts at 0; a spike is judged once the run's norms have a scale)
             spike = total > self.spike_factor * med  # (the MAD only then)
             spike = spike and total > med + self.spike_mads * MAD_TO_SIGMA * statistics.median(abs(v - med) for v in self.total)
             again, self._spiked = self._spiked and spike, spike

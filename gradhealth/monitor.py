@@ -35,7 +35,7 @@ from .carry import Carry, Delivery
 from .classify import as_optimizers, classify_selection, unwrap, unwrap_optimizer, wrapper_scaler
 from .deltas import UpdateTracker
 from .distributed import Ranks, all_reduce_tensor, ranks_of
-from .errors import GradHealthInternalWarning
+from .errors import GradHealthError, GradHealthInternalWarning
 from .hooks import Owned
 from .guards import ForwardRecord, ForwardWatch, diagnose_loss, uses_checkpointing
 from .observe import Observation, failed_observation, observe
@@ -45,6 +45,7 @@ from .patience import persist
 from .policy import Publisher, alarm, explain
 from .replay import traced
 from .report import Report, frozen_summary
+from .unstepped import Unstepped
 from .status import Status
 
 __all__ = ["GradHealth"]
@@ -88,6 +89,7 @@ class GradHealth:
                         if self.optimizers else None)
         if self.tracker is not None:  # (to name a zero_grad() between backward() and step())
             self.tracker.before_step = self.carry.note_step_start
+        self.unstepped = Unstepped() if len(self.optimizers) > 1 else None  # (one optimizer: a skipped step)
         self._watch = ForwardWatch(model, unwrap(model), self.carry, bool(self.view.stacks)) if o.watch_forward else None
         self._changes = ModelChanges(model)
         self._owned = Owned(self, self._watch, self._changes, self.tracker, self.carry, self.ranks)
@@ -128,9 +130,9 @@ class GradHealth:
         try:  # (inside inference_mode, the check's own tensors must be ordinary ones: they are updated later)
             with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
                 report = self._build(s, loss, optimizer)
-        except Exception as exc:  # the monitor never breaks a training run unless asked to raise
-            if self.options.on_problem == "raise":
-                raise
+        except GradHealthError:
+            raise  # (said on purpose: a verdict, or the user's own mistake named)
+        except Exception as exc:  # an internal error never breaks a training run, whatever on_problem
             warnings.warn(f"gradhealth: check at step {s} failed internally and was skipped ({type(exc).__name__}: "
                           f"{exc}); training continues", GradHealthInternalWarning, stacklevel=3)
             return None
@@ -138,10 +140,11 @@ class GradHealth:
         self.last_report = report
         o = self.options
         if o.skip_nonfinite or o.skip_spikes is not None:  # the step guard (:mod:`.skipping`)
-            opts = [optimizer] if optimizer is not None else self.optimizers
+            # every parameter the check judged, in an optimizer or not: a gradient no optimizer's
+            # zero_grad() clears would poison every later step
+            v = self.view
             skipping.guard(report, o, self.carry, self.carry.history_for(report.optimizer_index),
-                           [p for x in opts for g in x.param_groups for p in g["params"]] if opts else self.view.params,
-                           self.scaler is not None, self.tracker)
+                           [v.params[i] for i in v.selection(optimizer).idx], self.scaler is not None, self.tracker)
         return report
 
     def publish(self, report: Report, stacklevel: int = 2) -> None:
@@ -245,6 +248,8 @@ class GradHealth:
         self.view = view
         self._plan = None
         self.carry.armed = None  # its step's numbers would refer to the old parameters
+        if self.unstepped is not None:
+            self.unstepped.reset()
         if self.tracker is not None:
             self.tracker.rebind(self.view.entries)
         if self._watch is not None:
@@ -276,6 +281,10 @@ class GradHealth:
             self._deliver(delivery, report)
         for u in obs.updates:
             self.tracker.settle(u)
+        if self.unstepped is not None and not reeval:
+            t = self.tracker
+            report.findings += self.unstepped.update(self.view, report.optimizer_index, t.stepped, t.total_steps,
+                                                     report.status, step, self.options.grad_patience)
         report.findings += self._patience(report)
         report.findings += self._judge(report, obs, across, sel)
         v = self.view

@@ -17,9 +17,15 @@ DELTA_MODES = ("auto", "exact", "off")
 
 
 def check_scaler(scaler):
-    if scaler is not None and not (hasattr(scaler, "get_scale") and hasattr(scaler, "_per_optimizer_states")):
-        raise TypeError(f"scaler must be a torch.amp.GradScaler or None; got {type(scaler).__name__}")
-    return scaler
+    """The grad scaler to judge with, or None. A disabled scaler (nanoGPT's
+    ``GradScaler(enabled=(dtype == 'float16'))`` on an fp32/bf16 run) scales nothing: no scaler.
+    Any GradScaler torch hands out qualifies (``torch.amp`` for any device, ``torch.cuda.amp``,
+    FSDP's ``ShardedGradScaler``): what is read of it is ``is_enabled()`` and ``get_scale()``."""
+    if scaler is None:
+        return None
+    if not (callable(getattr(scaler, "get_scale", None)) and callable(getattr(scaler, "is_enabled", None))):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler (enabled or not) or None; got {type(scaler).__name__}")
+    return scaler if scaler.is_enabled() else None
 
 
 def check_step(step) -> int | None:

@@ -193,7 +193,7 @@ class Persistence:
         if "units" not in state:  # the former format: {name: consecutive checks without a gradient}
             state = {"n": {}, "units": {n: [0, 0, _count(c), 0, None, True] for n, c in state.items()}, "blank": 0}
         n = {}
-        for k, v in dict(state.get("n") or {}).items():
+        for k, v in dict(state["n"]).items():
             n[None if k == "all" else int(k)] = _count(v)
         rec = {}
         for name, r in dict(state["units"]).items():

@@ -119,8 +119,17 @@ class Publisher:
             # warn_explicit with a throwaway registry: warnings.warn would keep every distinct
             # message (each names its step) in the caller's __warningregistry__ for ever
             frame = sys._getframe(stacklevel + 1)
-            warnings.warn_explicit(message, GradHealthWarning, frame.f_code.co_filename, frame.f_lineno,
-                                   module=frame.f_globals.get("__name__"), registry={}, module_globals=frame.f_globals)
+            where = (message, GradHealthWarning, frame.f_code.co_filename, frame.f_lineno)
+            try:
+                warnings.warn_explicit(*where, module=frame.f_globals.get("__name__"), registry={},
+                                       module_globals=frame.f_globals)
+            except Warning:
+                raise  # (a filter turned it into an error: the user's choice)
+            except Exception:
+                # the source lookup failed, before anything was shown: code with no source file
+                # whose loader cannot give one (``python -c``, a script on standard input, exec of a
+                # string, where __main__'s loader is BuiltinImporter); said without the source line
+                warnings.warn_explicit(*where, module=frame.f_globals.get("__name__"), registry={})
 
     def write_stop(self, step: int | None, message: str) -> None:
         """Tell the sinks (``write_stop(step, message)``, where they have it) the error that is

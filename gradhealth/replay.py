@@ -74,19 +74,65 @@ def traced(carry, model: nn.Module, report, arm: bool) -> list[Finding]:
     return found
 
 
-def replay_nonfinite(model: nn.Module, run: Callable[[], object], *, rng: dict | None = None, step: int = 0,
-                     label: str = "the failing step", **data) -> Finding | None:
+def replay_nonfinite(model: nn.Module, run, *, rng=None, step: int = 0, label: str = "the failing step",
+                     labels=None, **data) -> Finding | None:
     """Replay a step whose gradients were NaN/inf under the tracer; leave everything as it was.
 
     ``run()`` does the forward and backward of that step (its return value is ignored). ``rng``
     (from :func:`gradhealth.snapshot.rng_state`, taken before the failing step) replays the same
     dropout masks and random draws. Returns the NONFINITE_ORIGIN finding, which also says whether
     the NaN reproduced; None (with a warning) if the replay itself failed.
+
+    Under gradient accumulation pass the window's micro-batches: ``run`` a list of callables (one
+    forward and backward each, in order), ``rng`` the list of their random states, ``labels``
+    their names (``"batch 9"``; default ``"micro-batch k"``). Each is replayed alone, from no
+    gradient, until one makes NaN/inf: the finding names it (``data["micro_batch"]``, its index
+    in the list). The caller holds the window's inputs until the step: that is the memory this
+    costs (references to the batches, no copies).
     """
     check_model(model)
-    if not callable(run):
-        raise TypeError(f"replay_nonfinite: run must be a callable that does the step's forward and backward; got "
-                        f"{type(run).__name__}")
+    window = isinstance(run, (list, tuple))
+    runs = list(run) if window else [run]
+    if not runs or not all(callable(r) for r in runs):
+        raise TypeError("replay_nonfinite: run must be a callable that does the step's forward and backward, or a "
+                        f"non-empty list of them (one per micro-batch); got {type(run).__name__}")
+    rngs = list(rng) if window and rng is not None else [rng] * len(runs)
+    names = list(labels) if labels is not None else [f"micro-batch {k}" for k in range(len(runs))] if window else [label]
+    if len(rngs) != len(runs) or len(names) != len(runs):
+        raise ValueError(f"replay_nonfinite: {len(runs)} runs, {len(rngs)} rng states and {len(names)} labels; give "
+                         "one of each per micro-batch")
+    tracer, k = None, 0
+    for k, (one, state) in enumerate(zip(runs, rngs)):
+        try:
+            tracer, reproduced = _replay_one(model, one, state)
+        except Exception as exc:
+            warnings.warn(f"gradhealth: the replay of {names[k] if window else label} failed ({type(exc).__name__}: "
+                          f"{exc}); training continues unchanged", GradHealthInternalWarning, stacklevel=2)
+            return None
+        if reproduced:
+            break
+    if not window:
+        where = f"{label} at step {step}"
+    elif reproduced:
+        where = (f"{names[k]} at step {step} (micro-batch {k + 1} of the {len(runs)} accumulated into that step, "
+                 "each replayed alone)")
+        data = {**data, "micro_batch": k}
+    else:
+        where = f"the {len(runs)} micro-batches accumulated into step {step} ({', '.join(names)}), each replayed alone"
+    if reproduced:
+        verdict = ("it reproduced on a replay of the same batch with the same random state: the cause is deterministic, "
+                   "in this batch's data or in the model")
+    elif window:
+        verdict = ("none made NaN/inf again with the same random state: a numerical or hardware transient, or an "
+                   "overflow of their accumulated sum")
+    else:
+        verdict = ("it did NOT reproduce on a replay of the same batch with the same random state: a numerical or "
+                   "hardware transient (non-deterministic kernels, a flaky device)")
+    return origin_finding(tracer, step, f"{where}: {verdict}. ", level="error", reproduced=reproduced, **data)
+
+
+def _replay_one(model: nn.Module, run: Callable[[], object], rng: dict | None) -> tuple[NonFiniteTracer, bool]:
+    """One forward and backward under the full tracer, from no gradient; everything put back."""
     params = list(model.parameters())
     saved = ModuleState(model)
     now = rng_state()
@@ -101,20 +147,8 @@ def replay_nonfinite(model: nn.Module, run: Callable[[], object], *, rng: dict |
             run()
         tracer.resolve()
         norms, _, _ = stats.grad_norms([p.grad for p in params if p.grad is not None])
-        reproduced = any(not math.isfinite(v) for v in norms)
-    except Exception as exc:
-        warnings.warn(f"gradhealth: the replay of {label} failed ({type(exc).__name__}: {exc}); training continues "
-                      "unchanged", GradHealthInternalWarning, stacklevel=2)
-        return None
+        return tracer, any(not math.isfinite(v) for v in norms)
     finally:
         tracer.disarm()
         saved.restore()
         set_rng_state(now)
-    if reproduced:
-        verdict = ("it reproduced on a replay of the same batch with the same random state: the cause is deterministic, "
-                   "in this batch's data or in the model")
-    else:
-        verdict = ("it did NOT reproduce on a replay of the same batch with the same random state: a numerical or "
-                   "hardware transient (non-deterministic kernels, a flaky device)")
-    return origin_finding(tracer, step, f"{label} at step {step}: {verdict}. ", level="error",
-                          reproduced=reproduced, **data)

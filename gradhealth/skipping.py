@@ -58,8 +58,11 @@ def guard(report, options, carry, history, params, scaler_present: bool, tracker
     if why is None:
         carry.skips_in_a_row = 0
         return
+    dropped = sum(p.grad is not None for p in params)
     for p in params:
         p.grad = None
+    inside = report.in_optimizer
+    outside = sum(1 for n in report.status if inside is not None and not inside.get(n, True))
     carry.armed = None  # the step that follows changes nothing, by design: not measured
     if tracker is not None:
         tracker.disarm()
@@ -86,8 +89,9 @@ def guard(report, options, carry, history, params, scaler_present: bool, tracker
             "gh.trace_nonfinite, lower the learning rate, look at the data)" if alarm else
             f" ({n} in a row; an error at {options.skip_alarm})")
     report.findings.append(Finding(FindingKind.STEP_SKIPPED, f"the optimizer step after step {report.step} changes nothing: {what}; "
-                    "the gradients were dropped before it on every rank, so the parameters and the optimizer's state "
-                    f"stay as they were{tail}", params=params, step=report.step, level="error" if alarm else "warning",
+                    f"the gradients of every judged parameter ({dropped}"
+                    f"{f', {outside} of them in no optimizer' if outside else ''}) were dropped before it on every rank, "
+                    f"so the parameters and the optimizer's state stay as they were{tail}", params=params, step=report.step, level="error" if alarm else "warning",
                     data={"why": why, "in_a_row": n, "total": carry.skips, **data}))
 
 

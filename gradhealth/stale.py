@@ -13,11 +13,29 @@ import weakref
 
 from .naming import spread
 
-__all__ = ["StaleWatch", "WITNESSES"]
+__all__ = ["StaleWatch", "WITNESSES", "witnesses", "discarded"]
 
 #: gradients watched per optimizer for STALE_GRAD and skipped steps: zero_grad clears all of an
 #: optimizer's gradients together, so a few, spread over the parameter list, tell the same as all
 WITNESSES = 8
+
+
+def witnesses(params, idx) -> list[tuple[weakref.ref, weakref.ref, int]]:
+    """A few of these parameters' gradients as they are now: (parameter, gradient, version)."""
+    return [(weakref.ref(params[i]), weakref.ref(params[i].grad), params[i].grad._version) for i in spread(idx, WITNESSES)]
+
+
+def discarded(seen) -> bool:
+    """Were the gradients ``witnesses`` saw thrown away since (set to None, replaced, or zeroed and
+    written again)? One backward adding onto them (accumulation) is not."""
+    for param, ref, version in seen:
+        p = param()
+        if p is None:
+            return True
+        g = p.grad
+        if g is None or g is not ref() or g._version > version + 1:
+            return True
+    return False
 
 
 class StaleWatch:

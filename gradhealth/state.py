@@ -66,6 +66,10 @@ def check_history(state, path: str, modules: set[str] | None, window: int) -> No
 
 def check_persistence(state, path: str, units: set[str] | None) -> None:
     require(state, ("n", "units", "blank"), path)
+    for key in ("n", "units"):  # (None is no mapping: refused, not read as an empty one)
+        if not isinstance(state[key], dict):
+            raise TypeError(f"{path}[{key!r}] must be a dict; got {type(state[key]).__name__}")
+    count(state["blank"], f"{path}['blank']")
     if units is not None:
         odd = sorted(set(state["units"]) - units)
         if odd:

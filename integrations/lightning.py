@@ -4,10 +4,15 @@ Where each check runs:
 
 * ``on_before_backward``: the loss-side check, so a loss that cannot produce gradients fails with
   gradhealth's explanation (:class:`gradhealth.GradModeError`) instead of autograd's bare error;
-* ``on_before_optimizer_step``: classification and norms, once per optimizer step: after gradient
-  accumulation, on unscaled gradients under AMP (Lightning unscales before this hook), before
-  gradient clipping ("pre-clip"); with several optimizers, each check judges the parameters of
-  the optimizer about to step;
+* ``on_before_optimizer_step`` (automatic optimization): classification and norms, once per
+  optimizer step: after gradient accumulation, on unscaled gradients under AMP (Lightning unscales
+  before this hook), before gradient clipping ("pre-clip");
+* ``on_after_backward`` (manual optimization): the same at the end of every
+  ``self.manual_backward``, before the ``self.clip_gradients`` and ``opt.step()`` that follow, so
+  the numbers are pre-clip there too; inside a ``toggle_optimizer`` phase the check judges that
+  optimizer's parameters. A backward Lightning did not see (``loss.backward()`` called directly)
+  is checked inside ``opt.step()`` instead, after any clip: those reports carry a ``POSTCLIP``
+  info finding and log under ``grad_norm_postclip``;
 * the optimizer's own step hooks measure the update, reported with the next check;
 * ``on_exception`` / ``teardown``: flush and close the sinks, remove every hook.
 
@@ -28,6 +33,7 @@ to the same run.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import lightning.pytorch as pl
@@ -36,6 +42,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from gradhealth.errors import GradModeError
+from gradhealth.findings import Finding
 from gradhealth.metrics import report_metrics, suffix, update_metrics
 from gradhealth.monitor import GradHealth
 from gradhealth.options import Options, check_choice
@@ -47,11 +54,16 @@ from gradhealth.snapshot import rng_state
 __all__ = ["GradHealthCallback", "metrics_of", "update_metrics_of"]
 
 NORM = "grad_norm_preclip"
+POSTCLIP_NORM = "grad_norm_postclip"
+
+
+def _norm_of(report: Report) -> str:
+    return POSTCLIP_NORM if report.findings_of("POSTCLIP") else NORM
 
 
 def metrics_of(report: Report, suffix: str = "", granularity: str = "module") -> dict[str, float]:
     """The metric dict logged for a report."""
-    return report_metrics(report, granularity=granularity, norm=NORM, suffix=suffix)
+    return report_metrics(report, granularity=granularity, norm=_norm_of(report), suffix=suffix)
 
 
 def update_metrics_of(report: Report, suffix: str = "", granularity: str = "module") -> dict[str, float]:
@@ -99,7 +111,10 @@ class GradHealthCallback(Callback):
         replay_on_nonfinite: when a check finds NaN/inf gradients (automatic optimization), run
             that batch again once with the NaN tracer armed (:func:`gradhealth.replay_nonfinite`),
             so training goes on exactly as without the replay; the report gets a NONFINITE_ORIGIN
-            finding saying where the NaN was born and whether it reproduced.
+            finding saying where the NaN was born and whether it reproduced. Under
+            ``accumulate_grad_batches=k`` the k batches of the step are replayed one by one until
+            one makes the NaN, and the finding names it: the callback keeps references to those k
+            batches and their random states (a few KiB each) until the step.
         check_loss: run the loss-side check before every backward.
         granularity: "module" (default) or "param": one metric key per module or per parameter.
         tensorboard: with a TensorBoardLogger, also write the dashboards into its run.
@@ -118,9 +133,9 @@ class GradHealthCallback(Callback):
         self.monitor: GradHealth | None = None
         self.last_report: Report | None = None
         self._loss: torch.Tensor | None = None
-        self._batch: Any = None
-        self._batch_idx = 0
-        self._rng: dict | None = None
+        #: the micro-batches of the current optimizer step: (batch, batch_idx, random state before it)
+        self._window: deque[tuple[Any, int, dict | None]] = deque(maxlen=1)
+        self._checked_backward = False  # manual optimization: a backward was checked since the last step
         self._pending_state: dict | None = None
 
     # ------------------------------------------------------------- identity
@@ -184,9 +199,12 @@ class GradHealthCallback(Callback):
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._batch, self._batch_idx = batch, batch_idx
-        if self.replay_on_nonfinite:
-            self._rng = rng_state()
+        if not (self.replay_on_nonfinite and pl_module.automatic_optimization):
+            return
+        k = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
+        if self._window.maxlen != k:
+            self._window = deque(self._window, maxlen=k)
+        self._window.append((batch, batch_idx, rng_state()))
 
     @override
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
@@ -199,16 +217,39 @@ class GradHealthCallback(Callback):
                 raise GradModeError(message)
 
     @override
+    def on_after_backward(self, trainer, pl_module) -> None:
+        mon = self.monitor
+        if mon is None or pl_module.automatic_optimization:
+            return
+        # manual optimization: checked here, before the clip_gradients and step() that follow
+        self._checked_backward = True
+        report = mon.measure(self._loss, step=trainer.global_step, optimizer=_toggled(pl_module, mon.optimizers))
+        if report is not None:
+            self.last_report = report
+            mon.publish(report, stacklevel=2)
+
+    @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         mon = self.monitor
         if mon is None:
             return
+        manual = not pl_module.automatic_optimization
+        if manual and self._checked_backward:
+            self._checked_backward = False  # checked at the end of its backward already
+            return
         several = len(mon.optimizers) > 1
         report = mon.measure(self._loss, step=trainer.global_step, optimizer=optimizer if several else None)
+        window, self._window = list(self._window), deque(maxlen=self._window.maxlen)
         if report is None:
             return
-        if self.replay_on_nonfinite and not report.grads_finite and pl_module.automatic_optimization:
-            finding = self._replay(trainer, pl_module, report)
+        if manual:  # a backward Lightning did not see: inside step(), after any clip_gradients
+            report.findings.append(Finding(
+                "POSTCLIP", level="info", step=report.step, message=
+                "gradhealth measured inside optimizer.step() (the backward did not go through self.manual_backward): "
+                f"norms are post-clip if training_step clipped (logged as {POSTCLIP_NORM}), and a clipped non-finite "
+                "gradient hides which parameter it came from; call self.manual_backward(loss) to get pre-clip numbers"))
+        if self.replay_on_nonfinite and not report.grads_finite and not manual and window:
+            finding = self._replay(trainer, pl_module, report, window)
             if finding is not None:  # (a warning when the step guard dropped the step)
                 report.findings.append(defused(report, finding))
         self.last_report = report
@@ -232,23 +273,41 @@ class GradHealthCallback(Callback):
             self.monitor.close()
             self.monitor = None
 
-    def _replay(self, trainer, pl_module, report: Report):
-        """The failing batch once more under the tracer, without logging twice."""
-        if self._batch is None or self._rng is None:
-            return None
+    def _replay(self, trainer, pl_module, report: Report, window: list):
+        """The step's batches once more under the tracer (each alone, until one makes the NaN),
+        without logging twice."""
         log, log_dict = pl_module.log, pl_module.log_dict
 
-        def run() -> None:
-            with trainer.precision_plugin.train_step_context():
-                out = pl_module.training_step(self._batch, self._batch_idx)
-                loss = out["loss"] if isinstance(out, dict) else out
-                if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                    loss.backward()
+        def runner(batch, batch_idx):
+            def run() -> None:
+                with trainer.precision_plugin.train_step_context():
+                    out = pl_module.training_step(batch, batch_idx)
+                    loss = out["loss"] if isinstance(out, dict) else out
+                    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                        loss.backward()
+            return run
 
         pl_module.log = lambda *a, **k: None
         pl_module.log_dict = lambda *a, **k: None
         try:
-            return replay_nonfinite(pl_module, run, rng=self._rng, step=report.step, label=f"batch {self._batch_idx}",
-                                    batch_idx=self._batch_idx)
+            if len(window) == 1:
+                batch, idx, rng = window[0]
+                return replay_nonfinite(pl_module, runner(batch, idx), rng=rng, step=report.step, label=f"batch {idx}",
+                                        batch_idx=idx)
+            finding = replay_nonfinite(pl_module, [runner(b, i) for b, i, _ in window], rng=[r for _, _, r in window],
+                                       labels=[f"batch {i}" for _, i, _ in window], step=report.step, step_batches=[
+                                           i for _, i, _ in window])
+            if finding is not None and finding.data.get("micro_batch") is not None:
+                finding.data["batch_idx"] = window[finding.data["micro_batch"]][1]
+            return finding
         finally:
             pl_module.log, pl_module.log_dict = log, log_dict
+
+
+def _toggled(pl_module, optimizers) -> Any:
+    """The optimizer of the current ``toggle_optimizer`` phase (the only one whose parameters
+    may train now), or None: not toggled, or one optimizer."""
+    if len(optimizers) < 2 or not getattr(pl_module, "_param_requires_grad_state", None):
+        return None
+    live = [o for o in optimizers if any(p.requires_grad for g in o.param_groups for p in g["params"])]
+    return live[0] if len(live) == 1 else None

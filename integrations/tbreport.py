@@ -50,6 +50,7 @@ class Summary:
         self.name = name
         self._steps: dict[int, dict[str, float]] = {}
         self.nonfinite: tuple[int, list[str]] | None = None  # (first step, modules) with untolerated NaN/inf
+        self.first_nonfinite: tuple[int, list[str]] | None = None  # the same, tolerated or not (the step guard)
         self.states: dict[str, list] = {}  # state -> [first step, max count, checks]
         self.findings: dict[str, list] = {}  # kind -> [first 8 steps, count]
         self.texts: dict[str, tuple[int, str]] = {}  # kind -> (step, its first text)
@@ -80,20 +81,26 @@ class Summary:
         for kind, _level, at, message in _TEXT_ITEM.findall(text):
             message = message.strip()
             if kind == "NONFINITE_ORIGIN":
-                if len(self.origins) < 8:
-                    self.origins.append((int(at), message))
+                # the most telling ones, a bounded few: one that names an operation's source line
+                # (the next failing step, traced op by op) over one that names a module, over the
+                # generic "made in the loss" said first
+                self.origins.append((_telling(_level, message), int(at), message))
+                self.origins = sorted(self.origins, key=lambda o: (-o[0], o[1]))[:8]
             elif kind not in self.texts or int(at) < self.texts[kind][0]:
                 self.texts[kind] = (int(at), message)
 
     def _close(self, step: int) -> None:
         values = self._steps.pop(step)
         tolerated = {m.group(1) or "": v for t, v in values.items() if (m := _TOLERATED.match(t))}
-        bad_total = [t for t, v in values.items() if _TOTAL.match(t) and not math.isfinite(v)
-                     and tolerated.get(_TOTAL.match(t).group(2) or "", 0) == 0]
-        if bad_total and (self.nonfinite is None or step < self.nonfinite[0]):
+        any_bad = [t for t, v in values.items() if _TOTAL.match(t) and not math.isfinite(v)]
+        bad_total = [t for t in any_bad if tolerated.get(_TOTAL.match(t).group(2) or "", 0) == 0]
+        if any_bad and (self.first_nonfinite is None or step < self.first_nonfinite[0]):
             where = sorted(m.group(2) for t, v in values.items()
                            if (m := _NORM.match(t)) and not _TOTAL.match(t) and not math.isfinite(v))
-            self.nonfinite = (step, where)
+            self.first_nonfinite = (step, where)
+        if bad_total and (self.nonfinite is None or step < self.nonfinite[0]):
+            self.nonfinite = (step, self.first_nonfinite[1] if self.first_nonfinite[0] == step else sorted(
+                m.group(2) for t, v in values.items() if (m := _NORM.match(t)) and not _TOTAL.match(t) and not math.isfinite(v)))
         self.modules.update(m.group(2) for t in values if (m := _NORM.match(t)) and not _TOTAL.match(t))
         for t, v in values.items():
             if (m := _STATUS.match(t)) and v > 0:
@@ -128,11 +135,14 @@ class Summary:
             out.append(self._item("STOPPED", self.stopped[0], f"training stopped at step {self.stopped[0]}: "
                                   + clip(self.stopped[1].strip(), 2 * _DETAIL)))
         if self.nonfinite is not None:
-            step, where = self.nonfinite
-            origin = next((m for s, m in sorted(self.origins) if s >= step), "")
+            # dated by the first NaN/inf, also when the step guard tolerated it at first
+            step, where = self.first_nonfinite if self.first_nonfinite[0] <= self.nonfinite[0] else self.nonfinite
+            origin = next((m for _, s, m in self.origins if s >= step), "")
             origin = origin.split(". Usual repairs")[0]
+            guarded = (f" (the step guard skipped that step; NaN/inf it no longer tolerated from step "
+                       f"{self.nonfinite[0]})" if step < self.nonfinite[0] else "")
             detail = (f"first non-finite gradients at step {step} in "
-                      f"{_modules(where, verbose, universe=sorted(self.modules)) or 'the total norm'}")
+                      f"{_modules(where, verbose, universe=sorted(self.modules)) or 'the total norm'}{guarded}")
             out.append(self._item("NON_FINITE_GRAD", step, detail + (f"; origin: {clip(origin, _DETAIL)}" if origin else ""),
                                   where))
         for state in ("NO_GRAD", "NOT_IN_OPTIMIZER", "ZERO_GRAD"):
@@ -177,6 +187,14 @@ class Summary:
     def _item(self, kind: str, step: int | None, detail: str, names: list[str] | None = None) -> dict:
         return {"run": self.name, "kind": kind, "step": step, "detail": detail, "names": list(names or [])}
 
+
+
+_SOURCE_LINE = re.compile(r"\.py:\d+")
+
+
+def _telling(level: str, message: str) -> int:
+    """How much an origin's text tells: 2 names a source line, 1 is an error-level verdict."""
+    return 2 if _SOURCE_LINE.search(message) else int(level == "error")
 
 
 def _modules(names: list[str], verbose: bool, universe: list[str] | None = None) -> str:

@@ -29,7 +29,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 
 from gradhealth.metrics import PREFIX, report_metrics, update_metrics
-from gradhealth.naming import module_of, terminal_safe
+from gradhealth.naming import module_of
 from gradhealth.report import Report, describe_groups, group_by_module
 from gradhealth.stats import combine_norms
 from gradhealth.status import Status
@@ -204,13 +204,15 @@ class TensorBoardSink:
         done.update(id(f) for f in new)
         parts += [f"**{f.kind}** ({f.level}, step {f.step}): {f.message}" for f in new]
         if parts:
-            self.writer.add_text(f"{PREFIX}/findings_text", terminal_safe("\n\n".join(parts)), report.step)
+            # exact names: a browser shows them, and ``gradhealth report`` escapes them for terminals
+            # and CSV (its JSON gives them back as they are)
+            self.writer.add_text(f"{PREFIX}/findings_text", "\n\n".join(parts), report.step)
         while len(self._texts) > 8:
             self._texts.pop(next(iter(self._texts)))
 
     def write_stop(self, step: int | None, message: str) -> None:
         """The error that stops training, as text (``gradhealth/stopped``), flushed to disk."""
-        self.writer.add_text(f"{PREFIX}/stopped", terminal_safe(message), step if step is not None else 0)
+        self.writer.add_text(f"{PREFIX}/stopped", message, step if step is not None else 0)
         self.writer.flush()
 
     def write_update(self, report: Report) -> None:
