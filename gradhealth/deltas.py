@@ -109,7 +109,7 @@ class UpdateTracker:
         self._last_lr: dict[tuple[int, int], float] = {}
         self._inflight: dict[int, tuple] = {}
         self._plans: dict[int, _OptPlan] = {}
-        self.witness = StaleWatch()
+        self.witness = StaleWatch(defer=len(optimizers) > 1)
         self._in_step: dict[int, int] = {}  # optimizers inside their step(): checks made there so far
         #: called with the optimizer before each step (the monitor notes whether the armed check's
         #: gradients are still there)
@@ -126,7 +126,7 @@ class UpdateTracker:
         self.watched.clear()
         self.pending.clear()
         self.witness.close()
-        self.witness = StaleWatch()  # its entry indices were the old ones
+        self.witness = StaleWatch(defer=self.witness.defer)  # its entry indices were the old ones
         self.disarm()
 
     def settle(self, stats: StepStats) -> None:
@@ -251,6 +251,7 @@ class UpdateTracker:
     # ----------------------------------------------------------- measurement
     def _pre(self, opt, args, kwargs) -> None:
         self._in_step[id(opt)] = 0
+        self.witness.confirm(opt)
         if self.before_step is not None and self.armed_step is not None and self.steps_since_check == 0:
             try:
                 self.before_step(opt)

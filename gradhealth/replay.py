@@ -97,7 +97,7 @@ def replay_nonfinite(model: nn.Module, run, *, rng=None, step: int = 0, label: s
         raise TypeError("replay_nonfinite: run must be a callable that does the step's forward and backward, or a "
                         f"non-empty list of them (one per micro-batch); got {type(run).__name__}")
     rngs = list(rng) if window and rng is not None else [rng] * len(runs)
-    names = list(labels) if labels is not None else [f"micro-batch {k}" for k in range(len(runs))] if window else [label]
+    names = list(labels) if labels is not None else [f"micro-batch {k + 1}" for k in range(len(runs))] if window else [label]
     if len(rngs) != len(runs) or len(names) != len(runs):
         raise ValueError(f"replay_nonfinite: {len(runs)} runs, {len(rngs)} rng states and {len(names)} labels; give "
                          "one of each per micro-batch")
@@ -114,8 +114,8 @@ def replay_nonfinite(model: nn.Module, run, *, rng=None, step: int = 0, label: s
     if not window:
         where = f"{label} at step {step}"
     elif reproduced:
-        where = (f"{names[k]} at step {step} (micro-batch {k + 1} of the {len(runs)} accumulated into that step, "
-                 "each replayed alone)")
+        where = (f"{names[k] + ', ' if labels is not None else ''}micro-batch {k + 1} of the {len(runs)} accumulated "
+                 f"into step {step} (each replayed alone)")
         data = {**data, "micro_batch": k}
     else:
         where = f"the {len(runs)} micro-batches accumulated into step {step} ({', '.join(names)}), each replayed alone"

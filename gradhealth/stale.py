@@ -46,8 +46,13 @@ class StaleWatch:
     it is armed at a step and disarmed by the check, and an unarmed hook does nothing.
     """
 
-    def __init__(self):
+    def __init__(self, defer: bool = False):
         self.stale: set[int] = set()  # ids of optimizers found stale
+        #: with several optimizers, a backward adding onto consumed gradients is only a suspicion
+        #: until that optimizer's next step applies them: the classic GAN loop's generator backward
+        #: runs through the discriminator after its step, and its zero_grad() then clears them
+        self.defer = defer
+        self._suspect: dict[int, list[tuple]] = {}  # optimizer id -> (parameter, the gradient added onto)
         self._watch: dict[int, dict[int, tuple]] = {}  # per optimizer id: entry -> (handle, state)
         self._idx: dict[int, list[int]] = {}  # per optimizer id: the entries it holds
 
@@ -75,9 +80,21 @@ class StaleWatch:
                 state[0] = False
                 current = p.grad
                 if current is not None and current is state[1]() and current._version == state[2]:
-                    self.stale.add(key)
+                    if self.defer:
+                        self._suspect.setdefault(key, []).append((weakref.ref(p), state[1]))
+                    else:
+                        self.stale.add(key)
 
         return p.register_hook(hook), state
+
+    def confirm(self, opt) -> None:
+        """Before ``opt``'s step: a suspected gradient still there (not set to None since, as
+        ``zero_grad()`` does) is about to be applied: stale."""
+        for param, grad in self._suspect.pop(id(opt), ()):
+            p = param()
+            if p is not None and p.grad is not None and p.grad is grad():
+                self.stale.add(id(opt))
+                break
 
     def clear(self) -> None:
         """Disarm every witness (at a check: the backward they watch is over)."""

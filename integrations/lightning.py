@@ -248,7 +248,8 @@ class GradHealthCallback(Callback):
                 "gradhealth measured inside optimizer.step() (the backward did not go through self.manual_backward): "
                 f"norms are post-clip if training_step clipped (logged as {POSTCLIP_NORM}), and a clipped non-finite "
                 "gradient hides which parameter it came from; call self.manual_backward(loss) to get pre-clip numbers"))
-        if self.replay_on_nonfinite and not report.grads_finite and not manual and window:
+        # (under a grad scaler an overflow is the scaler's to skip, not a NaN to trace)
+        if self.replay_on_nonfinite and not report.grads_finite and not manual and window and mon.scaler is None:
             finding = self._replay(trainer, pl_module, report, window)
             if finding is not None:  # (a warning when the step guard dropped the step)
                 report.findings.append(defused(report, finding))

@@ -19,7 +19,12 @@ Where each check runs (once per optimizer step, after gradient accumulation):
   published (sinks, warning, raise). When the model's forward was never seen (a custom loop
   that bypasses the model's ``__call__``), the check runs here instead, on clipped gradients,
   and its report carries a ``POSTCLIP`` info finding saying so;
-* the optimizer's own step hooks measure the update, reported with the metrics.
+* the optimizer's own step hooks measure the update, reported with the metrics;
+* when a check finds NaN/inf gradients (``replay_on_nonfinite``), the micro-batches of that step
+  are replayed one by one from their own inputs and random states, under the NaN tracer and the
+  autocast they ran in, until one makes the NaN again; the report gets a NONFINITE_ORIGIN finding
+  naming that micro-batch, where the NaN was born, and whether it reproduced. Parameters,
+  gradients, buffers and random state are put back: training goes on as without the replay.
 
 Numbers in the logs: Trainer's ``grad_norm`` is the pre-clip total over the parameters it clips
 (``model.parameters()``); ``gradhealth/grad_norm_preclip/total`` is the same quantity over the
@@ -48,6 +53,7 @@ from its saved options, which cannot include ``sinks``: pass sinks through ``rep
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import warnings
 from typing import Any
@@ -62,7 +68,10 @@ from gradhealth.findings import Finding
 from gradhealth.metrics import PREFIX, report_metrics, update_metrics
 from gradhealth.monitor import GradHealth
 from gradhealth.options import ON_PROBLEM, Options, check_choice
+from gradhealth.replay import replay_nonfinite
 from gradhealth.report import Report
+from gradhealth.skipping import defused
+from gradhealth.snapshot import rng_state
 
 __all__ = ["GradHealthCallback", "NORM"]
 
@@ -149,10 +158,16 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             TensorBoard run (a :class:`gradhealth.integrations.tensorboard.TensorBoardSink` on its
             writer: every per-module scalar, the dashboards, the findings as text, which name the
             parameters for ``gradhealth report``), on the main process.
+        replay_on_nonfinite: replay the failing step's micro-batches under the NaN tracer (the
+            module docstring). The callback keeps references to the inputs of the current step's
+            ``gradient_accumulation_steps`` micro-batches (no copies; released at the next step)
+            and their random states (a few KiB each). Replaying needs the model to return its
+            loss (``outputs.loss``); with a custom ``compute_loss`` that computes it outside the
+            model, the replay is skipped and the monitor traces the next failing step instead.
     """
 
     def __init__(self, *, log: bool = True, granularity: str = "total", check_loss: bool = True,
-                 tensorboard: bool = True, **options):
+                 tensorboard: bool = True, replay_on_nonfinite: bool = True, **options):
         Options.check_keywords(options)
         on_problem = options.get("on_problem", "warn")
         check_choice("on_problem", on_problem, ON_PROBLEM + ("stop",))
@@ -164,6 +179,11 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self.log = bool(log)
         self.check_loss = bool(check_loss)
         self.tensorboard = bool(tensorboard)
+        self.replay_on_nonfinite = bool(replay_on_nonfinite)
+        #: this step's micro-batches: [args, kwargs, random state, autocast dtype or None, has a loss]
+        self._window: list[tuple] = []
+        self._replaying = False
+        self._pre_hook = None
         self._callbacks: list | None = None  # Trainer's callback list (found at on_train_begin)
         self._tb_sink = None
         self.monitor: GradHealth | None = None
@@ -186,7 +206,8 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         args["history"] = o.history is not None  # a tuned NormHistory comes back with default settings
         if self.stop:
             args["on_problem"] = "stop"
-        args.update(log=self.log, granularity=self.granularity, check_loss=self.check_loss, tensorboard=self.tensorboard)
+        args.update(log=self.log, granularity=self.granularity, check_loss=self.check_loss, tensorboard=self.tensorboard,
+                    replay_on_nonfinite=self.replay_on_nonfinite)
         monitor = self.monitor.state_dict() if self.monitor is not None else self._pending_state
         return {"args": args, "attributes": {"_pending_state": monitor}}
 
@@ -213,6 +234,8 @@ class GradHealthCallback(TrainerCallback, ExportableState):
                               "norm history starts afresh", GradHealthInternalWarning, stacklevel=2)
         self._pending_state = None
         self._hook = model.register_forward_hook(self._on_forward)
+        if self.replay_on_nonfinite:
+            self._pre_hook = model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True)
         self._callbacks = self._callback_list()
         if self.log:
             self._move_before_reporters()
@@ -223,6 +246,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             self._add_tensorboard_sink(args)
         self._in_step, self._step = True, state.global_step + 1
         self._report, self._queued, self._loss = None, False, None
+        self._window = []
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         mon = self.monitor
@@ -238,6 +262,12 @@ class GradHealthCallback(TrainerCallback, ExportableState):
                     "norms are post-clip, and a clipped non-finite gradient hides which parameter it came from"))
         if report is None:
             return
+        window, self._window = self._window, []
+        if window and all(w[4] for w in window) and not report.grads_finite and mon.scaler is None:  # (under a
+            # scaler an overflow is the scaler's to skip, not a NaN to trace)
+            finding = self._replay(mon, report, window)
+            if finding is not None:  # (a warning when the step guard dropped the step)
+                report.findings.append(defused(report, finding))
         self.last_report = report
         mon.publish(report, stacklevel=2)
         if self.stop and mon.alarm(report):
@@ -262,11 +292,44 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self._close()
 
     # ------------------------------------------------------------ internals
+    def _on_forward_pre(self, module, args, kwargs) -> None:
+        if self._replaying or not (self._in_step and module.training and torch.is_grad_enabled()):
+            return
+        device = next(module.parameters(), torch.empty(0)).device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        self._window.append([args, kwargs, rng_state(), dtype, False])  # (has a loss: set by the forward hook)
+
+    def _replayable(self) -> bool:
+        return bool(self._window) and all(w[4] for w in self._window)
+
+    def _replay(self, mon: GradHealth, report: Report, window: list):
+        """The step's micro-batches once more under the tracer, each alone, until one makes the NaN."""
+        model = mon.model
+        device = next(model.parameters(), torch.empty(0)).device.type
+
+        def runner(args, kwargs, dtype):
+            def run() -> None:
+                with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+                    loss, _ = _first_tensor(model(*args, **kwargs))
+                if loss is None or loss.dim() != 0:
+                    raise RuntimeError("the model returned no loss (a custom compute_loss computes it outside the model)")
+                loss.backward()
+            return run
+
+        self._replaying = True
+        try:
+            return replay_nonfinite(model, [runner(w[0], w[1], w[3]) for w in window], rng=[w[2] for w in window],
+                                    step=report.step)
+        finally:
+            self._replaying = False
+
     def _on_forward(self, module, inputs, output) -> None:
-        if not (self._in_step and module.training and torch.is_grad_enabled()):
+        if self._replaying or not (self._in_step and module.training and torch.is_grad_enabled()):
             return  # evaluation, generation, or a forward outside an optimizer step
         loss, tensor = _first_tensor(output)
         if loss is not None and loss.dim() == 0:
+            if self._window:
+                self._window[-1][4] = True  # the replay can compute this micro-batch's loss from the model alone
             self._loss = loss
             if self.check_loss and self.monitor is not None and not loss.requires_grad:
                 cause = self.monitor.diagnose_loss(loss)
@@ -288,6 +351,13 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         return grad
 
     def _measure(self) -> None:
+        mon = self.monitor
+        if mon is not None and self.replay_on_nonfinite:
+            # the failing step itself is replayed when the model returns its loss: then no tracer is
+            # armed for the next step; with a custom compute_loss, the monitor traces the next one
+            trace = self.options.trace_on_nonfinite and not self._replayable()
+            if mon.options.trace_on_nonfinite != trace:
+                mon.options = dataclasses.replace(mon.options, trace_on_nonfinite=trace)
         if self.monitor is not None and self._report is None:
             with torch.enable_grad():  # the engine runs callbacks with grad mode off; the training loop has it on
                 self._report = self.monitor.measure(self._loss, step=self._step)
@@ -332,9 +402,11 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             lst.insert(reporters[0], self)
 
     def _close(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        self._window = []
+        for hook in (self._hook, self._pre_hook):
+            if hook is not None:
+                hook.remove()
+        self._hook = self._pre_hook = None
         if self.monitor is not None:
             self.monitor.flush()
             self._pending_state = self.monitor.state_dict()
@@ -342,7 +414,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             self.monitor = None
 
     def __del__(self):  # hooks must not outlive a callback dropped without on_train_end
-        hook = getattr(self, "_hook", None)
-        if hook is not None:
-            hook.remove()
+        for hook in (getattr(self, "_hook", None), getattr(self, "_pre_hook", None)):
+            if hook is not None:
+                hook.remove()
 

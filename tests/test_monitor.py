@@ -160,15 +160,21 @@ def test_broken_sink_never_crashes_training(mlp):
     assert len(good.reports) == 2
 
 
-def test_internal_failure_is_a_warning_unless_raise(mlp, monkeypatch):
+def test_internal_failure_is_a_warning_even_under_raise(mlp, monkeypatch):
     opt = torch.optim.SGD(mlp.parameters(), lr=0.01)
-    mon = gh.GradHealth(mlp, opt)
-    monkeypatch.setattr(mon, "_build", lambda *a: 1 / 0)
-    with pytest.warns(gh.GradHealthInternalWarning, match="ZeroDivisionError"):
-        assert train_step(mlp, opt, mon) is None
+    for on_problem in ("warn", "raise"):  # raise is for the model's problems, never the monitor's own
+        mon = gh.GradHealth(mlp, opt, on_problem=on_problem)
+        monkeypatch.setattr(mon, "_build", lambda *a: 1 / 0)
+        with pytest.warns(gh.GradHealthInternalWarning, match="ZeroDivisionError"):
+            assert train_step(mlp, opt, mon) is None
+        mon.close()
     strict = gh.GradHealth(mlp, opt, on_problem="raise")
-    monkeypatch.setattr(strict, "_build", lambda *a: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
+
+    def verdict(*a):
+        raise gh.GradHealthError("a verdict")
+
+    monkeypatch.setattr(strict, "_build", verdict)
+    with pytest.raises(gh.GradHealthError, match="a verdict"):  # gradhealth's own errors still propagate
         train_step(mlp, opt, strict)
 
 

@@ -175,7 +175,7 @@ def test_csv_and_text_escape_esc_c1_and_undecodable_run_names(tmp_path):
     assert "mod\\x1b]0;x\\x07" in csv_out
 
 
-def test_tensorboard_text_is_escaped(tmp_path, one_thread):
+def test_tensorboard_text_keeps_exact_names_and_the_report_escapes_them_for_terminals_only(tmp_path, one_thread):
     import torch
     from torch import nn
 
@@ -194,7 +194,15 @@ def test_tensorboard_text_is_escaped(tmp_path, one_thread):
     frame = read_run(str(tmp_path), text=True)
     texts = list(frame[frame.tag == "gradhealth/findings_text"].text)
     assert texts and any("PWNED" in t for t in texts)  # the premise: the name is in the text
-    assert not any("\x1b" in t or "\x07" in t for t in texts) and any("\\x1b]0;PWNED\\x07" in t for t in texts)
+    assert any("head\x1b]0;PWNED\x07.weight" in t for t in texts)  # exact: a browser shows it as text
+    out = report(tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout and "\x07" not in out.stdout and "head\\x1b]0;PWNED\\x07" in out.stdout
+    csv_out = report(tmp_path, "--format", "csv").stdout
+    assert "\x1b" not in csv_out and "head\\x1b]0;PWNED\\x07" in csv_out
+    rows = json.loads(report(tmp_path, "--format", "json").stdout)  # JSON gives the names back as they are
+    [row] = [r for r in rows if r["kind"] == "NOT_IN_OPTIMIZER"]
+    assert set(row["names"]) == {"head\x1b]0;PWNED\x07.weight", "head\x1b]0;PWNED\x07.bias"}
 
 
 def test_long_texts_are_wrapped_whole_and_names_grouped_with_verbose_listing_all(tmp_path):

@@ -459,3 +459,70 @@ def test_report_names_the_parameters_of_a_trainer_run(tmp_path, monkeypatch):
     assert "cls.predictions.transform.* (4 params)" in report()
     assert " ".join(head) in " ".join(c for r in csv.reader(io.StringIO(report("--format", "csv"))) for c in r)
     assert "cls.predictions.transform.dense.weight" in " ".join(report("--verbose").split())
+
+
+class _Regressor(torch.nn.Module):
+    """A model Trainer can train (returns its loss); records at which micro-batch of the step an
+    input held an inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        self.calls = 0
+        self.poisoned_at: list[int] = []
+
+    def forward(self, x, labels=None):
+        if torch.is_grad_enabled() and self.training:
+            if not torch.isfinite(x).all():
+                self.poisoned_at.append(self.calls)
+            self.calls += 1
+        out = self.body(x)
+        return {"loss": torch.nn.functional.mse_loss(out.squeeze(-1), labels), "logits": out}
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, n=64, poison=None):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5, 1.5])  # learnable
+        if poison is not None:
+            self.x[poison, 1] = math.inf
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def test_accumulation_replay_names_the_micro_batch_that_made_the_nan(tmp_path):
+    model = _Regressor()
+    kept = Kept()
+    cb = GradHealthCallback(on_problem="ignore", skip_nonfinite=True, sinks=[kept])
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=4, gradient_accumulation_steps=4,
+                                                  max_grad_norm=1.0, warmup_steps=0),
+                      train_dataset=_Rows(poison=37), callbacks=[cb])
+    trainer.train()
+    at = model.poisoned_at[0]  # the premise: one training micro-batch held the inf (the others: its replays)
+    step, micro = at // 4 + 1, at % 4
+    bad = [r for r in kept.reports if not r.grads_finite]
+    assert [r.step for r in bad] == [step]
+    [f] = [f for f in bad[0].findings_of("NONFINITE_ORIGIN") if "reproduced" in f.data]
+    assert f.data["reproduced"] is True and f.data["micro_batch"] == micro, f.message
+    assert f"micro-batch {micro + 1} of the 4 accumulated into step {step}" in f.message
+    assert f.data["input_nonfinite"] is True and f.data["forward_origin"] == "body.0"
+    assert model.calls == 16 + micro + 1  # the replays stopped at the micro-batch that made it
+
+
+def test_healthy_accumulation_with_the_replay_on_is_silent_and_learns(tmp_path):
+    model = _Regressor()
+    kept = Kept()
+    cb = GradHealthCallback(on_problem="raise", sinks=[kept])
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=16, gradient_accumulation_steps=4,
+                                                  learning_rate=3e-2, logging_steps=1, warmup_steps=0),
+                      train_dataset=_Rows(), callbacks=[cb])
+    train_strict(trainer)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(kept.reports) == 16 and all(r.ok for r in kept.reports)
+    assert sum(losses[-4:]) < sum(losses[:4])
+    assert cb._window == []  # nothing kept once training ended
