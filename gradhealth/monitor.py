@@ -270,7 +270,7 @@ class GradHealth:
         sel = self.view.selection(optimizer)
         # a closure's later evaluation inside one step (LBFGS): judged, but it neither resolves nor arms a step
         reeval = self.tracker is not None and self.tracker.reevaluation()
-        obs, steps_ran = self._observe(sel, loss, reeval)
+        obs, steps_ran = self._observe(sel, loss, reeval, [optimizer] if optimizer is not None else self.optimizers)
         across = self._reduce(obs) if self.ranks.active else None
         report = self._classify(step, sel, obs, optimizer)
         if self.view.stacks:
@@ -298,13 +298,14 @@ class GradHealth:
             self._arm_next(report, obs, optimizer)
         return report
 
-    def _observe(self, sel: Selection, loss, reeval: bool = False) -> tuple[Observation, int | None]:
+    def _observe(self, sel: Selection, loss, reeval: bool = False, judged=()) -> tuple[Observation, int | None]:
         """Gather and read back (one transfer); what this rank saw besides numbers rides along."""
         tracker, carry = self.tracker, self.carry
         updates, stale, steps_ran = [], set(), None
         if tracker is not None and not reeval:
             tracker.witness.clear()
-            stale, updates, steps_ran = tracker.witness.take(self.view.entries), tracker.pending, tracker.steps_since_check
+            stale, updates, steps_ran = (tracker.witness.take(self.view.entries, judged, len(judged) == 1),
+                                         tracker.pending, tracker.steps_since_check)
             tracker.pending = []
         valid = carry.take_valid()
         try:

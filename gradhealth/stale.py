@@ -88,8 +88,8 @@ class StaleWatch:
         return p.register_hook(hook), state
 
     def confirm(self, opt) -> None:
-        """Before ``opt``'s step: a suspected gradient still there (not set to None since, as
-        ``zero_grad()`` does) is about to be applied: stale."""
+        """At a check that judges ``opt``'s parameters, or before its step: a suspected gradient
+        still there (not set to None since, as ``zero_grad()`` does) is about to be applied: stale."""
         for param, grad in self._suspect.pop(id(opt), ()):
             p = param()
             if p is not None and p.grad is not None and p.grad is grad():
@@ -109,9 +109,16 @@ class StaleWatch:
                 handle.remove()
         self._watch.clear()
 
-    def take(self, entries) -> set[int]:
-        """Entry indices of the parameters (with gradients) of every optimizer found stale."""
-        found, self.stale = self.stale, set()
+    def take(self, entries, judged, before_step: bool = False) -> set[int]:
+        """Entry indices of the parameters (with gradients) of the ``judged`` optimizers found
+        stale; another optimizer's finding waits for a check that judges it. ``before_step``: the
+        check judges one optimizer, before its step (``check(optimizer=...)``), so what is
+        suspected now is what that step will apply."""
+        if before_step:
+            for opt in judged:
+                self.confirm(opt)
+        found = self.stale & {id(o) for o in judged}
+        self.stale -= found
         out: set[int] = set()
         for opt_id in found:
             out |= {i for i in self._idx.get(opt_id, ()) if entries[i][1].grad is not None}

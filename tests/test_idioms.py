@@ -190,6 +190,30 @@ def test_two_optimizers_one_never_stepping_is_named_within_patience(bug, per_opt
     assert g_checks[-1].findings_of("NOT_STEPPED")[0].data["checks"] == len(g_checks) - 1
 
 
+@pytest.mark.parametrize("per_optimizer", [True, False])
+def test_two_optimizers_a_missing_zero_grad_is_still_stale(per_optimizer):
+    gen, disc, model = _gan()
+    opt_g, opt_d = torch.optim.Adam(gen.parameters(), 1e-3), torch.optim.Adam(disc.parameters(), 1e-3)
+    reports = []
+    with gh.GradHealth(model, [opt_g, opt_d], on_problem="ignore") as mon:
+        for _ in range(5):
+            x, z = torch.randn(16, 4) + 2, torch.randn(16, 4)
+            # no opt_d.zero_grad(): the discriminator's step applies the sum of every past gradient
+            (nn.functional.softplus(-disc(x)).mean() + nn.functional.softplus(disc(gen(z).detach())).mean()).backward()
+            if per_optimizer:
+                reports.append(mon.check(optimizer=opt_d))
+            opt_d.step()
+            opt_g.zero_grad()
+            nn.functional.softplus(-disc(gen(z))).mean().backward()
+            reports.append(mon.check(optimizer=opt_g if per_optimizer else None))
+            opt_g.step()
+    stale = [k for k, r in enumerate(reports) if r.findings_of("STALE_GRAD")]
+    # checked before the discriminator's step: at its second check, the first one with a stale
+    # gradient; one check for both: at the check after that step has applied one
+    assert stale == ([2, 4, 6, 8] if per_optimizer else [2, 3, 4])
+    assert all({"disc.0.weight", "disc.2.bias"} <= set(reports[k].findings_of("STALE_GRAD")[0].params) for k in stale)
+
+
 def test_accumulation_without_steps_between_checks_is_not_a_missed_step():
     gen, disc, model = _gan()
     opt_g, opt_d = torch.optim.Adam(gen.parameters(), 1e-3), torch.optim.Adam(disc.parameters(), 1e-3)
