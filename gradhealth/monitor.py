@@ -285,7 +285,8 @@ class GradHealth:
             t = self.tracker
             report.findings += self.unstepped.update(self.view, report.optimizer_index, t.stepped, t.total_steps,
                                                      report.status, step, self.options.grad_patience)
-        report.findings += self._patience(report)
+        # transient or persistent NO_GRAD / ZERO_GRAD: which ones the policy tolerates now
+        report.findings += persist(report, self.carry.streaks, self.options.grad_patience, self.view.names, self.view.params)
         report.findings += self._judge(report, obs, across, sel)
         v = self.view
         report.module_grad_norm = stats.module_norms(obs.with_grad, obs.norms, v.module_index, v.modules,
@@ -389,26 +390,16 @@ class GradHealth:
                     log.info("%s", line)
         found += judges.expect_frozen(report.status, o.expect_frozen, step)
         found += judges.meta_params(self.view.meta_names, step)
-        found += self._trace(report, nonfinite)
+        # resolve the tracer armed after the last NaN; arm it after this one
+        found += traced(carry, self.model, report, nonfinite and o.trace_on_nonfinite and self.scaler is None)
         seen = carry.take_output_grad()
         if nonfinite and across is None and self.scaler is None:  # one process's output; under a scaler, the scale
             found += judges.nan_from_loss(seen, step, any(f.kind == "NONFINITE_ORIGIN" and f.level == "error" for f in found))
-        if across is not None and self._desync_due(nonfinite):
+        checks, every = carry.checks, o.desync_every
+        if across is not None and (checks == 0 or nonfinite or (every > 0 and checks % every == 0)):
             params = [self.view.params[i] for i in sel.idx]
             found += crossrank.desync_findings(params, sel.names, report.status, step, self.ranks.device)
         return found
-
-    def _patience(self, report: Report) -> list:
-        """Transient or persistent NO_GRAD / ZERO_GRAD: which ones the policy tolerates now."""
-        return persist(report, self.carry.streaks, self.options.grad_patience, self.view.names, self.view.params)
-
-    def _trace(self, report: Report, nonfinite: bool) -> list:
-        """Resolve the tracer armed after the last NaN; arm it after this one."""
-        return traced(self.carry, self.model, report, nonfinite and self.options.trace_on_nonfinite and self.scaler is None)
-
-    def _desync_due(self, nonfinite: bool) -> bool:
-        every, checks = self.options.desync_every, self.carry.checks
-        return checks == 0 or nonfinite or (every > 0 and checks % every == 0)
 
     def _arm_next(self, report: Report, obs: Observation, optimizer) -> None:
         if self.tracker is not None:  # the change test runs now after a step that changed nothing, or
