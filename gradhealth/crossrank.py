@@ -30,7 +30,8 @@ from .status import Status
 __all__ = ["rank_layout", "pack_rank", "combine", "Across", "rank_findings", "disagree_findings", "desync_findings", "AGREE_TOL"]
 
 _PER_PARAM = ("sq", "has", "bad", "nz", "n1", "pre_bad", "pre_zero")
-_FLAGS = ("has_pre", "loss_sum", "loss_bad", "loss_n", "cause", "eval", "stale", "failed", "unsynced")
+_FLAGS = ("has_pre", "loss_sum", "loss_bad", "loss_n", "cause", "eval", "stale", "failed", "unsynced", "nosync_step",
+          "checks1", "checks2", "steps1", "steps2")
 #: replicas agree when the spread of their gradient norms, mean(n**2) - mean(n)**2, is at most this
 #: times mean(n**2): the float64 rounding of the two sums (a few 1e-16 relative for any world size
 #: one can run) and nothing else, since one all-reduce hands every rank the same gradient
@@ -40,11 +41,13 @@ AGREE_TOL = 1e-10
 AGREEMENT = True
 
 
-def rank_layout(n: int, valid_names: list[str], update_sizes: list[int]) -> Layout:
+def rank_layout(n: int, valid_names: list[str], update_sizes: list[int], fingerprint: bool = False) -> Layout:
     lay = Layout()
     for name in _PER_PARAM:
         if name != "n1" or AGREEMENT:
             lay.add(name, n)
+    if fingerprint:  # the replicas' parameters (gradients reduced inside the optimizer): mean and mean square
+        lay.add("pf1", n).add("pf2", n)
     for name in _FLAGS:
         lay.add(name)
     for v in valid_names:
@@ -55,10 +58,14 @@ def rank_layout(n: int, valid_names: list[str], update_sizes: list[int]) -> Layo
 
 
 def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = False,
-              unsynced: bool = False) -> tuple[Tensor, Layout]:
+              unsynced: bool = False, counts: tuple[int, int] = (0, 0), fingerprint: list[float] | None = None,
+              nosync_step: bool = False) -> tuple[Tensor, Layout]:
     """This rank's float64 vector (CPU) and its layout. ``pre``: the DDP hook's (non-finite,
     all-zero) flags per judged parameter before the all-reduce, or None; ``unsynced``: a DDP
-    training backward ran here without DDP's communication hook."""
+    training backward ran here without DDP's communication hook; ``counts``: this rank's checks
+    and optimizer steps so far (lockstep); ``fingerprint``: per judged entry, its parameter's
+    fingerprint (:mod:`.replicas`); ``nosync_step``: an optimizer step ran here on gradients DDP
+    did not reduce."""
     b, inv, idx = dist.bit(rank), 1.0 / world, obs.idx
     raw = torch.tensor([0.0 if obs.norm_of[i] is None else obs.norm_of[i] for i in idx], dtype=torch.float64)
     weight = torch.tensor([1.0 if i in obs.sharded else inv for i in idx], dtype=torch.float64)
@@ -75,7 +82,12 @@ def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = 
         loss_bad=[b if loss is not None and not math.isfinite(loss) else 0.0], loss_n=[1.0 if loss is not None else 0.0],
         cause=[b if obs.loss_cause else 0.0], eval=[b if obs.eval_record is not None else 0.0],
         stale=[b if obs.stale else 0.0], failed=[b if failed else 0.0], unsynced=[b if unsynced else 0.0],
+        nosync_step=[b if nosync_step else 0.0], checks1=[counts[0] * inv], checks2=[counts[0] ** 2 * inv],
+        steps1=[counts[1] * inv], steps2=[counts[1] ** 2 * inv],
     )
+    if fingerprint is not None:
+        f = torch.tensor(fingerprint, dtype=torch.float64)
+        parts["pf1"], parts["pf2"] = f * inv, f * f * inv
     if not AGREEMENT:
         del parts["n1"]
     for v in valid_names:
@@ -86,7 +98,7 @@ def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = 
         w = torch.tensor([1.0 if i in obs.sharded else inv for i in u.indices], dtype=torch.float64)
         v = torch.tensor(u.triple(), dtype=torch.float64)
         parts[f"upd_sq{j}"], parts[f"par_sq{j}"], parts[f"changed{j}"] = v[:n] ** 2 * w, v[n : 2 * n] ** 2 * w, v[2 * n :]
-    lay = rank_layout(len(idx), valid_names, [len(u.indices) for u in obs.updates])
+    lay = rank_layout(len(idx), valid_names, [len(u.indices) for u in obs.updates], fingerprint is not None)
     return lay.pack(**parts), lay
 
 
@@ -107,6 +119,10 @@ class Across:
     bad_mask: list[float] | None = None  # per judged parameter: the ranks holding a non-finite gradient
     disagree: list[int] | None = None  # positions (in obs.idx) of replicated gradients that differ across ranks
     local_norm: list | None = None  # this rank's own norms per entry, before the reduction
+    comparable: int = 0  # replicated gradients held by every rank, finite everywhere (what disagree is out of)
+    nosync_step_mask: float = 0.0  # ranks that stepped on gradients DDP did not reduce
+    lockstep: bool = True  # every rank at the same check and optimizer step counts
+    fp_disagree: list[int] | None = None  # positions whose replicated parameters differ across ranks
 
 
 def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Across:
@@ -119,11 +135,19 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
     if across.failed > 0:
         return across
     sq, has, bad, nz = t["sq"], t["has"].tolist(), t["bad"], t["nz"]
+    across.nosync_step_mask = got["nosync_step"][0]
+    for c in ("checks", "steps"):  # the spread of the counts over the ranks: 0 exactly when all are equal
+        across.lockstep = across.lockstep and got[f"{c}2"][0] - got[f"{c}1"][0] ** 2 <= 1e-9 * max(1.0, got[f"{c}2"][0])
+    replicated = torch.tensor([i not in obs.sharded for i in obs.idx], dtype=torch.bool)
     if "n1" in t:  # replicated gradients held by every rank, finite everywhere: do their norms agree?
-        replicated = torch.tensor([i not in obs.sharded for i in obs.idx], dtype=torch.bool)
         spread = sq - t["n1"] * t["n1"]
-        odd = replicated & (bad == 0) & (t["has"] == world) & (spread > AGREE_TOL * sq)
-        across.disagree = odd.nonzero().reshape(-1).tolist()
+        comparable = replicated & (bad == 0) & (t["has"] == world)
+        across.comparable = int(comparable.sum())
+        across.disagree = (comparable & (spread > AGREE_TOL * sq)).nonzero().reshape(-1).tolist()
+    if "pf1" in t:
+        pf2 = t["pf2"]
+        odd = replicated & torch.isfinite(pf2) & (pf2 - t["pf1"] * t["pf1"] > AGREE_TOL * pf2)
+        across.fp_disagree = odd.nonzero().reshape(-1).tolist()
     across.local_norm = list(obs.norm_of)  # this rank's own norms, before the reduction replaces them
     # non-finite anywhere: inf unless the squares hold a NaN; zero only if zero everywhere; a
     # non-zero gradient never rounds to a zero norm
@@ -227,6 +251,40 @@ def disagree_findings(across: Across, obs: Observation, names: list[str], status
                     "DDP wrapper, a communication hook or link that delivers part of a bucket wrong); the parameters "
                     "will drift apart", params=tuple(differ), step=step,
                     data={"ranks": differ, "norms": {names[i]: [row[k] for row in rows] for k, i in enumerate(idx)}})]
+
+
+def replica_findings(across: Across, obs: Observation, names: list[str], status, step: int, device, replicas,
+                     counts: tuple[int, int], fingerprint: list[float] | None) -> list[Finding]:
+    """The replicas, the same on every rank: LOCKSTEP (ranks at different checks or steps),
+    DDP_NOT_SYNCED for a step on unreduced gradients, and agreement: of the gradients
+    (GRAD_DISAGREE, or the optimizer's reduction still to come) or of the parameters (DESYNC)."""
+    found: list[Finding] = []
+    if not across.lockstep:  # (every rank sees the mismatch in the sum: every rank gathers)
+        found += replicas.lockstep(dist.all_gather([float(counts[0]), float(counts[1])], device), step)
+    if across.nosync_step_mask > 0:
+        ranks = dist.ranks_of(across.nosync_step_mask, across.world)
+        found.append(Finding(FindingKind.DDP_NOT_SYNCED, f"optimizer.step() ran on {on_ranks(ranks) if ranks else 'some ranks'} "
+                             "on gradients DistributedDataParallel did not reduce (require_backward_grad_sync was False, or "
+                             "the step ran inside no_sync()): that rank stepped on its own gradients and its replica drifts. "
+                             "Set require_backward_grad_sync = True for the last micro-step (nanoGPT: micro_step == "
+                             "gradient_accumulation_steps - 1) on every rank", step=step, data={"ranks": ranks}))
+    if replicas.compare_grads and across.disagree:
+        fault, said = replicas.judge_disagreement(across.disagree, across.comparable, step)
+        found += said
+        if fault:
+            found += disagree_findings(across, obs, names, status, step, device)
+    if across.fp_disagree:
+        idx = [obs.idx[j] for j in across.fp_disagree]
+        rows = dist.all_gather([fingerprint[j] for j in across.fp_disagree], device)
+        differ = {names[i]: [r for r, row in enumerate(rows) if row[k] != rows[0][k]] for k, i in enumerate(idx)}
+        ranks = sorted({r for rs in differ.values() for r in rs})
+        found.append(Finding(FindingKind.DESYNC, f"{describe_names(status, differ)} {agree(differ, 'differ', 'differs')} "
+                             f"between rank 0 and {on_ranks(ranks)} after the optimizer's step: the gradients are reduced "
+                             "inside optimizer.step() (grad_sync='in_optimizer'), and that rank's step applied other "
+                             "gradients to them (a parameter its reduction left out, a rank-dependent branch in the "
+                             "optimizer); the replicas train apart from here", params=tuple(differ), step=step,
+                             data={"ranks": differ}))
+    return found
 
 
 def desync_findings(params: list[Tensor], names: list[str], status, step: int, device) -> list[Finding]:

@@ -157,11 +157,32 @@ class RankOrigin:
         return bad, zero
 
 
+def wrapper_of(module):
+    """The DistributedDataParallel that wraps ``module``, if one does (found among the objects
+    that refer to it, once, when the monitor is made), else None."""
+    import gc
+
+    from torch import nn
+
+    seen, frontier = set(), [module]
+    for _ in range(3):  # the wrapper -> its _modules dict -> the module (or the wrapper directly)
+        nxt = []
+        for obj in frontier:
+            for ref in gc.get_referrers(obj):
+                if isinstance(ref, nn.parallel.DistributedDataParallel) and ref.module is module:
+                    return ref
+                if isinstance(ref, dict) and id(ref) not in seen:
+                    seen.add(id(ref))
+                    nxt.append(ref)
+        frontier = nxt
+    return None
+
+
 class Ranks:
     """The monitor's view of ``torch.distributed``: whether it is on, who we are, the collective's
     device, whether every gradient is a shard (FSDP1), and the DDP wrapper with its hook."""
 
-    def __init__(self, model, ddp_model=None, rank_origin: bool = True):
+    def __init__(self, model, ddp_model=None, rank_origin: bool = True, optimizers=(), grad_sync: str = "auto"):
         import warnings
 
         from torch import nn
@@ -179,6 +200,14 @@ class Ranks:
             raise TypeError(f"ddp_model must be a torch.nn.parallel.DistributedDataParallel; got {type(ddp_model).__name__}")
         is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         self.ddp = ddp_model if ddp_model is not None else (model if is_ddp else None)
+        if self.ddp is None and self.active:  # e.g. Accelerate's recipe: the monitor gets the unwrapped module
+            self.ddp = wrapper_of(model)
+        self.nosync_step = False  # an optimizer step ran on gradients DDP did not reduce
+        self._step_hooks: list = []
+        self.watch_steps(optimizers)
+        from .replicas import Replicas
+
+        self.replicas = Replicas(grad_sync, self.ddp is not None)  # where the gradients are reduced
         self.origin = None
         if self.active and rank_origin and self.ddp is not None:
             try:
@@ -187,11 +216,30 @@ class Ranks:
                 warnings.warn(f"gradhealth: no rank-origin hook on the DDP model ({exc}); NaN is not traced to a rank",
                               GradHealthInternalWarning, stacklevel=3)
 
+    def watch_steps(self, optimizers) -> None:
+        """Note an optimizer step taken while DDP does not reduce (no_sync, require_backward_grad_sync False)."""
+        if self.ddp is None or not self.active:
+            return
+        ddp = self.ddp
+
+        def before(opt, args, kwargs) -> None:
+            if not ddp.require_backward_grad_sync:
+                self.nosync_step = True
+
+        self._step_hooks = [opt.register_step_pre_hook(before) for opt in optimizers]
+
+    def take_nosync_step(self) -> bool:
+        out, self.nosync_step = self.nosync_step, False
+        return out
+
     def in_no_sync(self) -> bool:
         """Inside DDP's ``no_sync()``: gradients are local and partial; the synchronising step is checked."""
         return self.ddp is not None and not self.ddp.require_backward_grad_sync
 
     def close(self) -> None:
+        for h in self._step_hooks:
+            h.remove()
+        self._step_hooks = []
         if self.origin is not None:
             self.origin.enabled = False  # DDP cannot unregister a comm hook: it only forwards now
             self.origin._handle.remove()

@@ -42,6 +42,8 @@ class FindingKind(str, enum.Enum):
     NONFINITE_COLLECTIVE = "NONFINITE_COLLECTIVE"
     NONFINITE_EXPERT = "NONFINITE_EXPERT"
     NOT_STEPPED = "NOT_STEPPED"
+    GRAD_SYNC = "GRAD_SYNC"
+    LOCKSTEP = "LOCKSTEP"
 
     def __str__(self) -> str:
         return self.value

@@ -76,7 +76,7 @@ class GradHealth:
         self.optimizers = as_optimizers(optimizer)
         self.view = ParamView(model, self.optimizers, o.experts, strict=True)
         self.scaler = check_scaler(scaler)
-        self.ranks = Ranks(model, ddp_model, o.rank_origin)
+        self.ranks = Ranks(model, ddp_model, o.rank_origin, self.optimizers, o.grad_sync)
         self.carry = Carry(o.history)
         self.carry.patience = o.grad_patience
         self.publisher = Publisher(o.sinks, o.on_problem)
@@ -130,8 +130,8 @@ class GradHealth:
         try:  # (inside inference_mode, the check's own tensors must be ordinary ones: they are updated later)
             with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
                 report = self._build(s, loss, optimizer)
-        except GradHealthError:
-            raise  # (said on purpose: a verdict, or the user's own mistake named)
+        except GradHealthError:  # said on purpose: a verdict, or the user's own mistake named
+            raise
         except Exception as exc:  # an internal error never breaks a training run, whatever on_problem
             warnings.warn(f"gradhealth: check at step {s} failed internally and was skipped ({type(exc).__name__}: "
                           f"{exc}); training continues", GradHealthInternalWarning, stacklevel=3)
@@ -140,9 +140,7 @@ class GradHealth:
         self.last_report = report
         o = self.options
         if o.skip_nonfinite or o.skip_spikes is not None:  # the step guard (:mod:`.skipping`)
-            # every parameter the check judged, in an optimizer or not: a gradient no optimizer's
-            # zero_grad() clears would poison every later step
-            v = self.view
+            v = self.view  # every judged parameter, in an optimizer or not (no zero_grad() clears the others)
             skipping.guard(report, o, self.carry, self.carry.history_for(report.optimizer_index),
                            [v.params[i] for i in v.selection(optimizer).idx], self.scaler is not None, self.tracker)
         return report
@@ -233,8 +231,7 @@ class GradHealth:
     # ---------------------------------------------------------------- stages
     def _note_lazy(self) -> None:
         if self._changes.lazy:
-            log.info("lazy parameters not materialised yet, left out until their first forward: %s",
-                     ", ".join(self._changes.lazy))
+            log.info("lazy parameters not materialised yet, left out until their first forward: %s", ", ".join(self._changes.lazy))
 
     def _refresh(self) -> None:
         """Rebuild the view of the model's parameters (and what depends on it) if they changed:
@@ -248,8 +245,7 @@ class GradHealth:
         self.view = view
         self._plan = None
         self.carry.armed = None  # its step's numbers would refer to the old parameters
-        if self.unstepped is not None:
-            self.unstepped.reset()
+        self.unstepped = Unstepped() if self.unstepped is not None else None
         if self.tracker is not None:
             self.tracker.rebind(self.view.entries)
         if self._watch is not None:
@@ -285,8 +281,8 @@ class GradHealth:
             t = self.tracker
             report.findings += self.unstepped.update(self.view, report.optimizer_index, t.stepped, t.total_steps,
                                                      report.status, step, self.options.grad_patience)
-        # transient or persistent NO_GRAD / ZERO_GRAD: which ones the policy tolerates now
-        report.findings += persist(report, self.carry.streaks, self.options.grad_patience, self.view.names, self.view.params)
+        report.findings += persist(  # transient or persistent NO_GRAD / ZERO_GRAD: which ones are tolerated now
+            report, self.carry.streaks, self.options.grad_patience, self.view.names, self.view.params)
         report.findings += self._judge(report, obs, across, sel)
         v = self.view
         report.module_grad_norm = stats.module_norms(obs.with_grad, obs.norms, v.module_index, v.modules,
@@ -329,7 +325,10 @@ class GradHealth:
         r = self.ranks
         pre = r.origin.take([self.view.params[i] for i in obs.idx]) if r.origin is not None else None
         unsynced = r.origin is not None and r.origin.unsynced() and bool(obs.with_grad)
-        vec, lay = crossrank.pack_rank(obs, r.rank, r.world, pre, self._failed is not None, unsynced)
+        self._counts, self._fp = ((self.carry.checks, self.tracker.total_steps if self.tracker is not None else 0),
+                                  r.replicas.fingerprints(self.view.params, obs.idx, obs.sharded))
+        vec, lay = crossrank.pack_rank(obs, r.rank, r.world, pre, self._failed is not None, unsynced, self._counts,
+                                       self._fp, r.take_nosync_step())
         across = crossrank.combine(all_reduce_tensor(vec, r.device), lay, obs, r.world)
         if across.failed:
             failed = ranks_of(across.failed, r.world)
@@ -372,7 +371,8 @@ class GradHealth:
             if across.stale_mask:
                 found += judges.stale_grad(report.status, stale or set(report.status), step, where(across.stale_mask))
             found += crossrank.rank_findings(report, across, obs, names)
-            found += crossrank.disagree_findings(across, obs, names, report.status, step, self.ranks.device)
+            found += crossrank.replica_findings(across, obs, names, report.status, step, self.ranks.device,
+                                                self.ranks.replicas, self._counts, self._fp)
         found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step)
         if nonfinite and report.expert_status:
             found += judges.nonfinite_experts(report.expert_status, step)
@@ -390,8 +390,8 @@ class GradHealth:
                     log.info("%s", line)
         found += judges.expect_frozen(report.status, o.expect_frozen, step)
         found += judges.meta_params(self.view.meta_names, step)
-        # resolve the tracer armed after the last NaN; arm it after this one
-        found += traced(carry, self.model, report, nonfinite and o.trace_on_nonfinite and self.scaler is None)
+        found += traced(  # resolve the tracer armed after the last NaN; arm it after this one
+            carry, self.model, report, nonfinite and o.trace_on_nonfinite and self.scaler is None)
         seen = carry.take_output_grad()
         if nonfinite and across is None and self.scaler is None:  # one process's output; under a scaler, the scale
             found += judges.nan_from_loss(seen, step, any(f.kind == "NONFINITE_ORIGIN" and f.level == "error" for f in found))

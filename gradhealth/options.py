@@ -158,6 +158,11 @@ class Options:
             1e-8 likely at that rate, and at least this long): see :mod:`gradhealth.patience`.
             Tolerated gaps are reported at info level (LoRA's first step, LayerDrop, an expert
             that got no tokens, a branch used every other step).
+        grad_sync: under ``torch.distributed``, where the replicated gradients are reduced:
+            "auto" (default; a DDP wrapper, else inferred at the first check where every
+            replicated gradient differs), "before_check" (DDP, or an all-reduce before check()),
+            or "in_optimizer" (inside optimizer.step(), ZeRO-style: the replicas are compared on
+            their parameters after each step): see :mod:`gradhealth.replicas`.
         experts: stacked experts (one tensor holding a layer's experts, as transformers 5 MoE layers
             and grouped-GEMM codebases store them) are judged per expert. None (default): found
             from the model (a parameter of a module named ``experts`` whose leading dimension is
@@ -184,6 +189,7 @@ class Options:
     skip_nonfinite: bool = False
     skip_spikes: Any = None
     skip_alarm: int = 3
+    grad_sync: str = "auto"
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -210,6 +216,7 @@ class Options:
             if not self.skip_spikes > 0:
                 raise ValueError(f"skip_spikes must be a number > 0 (robust deviations above the median) or None; got {self.skip_spikes!r}")
         check_positive_int("skip_alarm", self.skip_alarm)
+        check_choice("grad_sync", self.grad_sync, ("auto", "before_check", "in_optimizer"))
 
     @classmethod
     def check_keywords(cls, changes: dict) -> None:

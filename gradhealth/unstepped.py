@@ -77,9 +77,3 @@ class Unstepped:
                     "toggle_optimizer phase; the other optimizer's step() there does not update these)",
                     params=tuple(held), step=step, data={"optimizer": k, "class": type(opt).__name__, "checks": n}))
         return found
-
-    def reset(self) -> None:
-        """The model's parameters changed: what was seen refers to the old ones."""
-        self._seen.clear()
-        self.streak.clear()
-        self._key = None

@@ -1,0 +1,104 @@
+"""Replicas as real code runs them: are the gradients reduced yet, do the replicas agree, are the
+ranks at the same check.
+
+``grad_sync`` says where the gradients are reduced:
+
+* ``"before_check"``: by DDP or by hand before ``check()``: replicated gradients must agree
+  (``GRAD_DISAGREE`` names the ones that differ);
+* ``"in_optimizer"``: inside ``optimizer.step()`` (ZeRO-2 style optimizers: nanochat's
+  ``DistMuonAdamW``, modded-nanogpt's ``DistAdam``): at the check every rank legitimately holds its
+  own gradients, so the replicas are compared on their *parameters* instead, after the step: a
+  fingerprint of every replicated parameter (the norm of a fixed strided sample of at most
+  ``SAMPLE`` elements) rides in the check's one collective, and one that differs is ``DESYNC`` at
+  that check;
+* ``"auto"`` (default): with a DDP wrapper known (passed, found by an adapter, or found from the
+  module the monitor was given), ``before_check``; without one, ``before_check`` until a check
+  where the replicated gradients differ on *every* replicated parameter: that is a reduction still
+  to come, said once at info (``GRAD_SYNC``), and from then on ``in_optimizer``. A loop that
+  reduced most gradients by hand and missed some keeps ``GRAD_DISAGREE`` naming exactly those.
+
+Every check's collective also carries each rank's check count and optimizer step count (as a sum
+and a sum of squares, so a difference shows in the SUM): ranks at different counts are
+``LOCKSTEP`` (error) at that check, naming the ranks and their counts (gathered only then).
+"""
+
+from __future__ import annotations
+
+from .findings import Finding, FindingKind
+from .naming import on_ranks
+
+__all__ = ["Replicas", "GRAD_SYNC", "SAMPLE"]
+
+GRAD_SYNC = ("auto", "before_check", "in_optimizer")
+#: elements per parameter in its fingerprint (a strided view, no copy)
+SAMPLE = 64
+
+
+class Replicas:
+    def __init__(self, mode: str, ddp_known: bool):
+        self.mode = mode
+        self.in_optimizer = mode == "in_optimizer"
+        self.ddp_known = ddp_known
+        self._said = False
+        self._views: list | None = None
+        self._key: tuple | None = None
+
+    @property
+    def compare_grads(self) -> bool:
+        return not self.in_optimizer
+
+    def fingerprints(self, params: list, idx: list[int], sharded: set[int]) -> list[float] | None:
+        """Per judged entry, the norm of a fixed sample of a replicated parameter (0 for shards),
+        in one fused kernel; None unless the parameters are what the replicas are compared on."""
+        if not self.in_optimizer:
+            return None
+        import torch
+
+        from .distributed import to_local
+
+        key = (tuple(map(id, (params[i] for i in idx))), tuple(sorted(sharded)))
+        if key != self._key:
+            views = []
+            for i in idx:
+                t = to_local(params[i].detach())
+                if i in sharded or t.numel() == 0:
+                    views.append(None)
+                    continue
+                flat = t.view(-1) if t.is_contiguous() else None
+                views.append(flat[:: max(1, t.numel() // SAMPLE)] if flat is not None else t)
+            self._views, self._key = views, key
+        live = [v for v in self._views if v is not None]
+        norms = iter(torch.stack(torch._foreach_norm(live)).double().tolist() if live else [])
+        return [next(norms) if v is not None else 0.0 for v in self._views]
+
+    def judge_disagreement(self, disagree: list[int], comparable: int, step: int) -> tuple[bool, list[Finding]]:
+        """(whether the disagreeing gradients are a fault, findings): in ``auto`` without a DDP
+        wrapper, every comparable gradient differing is the optimizer's reduction still to come."""
+        if self.mode != "auto" or self.ddp_known or not disagree or len(disagree) < comparable:
+            return True, []
+        self.in_optimizer = True
+        if self._said:
+            return False, []
+        self._said = True
+        return False, [Finding(
+            FindingKind.GRAD_SYNC, f"at step {step} every replicated gradient differs between the ranks and no DDP "
+            "wrapper is known: the gradients are reduced later, inside optimizer.step() (a ZeRO-style optimizer such as "
+            "nanochat's DistMuonAdamW or modded-nanogpt's DistAdam). The replicas are compared on their parameters "
+            "after each step from now on; pass grad_sync='in_optimizer' to say so (or 'before_check' if your loop "
+            "reduces them before check())", level="info", step=step)]
+
+    @staticmethod
+    def lockstep(counts: list[list[float]], step: int) -> list[Finding]:
+        """LOCKSTEP from every rank's [checks, optimizer steps] (gathered at a mismatch only)."""
+        ref = counts[0]
+        odd = [r for r, c in enumerate(counts) if c != ref]
+        if not odd:
+            return []
+        each = "; ".join(f"rank {r}: check {int(c[0])}, {int(c[1])} optimizer steps" for r, c in enumerate(counts))
+        return [Finding(
+            FindingKind.LOCKSTEP, f"the ranks are not at the same check ({each}): {on_ranks(odd)} and rank 0 "
+            "parted where one of them skipped a gradient sync (its check deferred while it stepped on its own "
+            "gradients), a check() or an optimizer.step() the other ran; from here on each rank trains on its own. "
+            "Make every rank take the same branch (nanoGPT: require_backward_grad_sync must be True at the last "
+            "micro-step on every rank)",
+            step=step, data={"counts": {r: [int(c[0]), int(c[1])] for r, c in enumerate(counts)}, "ranks": odd})]

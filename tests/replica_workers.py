@@ -1,0 +1,129 @@
+"""Workers for the distributed idioms (spawned gloo ranks): gradients reduced inside the optimizer
+(nanochat / modded-nanogpt style, no DDP wrapper), a hand-made all-reduce that misses one gradient,
+and nanoGPT's require_backward_grad_sync with a bug on one rank."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradhealth as gh
+
+from dist_workers import _report
+
+
+class ReducingAdamW(torch.optim.AdamW):
+    """An optimizer that averages the gradients across ranks inside ``step()`` (what ZeRO-style
+    optimizers do, reduce-scatter or all-reduce, before their update). ``skip``: a parameter this
+    rank leaves out of the reduction from step ``skip_from`` on (the planted drift)."""
+
+    def __init__(self, params, skip=None, skip_from=0, **kw):
+        super().__init__(params, **kw)
+        self.skip, self.skip_from, self.count = skip, skip_from, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p is self.skip and self.count >= self.skip_from:
+                    # this rank reduces a copy and steps on its own gradient for that parameter
+                    # (the collective still runs: the ranks stay matched)
+                    dist.all_reduce(p.grad.clone(), op=dist.ReduceOp.SUM)
+                    continue
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                p.grad /= dist.get_world_size()
+        self.count += 1
+        return super().step(closure)
+
+
+def _gather_params(model):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    return all(torch.equal(out[0], o) for o in out)
+
+
+def in_optimizer(rank, world, case):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    planted = case == "drift" and rank == 1
+    opt = ReducingAdamW(model.parameters(), lr=2e-2, skip=model[2].weight if planted else None, skip_from=3)
+    options = {"on_problem": "ignore" if case == "drift" else "raise"}
+    if case == "explicit":
+        options["grad_sync"] = "in_optimizer"
+    mon = gh.GradHealth(model, opt, **options)
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+    w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
+    reports, losses = [], []
+    for step in range(20):
+        x = torch.randn(16, 8, generator=g)
+        loss = nn.functional.mse_loss(model(x), x @ w)
+        loss.backward()
+        reports.append(_report(mon.check(loss)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    mon.close()
+    return {"reports": reports, "losses": losses, "same": _gather_params(model)}
+
+
+def manual_missing(rank, world):
+    """A hand-made data-parallel all-reduce that forgets one gradient: GRAD_DISAGREE names it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    torch.manual_seed(rank + 1)
+    reports = []
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(6, 4)).square().mean().backward()
+        for name, p in model.named_parameters():
+            if name != "2.bias":
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        reports.append(_report(mon.check()))
+        opt.step()
+    return {"reports": reports}
+
+
+def nanogpt_sync(rank, world, case):
+    """nanoGPT's accumulation under DDP: require_backward_grad_sync only at the last micro-step;
+    ``bug``: rank 1 leaves it False at iteration 3 (it steps on its own gradients)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    mon = gh.GradHealth(model, opt, ddp_model=ddp, on_problem="raise")  # (the bug: both ranks stop together)
+    g = torch.Generator().manual_seed(100 + rank)
+    w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
+    accum, reports, losses = 2, [], []
+    for it in range(8):
+        for micro_step in range(accum):
+            last = micro_step == accum - 1
+            ddp.require_backward_grad_sync = last and not (case == "bug" and rank == 1 and it == 3)
+            x = torch.randn(16, 8, generator=g)
+            loss = nn.functional.mse_loss(ddp(x), x @ w) / accum
+            loss.backward()
+        try:
+            r = mon.check(loss)
+        except gh.GradHealthError as exc:
+            reports.append({"raised_at": it, **_report(exc.report)})
+            break
+        reports.append(None if r is None else {"step": r.step, **_report(r)})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    mon.close()
+    return {"reports": reports, "losses": losses}
+
+
+SCENARIOS = {
+    "in_optimizer_auto": lambda r, w: in_optimizer(r, w, "auto"),
+    "in_optimizer_explicit": lambda r, w: in_optimizer(r, w, "explicit"),
+    "in_optimizer_drift": lambda r, w: in_optimizer(r, w, "drift"),
+    "manual_missing": manual_missing,
+    "nanogpt_ok": lambda r, w: nanogpt_sync(r, w, "ok"),
+    "nanogpt_bug": lambda r, w: nanogpt_sync(r, w, "bug"),
+}

@@ -1,0 +1,73 @@
+"""Replicas as real code runs them, on 2 gloo ranks: gradients reduced inside the optimizer (no
+DDP wrapper), a hand-made all-reduce that misses one gradient, nanoGPT's require_backward_grad_sync
+with a bug on one rank, and the lockstep counts."""
+
+import pytest
+
+from test_distributed import spawn
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def kinds(report):
+    return [f[0] for f in report["findings"]]
+
+
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_reduction_inside_the_optimizer_is_silent_under_raise(tmp_path, mode):
+    ranks = spawn(f"in_optimizer_{mode}", tmp_path)
+    for r in ranks:
+        assert r["same"] is True  # the premise: the replicas are bit-identical at the end
+        assert sum(r["losses"][-3:]) < 0.5 * sum(r["losses"][:3])  # and they learn
+        assert len(r["reports"]) == 20 and all(rep["ok"] for rep in r["reports"])
+    said = [rep for rep in ranks[0]["reports"] if "GRAD_SYNC" in kinds(rep)]
+    if mode == "auto":  # said once, at info, at the first check
+        assert said == [ranks[0]["reports"][0]]
+        [f] = [f for f in said[0]["findings"] if f[0] == "GRAD_SYNC"]
+        assert f[2] == "info"
+    else:
+        assert said == []
+    assert all("GRAD_DISAGREE" not in kinds(rep) for r in ranks for rep in r["reports"])
+    assert ranks[0]["reports"] == ranks[1]["reports"]
+
+
+def test_a_rank_whose_optimizer_skips_one_reduction_is_named_at_the_next_check(tmp_path):
+    ranks = spawn("in_optimizer_drift", tmp_path)
+    assert ranks[0]["same"] is False  # the premise: the replicas drifted
+    reps = ranks[0]["reports"]
+    assert all("DESYNC" not in kinds(rep) for rep in reps[:4])  # steps 0-2 reduce everything
+    # step 3 (after check 3) left 2.weight out of rank 1's reduction: check 4 names it
+    for rep in reps[4:]:
+        [f] = [f for f in rep["findings"] if f[0] == "DESYNC"]
+        assert f[1] == ["2.weight"] and f[3] == {"2.weight": [1]} and f[2] == "error"
+    assert ranks[0]["reports"] == ranks[1]["reports"]
+
+
+def test_a_gradient_left_out_of_a_manual_all_reduce_is_named_exactly(tmp_path):
+    ranks = spawn("manual_missing", tmp_path)
+    assert ranks[0]["reports"] == ranks[1]["reports"]
+    for rep in ranks[0]["reports"]:
+        [f] = [f for f in rep["findings"] if f[0] == "GRAD_DISAGREE"]
+        assert f[1] == ["2.bias"] and "GRAD_SYNC" not in kinds(rep)
+
+
+def test_nanogpt_accumulation_under_ddp_is_silent(tmp_path):
+    ranks = spawn("nanogpt_ok", tmp_path)
+    for r in ranks:
+        assert all(rep is not None and rep["ok"] for rep in r["reports"])
+        assert sum(r["losses"][-2:]) < sum(r["losses"][:2])
+
+
+def test_one_rank_skipping_its_sync_is_named_within_one_check(tmp_path):
+    ranks = spawn("nanogpt_bug", tmp_path)
+    r0, r1 = ranks[0]["reports"], ranks[1]["reports"]
+    assert r1[3] is None  # the premise: rank 1 deferred its check at iteration 3 (no sync) and stepped
+    # rank 0's check of iteration 3 met rank 1's of iteration 4 in the collective: both stop there
+    assert r0[-1]["raised_at"] == 3 and r1[-1]["raised_at"] == 4 and len(r0) == 4 and len(r1) == 5
+    named = r0[-1]
+    [lock] = [f for f in named["findings"] if f[0] == "LOCKSTEP"]
+    assert lock[2] == "error" and lock[3] == [1]
+    [lost] = [f for f in named["findings"] if f[0] == "DDP_NOT_SYNCED"]
+    assert lost[3] == [1]  # the cause, on the rank that had it
+    assert named["findings"] == r1[-1]["findings"]  # the same verdict on both ranks
+    assert all(rep["ok"] for rep in r0[:3])
