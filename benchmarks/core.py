@@ -293,12 +293,16 @@ def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> Non
         mon.carry.checks = 1  # past the first check: no DESYNC fingerprint in the timed loop
         from gradhealth import crossrank
 
-        def timed(agreement: bool):
-            crossrank.AGREEMENT = agreement  # the same order on every rank: one layout per collective
+        def timed(agreement: bool, counts: bool = True, fingerprint: bool = False):
+            # the same order on every rank: one layout per collective
+            crossrank.AGREEMENT, crossrank.COUNTS = agreement, counts
+            mon.ranks.replicas.in_optimizer = fingerprint
             mon.check()
 
-        res = interleaved({"check()": lambda: timed(True), "check() without agreement": lambda: timed(False)}, rounds, 20)
-        crossrank.AGREEMENT = True
+        res = interleaved({"check()": lambda: timed(True), "check() without agreement": lambda: timed(False),
+                           "check() without lockstep": lambda: timed(True, counts=False),
+                           "check() in_optimizer": lambda: timed(True, fingerprint=True)}, rounds, 20)
+        crossrank.AGREEMENT, crossrank.COUNTS = True, True
         mon.close()
         # the rank-origin comm hook: a DDP training step with and without it
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -356,6 +360,12 @@ def bench_distributed(rounds: int) -> None:
     before = res["check() without agreement"]
     print(f"  the replicas' gradient agreement in the same collective: {before * 1e3:.3f} ms without it, "
           f"{dist_t * 1e3:.3f} ms with it ({100 * (dist_t / before - 1):+.1f}%, target +15%)")
+    bare = res["check() without lockstep"]
+    print(f"  the lockstep counts (checks, optimizer steps) in the same collective: {bare * 1e3:.3f} ms without them, "
+          f"{dist_t * 1e3:.3f} ms with them ({100 * (dist_t / bare - 1):+.1f}%, target +15%)")
+    fp = res["check() in_optimizer"]
+    print(f"  grad_sync='in_optimizer' (the parameters' fingerprint in place of the gradients' agreement): "
+          f"{fp * 1e3:.3f} ms ({100 * (fp / bare - 1):+.1f}% over the check without lockstep, target +15%)")
     a, b = res["ddp step"], res["ddp step + hook"]
     print(f"  DDP forward+backward {a * 1e3:.2f} ms; with the rank-origin comm hook {b * 1e3:.2f} ms ({100 * (b / a - 1):+.1f}%)")
 

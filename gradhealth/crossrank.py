@@ -30,8 +30,10 @@ from .status import Status
 __all__ = ["rank_layout", "pack_rank", "combine", "Across", "rank_findings", "disagree_findings", "desync_findings", "AGREE_TOL"]
 
 _PER_PARAM = ("sq", "has", "bad", "nz", "n1", "pre_bad", "pre_zero")
-_FLAGS = ("has_pre", "loss_sum", "loss_bad", "loss_n", "cause", "eval", "stale", "failed", "unsynced", "nosync_step",
-          "checks1", "checks2", "steps1", "steps2")
+_FLAGS = ("has_pre", "loss_sum", "loss_bad", "loss_n", "cause", "eval", "stale", "failed", "unsynced", "nosync_step")
+_COUNTS = ("checks1", "checks2", "steps1", "steps2")
+#: the lockstep counts in the collective (off only to time what they cost, like AGREEMENT)
+COUNTS = True
 #: replicas agree when the spread of their gradient norms, mean(n**2) - mean(n)**2, is at most this
 #: times mean(n**2): the float64 rounding of the two sums (a few 1e-16 relative for any world size
 #: one can run) and nothing else, since one all-reduce hands every rank the same gradient
@@ -48,7 +50,7 @@ def rank_layout(n: int, valid_names: list[str], update_sizes: list[int], fingerp
             lay.add(name, n)
     if fingerprint:  # the replicas' parameters (gradients reduced inside the optimizer): mean and mean square
         lay.add("pf1", n).add("pf2", n)
-    for name in _FLAGS:
+    for name in _FLAGS + (_COUNTS if COUNTS else ()):
         lay.add(name)
     for v in valid_names:
         lay.add(f"valid:{v}").add(f"empty:{v}")
@@ -82,11 +84,13 @@ def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = 
         loss_bad=[b if loss is not None and not math.isfinite(loss) else 0.0], loss_n=[1.0 if loss is not None else 0.0],
         cause=[b if obs.loss_cause else 0.0], eval=[b if obs.eval_record is not None else 0.0],
         stale=[b if obs.stale else 0.0], failed=[b if failed else 0.0], unsynced=[b if unsynced else 0.0],
-        nosync_step=[b if nosync_step else 0.0], checks1=[counts[0] * inv], checks2=[counts[0] ** 2 * inv],
-        steps1=[counts[1] * inv], steps2=[counts[1] ** 2 * inv],
+        nosync_step=[b if nosync_step else 0.0],
     )
+    if COUNTS:
+        parts.update(checks1=[counts[0] * inv], checks2=[counts[0] ** 2 * inv], steps1=[counts[1] * inv],
+                     steps2=[counts[1] ** 2 * inv])
     if fingerprint is not None:
-        f = torch.tensor(fingerprint, dtype=torch.float64)
+        f = torch.as_tensor(fingerprint, dtype=torch.float64)
         parts["pf1"], parts["pf2"] = f * inv, f * f * inv
     if not AGREEMENT:
         del parts["n1"]
@@ -136,7 +140,7 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
         return across
     sq, has, bad, nz = t["sq"], t["has"].tolist(), t["bad"], t["nz"]
     across.nosync_step_mask = got["nosync_step"][0]
-    for c in ("checks", "steps"):  # the spread of the counts over the ranks: 0 exactly when all are equal
+    for c in ("checks", "steps") if COUNTS else ():  # the spread of the counts over the ranks: 0 when all agree
         across.lockstep = across.lockstep and got[f"{c}2"][0] - got[f"{c}1"][0] ** 2 <= 1e-9 * max(1.0, got[f"{c}2"][0])
     replicated = torch.tensor([i not in obs.sharded for i in obs.idx], dtype=torch.bool)
     if "n1" in t:  # replicated gradients held by every rank, finite everywhere: do their norms agree?
@@ -275,7 +279,7 @@ def replica_findings(across: Across, obs: Observation, names: list[str], status,
             found += disagree_findings(across, obs, names, status, step, device)
     if across.fp_disagree:
         idx = [obs.idx[j] for j in across.fp_disagree]
-        rows = dist.all_gather([fingerprint[j] for j in across.fp_disagree], device)
+        rows = dist.all_gather([float(fingerprint[j]) for j in across.fp_disagree], device)
         differ = {names[i]: [r for r, row in enumerate(rows) if row[k] != rows[0][k]] for k, i in enumerate(idx)}
         ranks = sorted({r for rs in differ.values() for r in rs})
         found.append(Finding(FindingKind.DESYNC, f"{describe_names(status, differ)} {agree(differ, 'differ', 'differs')} "

@@ -26,7 +26,7 @@ from .findings import Finding, FindingKind
 from .snapshot import ModuleState, rng_state, set_rng_state
 from .trace import NonFiniteTracer
 
-__all__ = ["origin_finding", "replay_nonfinite"]
+__all__ = ["origin_finding", "replay_nonfinite", "producers", "shared_origin"]
 
 
 def origin_finding(tracer: NonFiniteTracer, step: int, context: str, level: str | None = None, **data) -> Finding:
@@ -152,3 +152,27 @@ def _replay_one(model: nn.Module, run: Callable[[], object], rng: dict | None) -
         tracer.disarm()
         saved.restore()
         set_rng_state(now)
+
+
+def producers(report, rank: int) -> bool:
+    """Should this rank replay the failing step? Under torch.distributed, only the ranks DDP's hook
+    saw produce the NaN/inf (every rank when none was seen: no hook, or it came later)."""
+    ranks = next((f.data.get("ranks") for f in report.findings if f.kind == FindingKind.NONFINITE_RANK), None)
+    return not ranks or rank in ranks
+
+
+def shared_origin(finding: Finding | None, rank: int, world: int) -> Finding | None:
+    """One origin verdict for every rank: each rank's replay finding (or None) is gathered once
+    (called by every rank, at a check whose reduced gradients are non-finite), and every rank
+    keeps the same one, from the lowest rank whose replay reproduced the NaN (else the lowest that
+    replayed), said as that rank's: ``on rank 1: batch 2 at step 2: it reproduced ...``."""
+    import torch.distributed as tdist
+
+    mine = None if finding is None else (str(finding.kind), finding.message, finding.level, finding.step, finding.data)
+    got: list = [None] * world
+    tdist.all_gather_object(got, mine)
+    found = [(r, g) for r, g in enumerate(got) if g is not None]
+    if not found:
+        return None
+    r, (kind, message, level, step, data) = next(((r, g) for r, g in found if g[4].get("reproduced")), found[0])
+    return Finding(FindingKind(kind), f"on rank {r}: {message}", level=level, step=step, data={**data, "rank": r})

@@ -8,9 +8,9 @@ ranks at the same check.
 * ``"in_optimizer"``: inside ``optimizer.step()`` (ZeRO-2 style optimizers: nanochat's
   ``DistMuonAdamW``, modded-nanogpt's ``DistAdam``): at the check every rank legitimately holds its
   own gradients, so the replicas are compared on their *parameters* instead, after the step: a
-  fingerprint of every replicated parameter (the norm of a fixed strided sample of at most
-  ``SAMPLE`` elements) rides in the check's one collective, and one that differs is ``DESYNC`` at
-  that check;
+  fingerprint of every replicated parameter (the float64 sum of squares of a fixed strided sample
+  of at most ``SAMPLE`` elements) rides in the check's one collective, and one that differs is
+  ``DESYNC`` at that check;
 * ``"auto"`` (default): with a DDP wrapper known (passed, found by an adapter, or found from the
   module the monitor was given), ``before_check``; without one, ``before_check`` until a check
   where the replicated gradients differ on *every* replicated parameter: that is a reduction still
@@ -42,34 +42,41 @@ class Replicas:
         self._said = False
         self._views: list | None = None
         self._key: tuple | None = None
+        self._n = 0
 
     @property
     def compare_grads(self) -> bool:
         return not self.in_optimizer
 
-    def fingerprints(self, params: list, idx: list[int], sharded: set[int]) -> list[float] | None:
-        """Per judged entry, the norm of a fixed sample of a replicated parameter (0 for shards),
-        in one fused kernel; None unless the parameters are what the replicas are compared on."""
+    def fingerprints(self, params: list, idx: list[int], sharded: set[int]):
+        """Per judged entry, the float64 sum of squares of a fixed strided sample (at most
+        ``SAMPLE`` elements) of a replicated parameter, 0 for shards: a float64 tensor, from one
+        stacked copy per sample size; None unless the replicas are compared on their parameters."""
         if not self.in_optimizer:
             return None
         import torch
 
         from .distributed import to_local
 
-        key = (tuple(map(id, (params[i] for i in idx))), tuple(sorted(sharded)))
-        if key != self._key:
-            views = []
-            for i in idx:
+        key = (id(params), id(idx), len(idx), len(sharded))
+        if key != self._key:  # the samples are views: made once, they follow the parameters' updates
+            groups: dict[int, tuple[list[int], list]] = {}
+            for j, i in enumerate(idx):
                 t = to_local(params[i].detach())
-                if i in sharded or t.numel() == 0:
-                    views.append(None)
+                if i in sharded or t.numel() == 0 or not t.is_contiguous():
                     continue
-                flat = t.view(-1) if t.is_contiguous() else None
-                views.append(flat[:: max(1, t.numel() // SAMPLE)] if flat is not None else t)
-            self._views, self._key = views, key
-        live = [v for v in self._views if v is not None]
-        norms = iter(torch.stack(torch._foreach_norm(live)).double().tolist() if live else [])
-        return [next(norms) if v is not None else 0.0 for v in self._views]
+                flat = t.view(-1)
+                view = flat[:: max(1, t.numel() // SAMPLE)][:SAMPLE]
+                pos, views = groups.setdefault(view.numel(), ([], []))
+                pos.append(j)
+                views.append(view)
+            self._views = [(torch.tensor(pos), views) for pos, views in groups.values()]
+            self._key, self._n = key, len(idx)
+        out = torch.zeros(self._n, dtype=torch.float64)
+        for pos, views in self._views:
+            x = torch.stack(views).to(torch.float64)
+            out[pos] = (x * x).sum(1).cpu()
+        return out
 
     def judge_disagreement(self, disagree: list[int], comparable: int, step: int) -> tuple[bool, list[Finding]]:
         """(whether the disagreeing gradients are a fault, findings): in ``auto`` without a DDP

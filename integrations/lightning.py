@@ -46,7 +46,7 @@ from gradhealth.findings import Finding
 from gradhealth.metrics import report_metrics, suffix, update_metrics
 from gradhealth.monitor import GradHealth
 from gradhealth.options import Options, check_choice
-from gradhealth.replay import replay_nonfinite
+from gradhealth.replay import producers, replay_nonfinite, shared_origin
 from gradhealth.skipping import defused
 from gradhealth.report import Report
 from gradhealth.snapshot import rng_state
@@ -249,8 +249,11 @@ class GradHealthCallback(Callback):
                 f"norms are post-clip if training_step clipped (logged as {POSTCLIP_NORM}), and a clipped non-finite "
                 "gradient hides which parameter it came from; call self.manual_backward(loss) to get pre-clip numbers"))
         # (under a grad scaler an overflow is the scaler's to skip, not a NaN to trace)
-        if self.replay_on_nonfinite and not report.grads_finite and not manual and window and mon.scaler is None:
-            finding = self._replay(trainer, pl_module, report, window)
+        if self.replay_on_nonfinite and not report.grads_finite and not manual and mon.scaler is None:
+            r = mon.ranks  # under torch.distributed the producing ranks replay, and every rank says their verdict
+            finding = self._replay(trainer, pl_module, report, window) if window and producers(report, r.rank) else None
+            if r.active:
+                finding = shared_origin(finding, r.rank, r.world)
             if finding is not None:  # (a warning when the step guard dropped the step)
                 report.findings.append(defused(report, finding))
         self.last_report = report

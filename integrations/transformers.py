@@ -68,7 +68,7 @@ from gradhealth.findings import Finding
 from gradhealth.metrics import PREFIX, report_metrics, update_metrics
 from gradhealth.monitor import GradHealth
 from gradhealth.options import ON_PROBLEM, Options, check_choice
-from gradhealth.replay import replay_nonfinite
+from gradhealth.replay import producers, replay_nonfinite, shared_origin
 from gradhealth.report import Report
 from gradhealth.skipping import defused
 from gradhealth.snapshot import rng_state
@@ -263,9 +263,13 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         if report is None:
             return
         window, self._window = self._window, []
-        if window and all(w[4] for w in window) and not report.grads_finite and mon.scaler is None:  # (under a
-            # scaler an overflow is the scaler's to skip, not a NaN to trace)
-            finding = self._replay(mon, report, window)
+        # (under a grad scaler an overflow is the scaler's to skip, not a NaN to trace)
+        if self.replay_on_nonfinite and not report.grads_finite and mon.scaler is None:
+            r = mon.ranks  # under torch.distributed the producing ranks replay, and every rank says their verdict
+            mine = window and all(w[4] for w in window) and producers(report, r.rank)
+            finding = self._replay(mon, report, window) if mine else None
+            if r.active:
+                finding = shared_origin(finding, r.rank, r.world)
             if finding is not None:  # (a warning when the step guard dropped the step)
                 report.findings.append(defused(report, finding))
         self.last_report = report

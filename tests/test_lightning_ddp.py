@@ -6,6 +6,7 @@ import glob
 import os
 
 import lightning.pytorch as pl
+import torch
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
@@ -39,3 +40,45 @@ def test_ddp_spawn_raise_stops_every_rank(tmp_path):
             DemoModule(bug="frozen"), SyntheticData(n_batches=8)))
     assert "GradHealthError" in repr(err.value) or isinstance(err.value, gh.GradHealthError)
     assert "UNEXPECTED_FROZEN" in str(err.value)
+
+
+class NaNOnRank1(DemoModule):
+    """DemoModule's nan_batch bug on rank 1 only (each rank sees its own shard of the data)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank != 1 and batch_idx == self.hparams.nan_batch:
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self(x), y)
+        return super().training_step(batch, batch_idx)
+
+
+class Origins:
+    """A sink that writes each rank's NONFINITE_ORIGIN findings to a file (ddp_spawn ranks are processes)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def write(self, report):
+        import json
+        import torch.distributed as dist
+
+        found = [[f.message, f.data.get("reproduced"), f.data.get("rank"), f.data.get("batch_idx")]
+                 for f in report.findings_of("NONFINITE_ORIGIN") if "reproduced" in f.data]
+        if found:
+            with open(os.path.join(self.out, f"rank{dist.get_rank()}.json"), "a") as f:
+                f.write(json.dumps({"step": report.step, "found": found}) + "\n")
+
+
+def test_ddp_spawn_nan_on_one_rank_gets_one_origin_verdict_on_every_rank(tmp_path):
+    import json
+
+    cb = GradHealthCallback(on_problem="ignore", skip_nonfinite=True, sinks=[Origins(str(tmp_path))])
+    run_spawned(lambda: trainer(tmp_path, cb, steps=4).fit(NaNOnRank1(bug="nan_batch", nan_batch=2),
+                                                           SyntheticData(n_batches=8)))
+    got = [[json.loads(line) for line in open(tmp_path / f"rank{r}.json")] for r in (0, 1)]
+    assert got[0] == got[1]  # the same verdict on both ranks
+    [at] = got[0]
+    assert at["step"] == 2
+    [[message, reproduced, rank, batch_idx]] = at["found"]
+    assert reproduced is True and rank == 1 and batch_idx == 2
+    assert message.startswith("on rank 1: batch 2 at step 2: it reproduced") and "did NOT" not in message
