@@ -43,7 +43,10 @@ AGREE_TOL = 1e-10
 AGREEMENT = True
 
 
-def rank_layout(n: int, valid_names: list[str], update_sizes: list[int], fingerprint: bool = False) -> Layout:
+def rank_layout(n: int, valid_names: list[str], entries: int, fingerprint: bool = False) -> Layout:
+    """The same on every rank whatever each one measured: per judged entry, per valid name, and a
+    fixed grid over every entry for the last step's update numbers (a rank that skipped or took
+    another step than the others must still meet them in a collective of the same size)."""
     lay = Layout()
     for name in _PER_PARAM:
         if name != "n1" or AGREEMENT:
@@ -54,20 +57,21 @@ def rank_layout(n: int, valid_names: list[str], update_sizes: list[int], fingerp
         lay.add(name)
     for v in valid_names:
         lay.add(f"valid:{v}").add(f"empty:{v}")
-    for j, m in enumerate(update_sizes):
-        lay.add(f"upd_sq{j}", m).add(f"par_sq{j}", m).add(f"changed{j}", m)
+    if entries:
+        lay.add("upd_sq", entries).add("par_sq", entries).add("changed", entries).add("upd_n", entries)
     return lay
 
 
 def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = False,
               unsynced: bool = False, counts: tuple[int, int] = (0, 0), fingerprint: list[float] | None = None,
-              nosync_step: bool = False) -> tuple[Tensor, Layout]:
+              nosync_step: bool = False, steps: bool | None = None) -> tuple[Tensor, Layout]:
     """This rank's float64 vector (CPU) and its layout. ``pre``: the DDP hook's (non-finite,
     all-zero) flags per judged parameter before the all-reduce, or None; ``unsynced``: a DDP
     training backward ran here without DDP's communication hook; ``counts``: this rank's checks
     and optimizer steps so far (lockstep); ``fingerprint``: per judged entry, its parameter's
     fingerprint (:mod:`.replicas`); ``nosync_step``: an optimizer step ran here on gradients DDP
-    did not reduce."""
+    did not reduce; ``steps``: the monitor measures optimizer steps (the same on every rank: the
+    grid of update numbers is always there then; None: when this rank has any)."""
     b, inv, idx = dist.bit(rank), 1.0 / world, obs.idx
     raw = torch.tensor([0.0 if obs.norm_of[i] is None else obs.norm_of[i] for i in idx], dtype=torch.float64)
     weight = torch.tensor([1.0 if i in obs.sharded else inv for i in idx], dtype=torch.float64)
@@ -97,12 +101,17 @@ def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = 
     for v in valid_names:
         parts[f"valid:{v}"] = [float(obs.valid[v])]
         parts[f"empty:{v}"] = [b if obs.valid[v] == 0 else 0.0]
-    for j, u in enumerate(obs.updates):  # values: [update norms, param norms, changed] per parameter
-        n = len(u.indices)
-        w = torch.tensor([1.0 if i in obs.sharded else inv for i in u.indices], dtype=torch.float64)
-        v = torch.tensor(u.triple(), dtype=torch.float64)
-        parts[f"upd_sq{j}"], parts[f"par_sq{j}"], parts[f"changed{j}"] = v[:n] ** 2 * w, v[n : 2 * n] ** 2 * w, v[2 * n :]
-    lay = rank_layout(len(idx), valid_names, [len(u.indices) for u in obs.updates], fingerprint is not None)
+    entries = len(obs.norm_of) if (bool(obs.updates) if steps is None else steps) else 0
+    if entries:  # values: [update norms, param norms, changed] per parameter, on the grid of entries
+        grid = torch.zeros(4, entries, dtype=torch.float64)
+        for u in obs.updates:
+            n, at = len(u.indices), torch.tensor(u.indices, dtype=torch.long)
+            w = torch.tensor([1.0 if i in obs.sharded else inv for i in u.indices], dtype=torch.float64)
+            v = torch.tensor(u.triple(), dtype=torch.float64)
+            grid[0, at], grid[1, at], grid[2, at] = v[:n] ** 2 * w, v[n : 2 * n] ** 2 * w, v[2 * n :]
+            grid[3, at] += 1.0
+        parts.update(upd_sq=grid[0], par_sq=grid[1], changed=grid[2], upd_n=grid[3])
+    lay = rank_layout(len(idx), valid_names, entries, fingerprint is not None)
     return lay.pack(**parts), lay
 
 
@@ -165,9 +174,14 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
     loss_sum, loss_bad, loss_n = got["loss_sum"][0], got["loss_bad"][0], got["loss_n"][0]
     obs.loss = (math.nan if loss_bad > 0 else loss_sum * world / loss_n) if loss_n > 0 else None
     obs.valid = {v: int(round(got[f"valid:{v}"][0])) for v in obs.valid}
-    for j, u in enumerate(obs.updates):  # changed anywhere: changed; undecided (nan) anywhere: undecided
-        u.set_triple([math.sqrt(x) for x in got[f"upd_sq{j}"]] + [math.sqrt(x) for x in got[f"par_sq{j}"]]
-                     + [x if x != x else (1.0 if x > 0 else 0.0) for x in got[f"changed{j}"]])
+    if "upd_n" in got:  # changed anywhere: changed; undecided (nan) anywhere, or not measured everywhere: unknown
+        upd, par, chg, cnt = got["upd_sq"], got["par_sq"], got["changed"], got["upd_n"]
+        for u in obs.updates:
+            every = [cnt[i] == world for i in u.indices]  # (a rank without this step: LOCKSTEP says so)
+            u.set_triple([math.sqrt(upd[i]) if ok else math.nan for i, ok in zip(u.indices, every)]
+                         + [math.sqrt(par[i]) if ok else math.nan for i, ok in zip(u.indices, every)]
+                         + [(chg[i] if chg[i] != chg[i] else (1.0 if chg[i] > 0 else 0.0)) if ok else math.nan
+                            for i, ok in zip(u.indices, every)])
     return across
 
 

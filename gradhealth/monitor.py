@@ -328,7 +328,7 @@ class GradHealth:
         self._counts, self._fp = ((self.carry.checks, self.tracker.total_steps if self.tracker is not None else 0),
                                   r.replicas.fingerprints(self.view.params, obs.idx, obs.sharded))
         vec, lay = crossrank.pack_rank(obs, r.rank, r.world, pre, self._failed is not None, unsynced, self._counts,
-                                       self._fp, r.take_nosync_step())
+                                       self._fp, r.take_nosync_step(), self.tracker is not None)
         across = crossrank.combine(all_reduce_tensor(vec, r.device), lay, obs, r.world)
         if across.failed:
             failed = ranks_of(across.failed, r.world)

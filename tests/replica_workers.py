@@ -112,7 +112,8 @@ def nanogpt_sync(rank, world, case):
             reports.append({"raised_at": it, **_report(exc.report)})
             break
         reports.append(None if r is None else {"step": r.step, **_report(r)})
-        opt.step()
+        if not (case == "skip_step" and rank == 1 and it == 3):  # a rank-dependent branch around the step
+            opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     mon.close()
@@ -126,4 +127,5 @@ SCENARIOS = {
     "manual_missing": manual_missing,
     "nanogpt_ok": lambda r, w: nanogpt_sync(r, w, "ok"),
     "nanogpt_bug": lambda r, w: nanogpt_sync(r, w, "bug"),
+    "nanogpt_skip_step": lambda r, w: nanogpt_sync(r, w, "skip_step"),
 }

@@ -71,3 +71,14 @@ def test_one_rank_skipping_its_sync_is_named_within_one_check(tmp_path):
     assert lost[3] == [1]  # the cause, on the rank that had it
     assert named["findings"] == r1[-1]["findings"]  # the same verdict on both ranks
     assert all(rep["ok"] for rep in r0[:3])
+
+
+def test_one_rank_skipping_an_optimizer_step_is_named_at_the_next_check(tmp_path):
+    ranks = spawn("nanogpt_skip_step", tmp_path)
+    r0, r1 = ranks[0]["reports"], ranks[1]["reports"]
+    assert all(rep["ok"] for rep in r0[:4]) and len(r0) == len(r1) == 5  # both raise at check 4 together
+    assert r0[-1]["raised_at"] == r1[-1]["raised_at"] == 4
+    [lock] = [f for f in r0[-1]["findings"] if f[0] == "LOCKSTEP"]
+    assert lock[3] == [1] and [f for f in r1[-1]["findings"] if f[0] == "LOCKSTEP"] == [lock]
+    assert "NOT_UPDATED" in kinds(r1[-1])  # (and rank 1 itself says its step did not run)
+    assert "DDP_NOT_SYNCED" not in kinds(r0[-1])  # its gradients were reduced: it only skipped the step
