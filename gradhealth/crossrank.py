@@ -49,10 +49,10 @@ def rank_layout(n: int, valid_names: list[str], entries: int, fingerprint: bool 
     another step than the others must still meet them in a collective of the same size)."""
     lay = Layout()
     for name in _PER_PARAM:
-        if name != "n1" or AGREEMENT:
+        if name != "n1" or AGREEMENT or fingerprint:
             lay.add(name, n)
-    if fingerprint:  # the replicas' parameters (gradients reduced inside the optimizer): mean and mean square
-        lay.add("pf1", n).add("pf2", n)
+    if fingerprint:  # the replicas' parameters (gradients reduced inside the optimizer): their mean square
+        lay.add("pf2", n)  # (and their mean in n1's place: the gradients are not compared then)
     for name in _FLAGS + (_COUNTS if COUNTS else ()):
         lay.add(name)
     for v in valid_names:
@@ -95,8 +95,8 @@ def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = 
                      steps2=[counts[1] ** 2 * inv])
     if fingerprint is not None:
         f = torch.as_tensor(fingerprint, dtype=torch.float64)
-        parts["pf1"], parts["pf2"] = f * inv, f * f * inv
-    if not AGREEMENT:
+        parts["n1"], parts["pf2"] = f * inv, f * f * inv
+    if not (AGREEMENT or fingerprint is not None):
         del parts["n1"]
     for v in valid_names:
         parts[f"valid:{v}"] = [float(obs.valid[v])]
@@ -152,14 +152,14 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
     for c in ("checks", "steps") if COUNTS else ():  # the spread of the counts over the ranks: 0 when all agree
         across.lockstep = across.lockstep and got[f"{c}2"][0] - got[f"{c}1"][0] ** 2 <= 1e-9 * max(1.0, got[f"{c}2"][0])
     replicated = torch.tensor([i not in obs.sharded for i in obs.idx], dtype=torch.bool)
-    if "n1" in t:  # replicated gradients held by every rank, finite everywhere: do their norms agree?
+    if "n1" in t and "pf2" not in t:  # replicated gradients held by every rank, finite everywhere: do they agree?
         spread = sq - t["n1"] * t["n1"]
         comparable = replicated & (bad == 0) & (t["has"] == world)
         across.comparable = int(comparable.sum())
         across.disagree = (comparable & (spread > AGREE_TOL * sq)).nonzero().reshape(-1).tolist()
-    if "pf1" in t:
+    if "pf2" in t:  # the parameters' fingerprints: their mean (in n1) and mean square over the ranks
         pf2 = t["pf2"]
-        odd = replicated & torch.isfinite(pf2) & (pf2 - t["pf1"] * t["pf1"] > AGREE_TOL * pf2)
+        odd = replicated & torch.isfinite(pf2) & (pf2 - t["n1"] * t["n1"] > AGREE_TOL * pf2)
         across.fp_disagree = odd.nonzero().reshape(-1).tolist()
     across.local_norm = list(obs.norm_of)  # this rank's own norms, before the reduction replaces them
     # non-finite anywhere: inf unless the squares hold a NaN; zero only if zero everywhere; a

@@ -68,24 +68,28 @@ def in_optimizer(rank, world, case):
     return {"reports": reports, "losses": losses, "same": _gather_params(model)}
 
 
-def manual_missing(rank, world):
-    """A hand-made data-parallel all-reduce that forgets one gradient: GRAD_DISAGREE names it."""
+def manual(rank, world, missing=None):
+    """A hand-made data-parallel all-reduce before the check; ``missing``: the one gradient it
+    forgets (GRAD_DISAGREE names it)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    mon = gh.GradHealth(model, opt, on_problem="ignore")
-    torch.manual_seed(rank + 1)
-    reports = []
-    for _ in range(3):
+    mon = gh.GradHealth(model, opt, on_problem="ignore" if missing else "raise")
+    g = torch.Generator().manual_seed(rank + 1)
+    reports, losses = [], []
+    for _ in range(8 if missing is None else 3):
         opt.zero_grad()
-        model(torch.randn(6, 4)).square().mean().backward()
+        x = torch.randn(16, 4, generator=g)
+        loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+        loss.backward()
         for name, p in model.named_parameters():
-            if name != "2.bias":
+            if name != missing:
                 dist.all_reduce(p.grad)
                 p.grad /= world
-        reports.append(_report(mon.check()))
+        reports.append(_report(mon.check(loss)))
         opt.step()
-    return {"reports": reports}
+        losses.append(loss.item())
+    return {"reports": reports, "losses": losses, "same": _gather_params(model)}
 
 
 def nanogpt_sync(rank, world, case):
@@ -124,7 +128,8 @@ SCENARIOS = {
     "in_optimizer_auto": lambda r, w: in_optimizer(r, w, "auto"),
     "in_optimizer_explicit": lambda r, w: in_optimizer(r, w, "explicit"),
     "in_optimizer_drift": lambda r, w: in_optimizer(r, w, "drift"),
-    "manual_missing": manual_missing,
+    "manual_missing": lambda r, w: manual(r, w, "2.bias"),
+    "manual_ok": manual,
     "nanogpt_ok": lambda r, w: nanogpt_sync(r, w, "ok"),
     "nanogpt_bug": lambda r, w: nanogpt_sync(r, w, "bug"),
     "nanogpt_skip_step": lambda r, w: nanogpt_sync(r, w, "skip_step"),

@@ -51,6 +51,14 @@ def test_a_gradient_left_out_of_a_manual_all_reduce_is_named_exactly(tmp_path):
         assert f[1] == ["2.bias"] and "GRAD_SYNC" not in kinds(rep)
 
 
+def test_a_manual_all_reduce_before_the_check_is_silent_under_raise(tmp_path):
+    ranks = spawn("manual_ok", tmp_path)
+    for r in ranks:
+        assert r["same"] is True and all(rep["ok"] for rep in r["reports"]) and len(r["reports"]) == 8
+        assert all("GRAD_SYNC" not in kinds(rep) for rep in r["reports"])
+        assert sum(r["losses"][-2:]) < sum(r["losses"][:2])
+
+
 def test_nanogpt_accumulation_under_ddp_is_silent(tmp_path):
     ranks = spawn("nanogpt_ok", tmp_path)
     for r in ranks:
