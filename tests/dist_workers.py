@@ -45,10 +45,11 @@ def run(rank, world, port, out, scenario):
         warnings.simplefilter("ignore")
         if scenario in SCENARIOS:
             payload = SCENARIOS[scenario](rank, world)
-        else:  # the distributed idioms' workers
+        else:  # the distributed idioms' and the 2-D meshes' workers
+            import mesh_workers
             import replica_workers
 
-            payload = replica_workers.SCENARIOS[scenario](rank, world)
+            payload = {**replica_workers.SCENARIOS, **mesh_workers.SCENARIOS}[scenario](rank, world)
         _dump(out, rank, payload)
     except BaseException:
         _dump(out, rank, {"error": traceback.format_exc()})

@@ -64,9 +64,9 @@ class Origins:
 
         found = [[f.message, f.data.get("reproduced"), f.data.get("rank"), f.data.get("batch_idx")]
                  for f in report.findings_of("NONFINITE_ORIGIN") if "reproduced" in f.data]
-        if found:
-            with open(os.path.join(self.out, f"rank{dist.get_rank()}.json"), "a") as f:
-                f.write(json.dumps({"step": report.step, "found": found}) + "\n")
+        if found:  # (one file per rank and step: a relaunch by run_spawned writes the same files again)
+            with open(os.path.join(self.out, f"rank{dist.get_rank()}-step{report.step}.json"), "w") as f:
+                f.write(json.dumps({"step": report.step, "found": found}))
 
 
 def test_ddp_spawn_nan_on_one_rank_gets_one_origin_verdict_on_every_rank(tmp_path):
@@ -75,7 +75,7 @@ def test_ddp_spawn_nan_on_one_rank_gets_one_origin_verdict_on_every_rank(tmp_pat
     cb = GradHealthCallback(on_problem="ignore", skip_nonfinite=True, sinks=[Origins(str(tmp_path))])
     run_spawned(lambda: trainer(tmp_path, cb, steps=4).fit(NaNOnRank1(bug="nan_batch", nan_batch=2),
                                                            SyntheticData(n_batches=8)))
-    got = [[json.loads(line) for line in open(tmp_path / f"rank{r}.json")] for r in (0, 1)]
+    got = [[json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / f"rank{r}-step*.json")))] for r in (0, 1)]
     assert got[0] == got[1]  # the same verdict on both ranks
     [at] = got[0]
     assert at["step"] == 2
