@@ -62,6 +62,13 @@ def rank_layout(n: int, valid_names: list[str], entries: int, fingerprint: bool 
     return lay
 
 
+def weights(obs: Observation, idx, inv: float) -> list[float]:
+    """Per entry, what this rank's squared norm counts for in the SUM over ranks: 1/world for a
+    replicated tensor, 1 for a shard, 1/holders for a shard whose elements several ranks hold."""
+    sharded, holders = obs.sharded, obs.holders
+    return [(1.0 / holders.get(i, 1)) if i in sharded else inv for i in idx]
+
+
 def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = False,
               unsynced: bool = False, counts: tuple[int, int] = (0, 0), fingerprint: list[float] | None = None,
               nosync_step: bool = False, steps: bool | None = None) -> tuple[Tensor, Layout]:
@@ -74,7 +81,7 @@ def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = 
     grid of update numbers is always there then; None: when this rank has any)."""
     b, inv, idx = dist.bit(rank), 1.0 / world, obs.idx
     raw = torch.tensor([0.0 if obs.norm_of[i] is None else obs.norm_of[i] for i in idx], dtype=torch.float64)
-    weight = torch.tensor([1.0 if i in obs.sharded else inv for i in idx], dtype=torch.float64)
+    weight = torch.tensor(weights(obs, idx, inv), dtype=torch.float64)
     pre_bad, pre_zero = pre if pre is not None else ([0.0] * len(idx), [0.0] * len(idx))
     loss = obs.loss
     valid_names = sorted(obs.valid)
@@ -106,7 +113,7 @@ def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = 
         grid = torch.zeros(4, entries, dtype=torch.float64)
         for u in obs.updates:
             n, at = len(u.indices), torch.tensor(u.indices, dtype=torch.long)
-            w = torch.tensor([1.0 if i in obs.sharded else inv for i in u.indices], dtype=torch.float64)
+            w = torch.tensor(weights(obs, u.indices, inv), dtype=torch.float64)
             v = torch.tensor(u.triple(), dtype=torch.float64)
             grid[0, at], grid[1, at], grid[2, at] = v[:n] ** 2 * w, v[n : 2 * n] ** 2 * w, v[2 * n :]
             grid[3, at] += 1.0
@@ -173,6 +180,7 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
     obs.set_norms(norm_of)
     loss_sum, loss_bad, loss_n = got["loss_sum"][0], got["loss_bad"][0], got["loss_n"][0]
     obs.loss = (math.nan if loss_bad > 0 else loss_sum * world / loss_n) if loss_n > 0 else None
+    obs.loss_ranks = dist.ranks_of(loss_bad, world) if loss_bad > 0 else None
     obs.valid = {v: int(round(got[f"valid:{v}"][0])) for v in obs.valid}
     if "upd_n" in got:  # changed anywhere: changed; undecided (nan) anywhere, or not measured everywhere: unknown
         upd, par, chg, cnt = got["upd_sq"], got["par_sq"], got["changed"], got["upd_n"]
@@ -183,6 +191,14 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
                          + [(chg[i] if chg[i] != chg[i] else (1.0 if chg[i] > 0 else 0.0)) if ok else math.nan
                             for i, ok in zip(u.indices, every)])
     return across
+
+
+def reduce_updates(updates: list, entries: int, shards: tuple[set, dict], ranks) -> None:
+    """The update numbers of a flush (no check around them), reduced across the ranks with the
+    check's own packing: a shard's update norm is the whole parameter's. Every rank calls it."""
+    obs = Observation([], [None] * entries, updates=updates, sharded=shards[0], holders=shards[1])
+    vec, lay = pack_rank(obs, ranks.rank, ranks.world, steps=True)
+    combine(dist.all_reduce_tensor(vec, ranks.device), lay, obs, ranks.world)
 
 
 def rank_findings(report: Report, across: Across, obs: Observation, names: list[str]) -> list[Finding]:

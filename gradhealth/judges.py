@@ -15,7 +15,7 @@ from collections.abc import Collection, Mapping
 
 from .findings import Finding, FindingKind
 from .guards import ForwardRecord
-from .naming import agree, matches
+from .naming import on_ranks, agree, matches
 from .report import describe_names
 from .status import Status
 
@@ -38,9 +38,11 @@ def loss_cause(cause: str | None, step: int, where: str = "") -> list[Finding]:
     return [Finding(K.GRAD_MODE, f"loss cannot produce gradients{where}: {cause}", step=step)]
 
 
-def empty_valid_set(valid_counts: Mapping[str, int], loss: float | None, norms: Collection[float], step: int) -> list[Finding]:
+def empty_valid_set(valid_counts: Mapping[str, int], loss: float | None, norms: Collection[float], step: int,
+                    ranks: list[int] | None = None) -> list[Finding]:
     """EMPTY_VALID_SET from a tracked count of 0, or from its signature (a non-finite loss with
-    every gradient exactly zero); NON_FINITE_LOSS for any other non-finite loss."""
+    every gradient exactly zero); NON_FINITE_LOSS for any other non-finite loss (``ranks``: under
+    torch.distributed, the ranks whose own loss was non-finite)."""
     empty = [n for n, c in valid_counts.items() if c == 0]
     if empty:
         return [Finding(K.EMPTY_VALID_SET, f"the valid mask {', '.join(repr(n) for n in empty)} selected nothing at step "
@@ -55,9 +57,10 @@ def empty_valid_set(valid_counts: Mapping[str, int], loss: float | None, norms: 
                         "whose targets are all ignore_index). The step still moves the weights through weight decay; "
                         f"skip such batches or use {_MASKED_MEAN}, and call monitor.track_valid(mask) to see the counts",
                         step=step)]
-    return [Finding(K.NON_FINITE_LOSS, f"the loss is {loss}: check the inputs and targets of this batch, a log or "
-                    "division inside the loss, or a mean over an empty mask (gh.masked_mean makes the empty case "
-                    "explicit)", step=step, data={"value": loss})]
+    where = f" on {on_ranks(ranks)}" if ranks else ""
+    return [Finding(K.NON_FINITE_LOSS, f"the loss is {loss}{where}: check the inputs and targets of {'its' if ranks else 'this'} "
+                    "batch, a log or division inside the loss, or a mean over an empty mask (gh.masked_mean makes the "
+                    "empty case explicit)", step=step, data={"value": loss, "ranks": ranks})]
 
 
 def eval_mode(record: ForwardRecord | None, step: int, where: str = "") -> list[Finding]:

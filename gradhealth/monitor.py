@@ -37,7 +37,7 @@ from .deltas import UpdateTracker
 from .distributed import Ranks, all_reduce_tensor, ranks_of
 from .errors import GradHealthError, GradHealthInternalWarning
 from .hooks import Owned
-from .guards import ForwardRecord, ForwardWatch, diagnose_loss, uses_checkpointing
+from .guards import ForwardWatch, diagnose_loss, uses_checkpointing
 from .observe import Observation, failed_observation, observe
 from .options import Options, check_scaler, check_step, check_tensor
 from .params import ModelChanges, ParamView, Selection
@@ -83,7 +83,7 @@ class GradHealth:
         self.publisher.emit_warnings = self.ranks.rank == 0  # the same verdict is on every rank; rank 0 says it
         self.last_report: Report | None = None
         self._closed = False
-        self._plan = None
+        self._plan, self._shards = None, (set(), {})
         self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every,
                                       change_every=o.change_every)
                         if self.optimizers else None)
@@ -163,12 +163,13 @@ class GradHealth:
         if tracker is None or not tracker.pending:
             return
         updates, tracker.pending = tracker.pending, []
-        values = stats.fetch([u.packed for u in updates])
-        k = 0
+        values, k = stats.fetch([u.packed for u in updates]), 0
         for u in updates:
             u.fetched(values[k : k + u.packed.numel()])
             k += u.packed.numel()
             tracker.settle(u)
+        if self.ranks.active:  # (every rank flushes together, at close() or Trainer's logging: shards summed)
+            crossrank.reduce_updates(updates, len(self.view), self._shards, self.ranks)
         self._deliver(self.carry.resolve_step(None, updates, 0, self.view.params, self.view.names, None, False,
                                               self.options.amp_skip_alarm), None)
 
@@ -198,9 +199,7 @@ class GradHealth:
         """All or nothing, every key checked (:mod:`.state`); a state from another model is refused."""
         checked.load(self.carry, self.view, state)
 
-    @property
-    def parameter_names(self) -> list[str]:
-        return list(self.view.names)
+    parameter_names = property(lambda self: list(self.view.names))
 
     @property
     def history(self):
@@ -216,10 +215,7 @@ class GradHealth:
     def emit_warnings(self, value: bool) -> None:
         self.publisher.emit_warnings = bool(value)
 
-    @property
-    def forward_record(self) -> ForwardRecord | None:
-        """What the monitor saw when the model's forward last ran."""
-        return self.carry.forward
+    forward_record = property(lambda self: self.carry.forward, doc="What the monitor saw when the model's forward last ran.")
 
     def diagnose_loss(self, loss) -> str | None:
         """:func:`gh.guards.diagnose_loss` with what this monitor saw of the forward."""
@@ -325,8 +321,9 @@ class GradHealth:
         r = self.ranks
         pre = r.origin.take([self.view.params[i] for i in obs.idx]) if r.origin is not None else None
         unsynced = r.origin is not None and r.origin.unsynced() and bool(obs.with_grad)
-        self._counts, self._fp = ((self.carry.checks, self.tracker.total_steps if self.tracker is not None else 0),
-                                  r.replicas.fingerprints(self.view.params, obs.idx, obs.sharded))
+        self._counts, self._fp, self._shards = ((self.carry.checks, self.tracker.total_steps if self.tracker else 0),
+                                                r.replicas.fingerprints(self.view.params, obs.idx, obs.sharded),
+                                                (obs.sharded, obs.holders))
         vec, lay = crossrank.pack_rank(obs, r.rank, r.world, pre, self._failed is not None, unsynced, self._counts,
                                        self._fp, r.take_nosync_step(), self.tracker is not None)
         across = crossrank.combine(all_reduce_tensor(vec, r.device), lay, obs, r.world)
@@ -373,7 +370,7 @@ class GradHealth:
             found += crossrank.rank_findings(report, across, obs, names)
             found += crossrank.replica_findings(across, obs, names, report.status, step, self.ranks.device,
                                                 self.ranks.replicas, self._counts, self._fp)
-        found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step)
+        found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step, obs.loss_ranks)
         if nonfinite and report.expert_status:
             found += judges.nonfinite_experts(report.expert_status, step)
         no_grad = [n for n, s in report.errors.items() if s is Status.NO_GRAD]

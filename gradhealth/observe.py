@@ -44,6 +44,10 @@ class Observation:
     eval_record: ForwardRecord | None = None
     stale: set[int] = field(default_factory=set)
     sharded: set[int] = field(default_factory=set)  # entries whose gradient is a shard (FSDP)
+    #: sharded entries whose elements are each held by several ranks (HSDP's replicas, FSDP2 + TP's
+    #: TP-replicated parameters): entry -> how many; 1 when absent
+    holders: dict[int, int] = field(default_factory=dict)
+    loss_ranks: list[int] | None = None  # (after the reduction) the ranks whose loss was non-finite
     slices: dict[int, list[float]] = field(default_factory=dict)  # stacked experts: entry -> slice norms
     router: list[list[float]] | None = None  # tokens routed to each expert, per MoE layer
 
@@ -83,10 +87,17 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         with_grad = [i for i, g in zip(sel.idx, grads) if g is not None]
         grads = [g for g in grads if g is not None]
     sharded: set[int] = set()
+    holders: dict[int, int] = {}
     if distributed:
         for k, i in enumerate(with_grad):
-            if all_sharded or dist.is_sharded(grads[k]):
+            if all_sharded:
                 sharded.add(i)
+            elif dist.is_sharded(grads[k]):
+                shards, held = dist.placement_counts(grads[k])
+                if shards > 1:  # (sharded over a mesh dimension of size 1 only: a replicated tensor)
+                    sharded.add(i)
+                    if held > 1:
+                        holders[i] = held
             grads[k] = dist.to_local(grads[k])
 
     loss_t = loss.detach().reshape(1) if isinstance(loss, Tensor) and loss.numel() == 1 else None
@@ -152,7 +163,8 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
             norm_of[i] = v
     obs = Observation(sel.idx, norm_of, loss=got["loss"][0] if loss_t is not None else None,
                       valid={name: int(got[f"valid{j}"][0]) for j, name in enumerate(valid)},
-                      updates=updates, scale=scale, sharded=sharded, with_grad=with_grad, norms=norms, slices=slices)
+                      updates=updates, scale=scale, sharded=sharded, with_grad=with_grad, norms=norms, slices=slices,
+                      holders=holders)
     if router:
         flat_r, obs.router, pos = got["router"], [], 0
         for c in router:

@@ -102,7 +102,10 @@ def _flags(tensors: list[Tensor]) -> list[bool]:
     are looked at again exactly (min and max: NaN propagates, finite values stay finite)."""
     if not tensors:
         return []
+    from .distributed import to_local
     from .stats import fetch, pack_norms
+
+    tensors = [to_local(t) for t in tensors]  # (tensor parallelism: each rank judges what it holds)
 
     with torch.no_grad():
         packed, perm, _ = pack_norms(tensors)
