@@ -111,12 +111,12 @@ def run_mesh(rank, world, layout, case="healthy"):
     lr, steps = 0.05, 3
     torch.manual_seed(0)
     model = Model()
-    if layout == "hsdp":  # (replicate=2, shard=1): the same batch on both replicas
-        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    if layout in ("hsdp", "hsdp22"):  # (replicate=2, shard=1 or 2); each replica its own batch on (2, 2)
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
         for block in model.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        group, groups = 0, 1
+        group, groups = (0, 1) if layout == "hsdp" else (mesh["replicate"].get_local_rank(), 2)
     elif layout == "tp":  # one TP group of 2: the same batch on both
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         for block in model.layers:
@@ -143,6 +143,9 @@ def run_mesh(rank, world, layout, case="healthy"):
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
+        if case == "damaged" and s == 1 and rank == 3:  # one replica's shard of one gradient, 1% off
+            with torch.no_grad():
+                model.layers[1].feed_forward.w2.weight.grad.to_local().mul_(1.01)
         r = mon.check(loss)
         kept.append(r)
         clip = None
@@ -163,4 +166,4 @@ def run_mesh(rank, world, layout, case="healthy"):
 
 
 SCENARIOS = {f"mesh_{layout}_{case}": (lambda layout, case: lambda r, w: run_mesh(r, w, layout, case))(layout, case)
-             for layout in ("hsdp", "tp", "fsdp_tp") for case in ("healthy", "frozen", "nan")}
+             for layout in ("hsdp", "hsdp22", "tp", "fsdp_tp") for case in ("healthy", "frozen", "nan", "damaged")}

@@ -8,14 +8,14 @@ from test_distributed import spawn
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-WORLD = {"hsdp": 2, "tp": 2, "fsdp_tp": 4}
+WORLD = {"hsdp": 2, "hsdp22": 4, "tp": 2, "fsdp_tp": 4}
 
 
 def close(a, b, rel=1e-5):
     return abs(a - b) <= rel * max(abs(b), 1e-12)
 
 
-@pytest.mark.parametrize("layout", ["hsdp", "tp", "fsdp_tp"])
+@pytest.mark.parametrize("layout", ["hsdp", "hsdp22", "tp", "fsdp_tp"])
 def test_norms_and_updates_equal_the_unsharded_model(tmp_path, layout):
     ranks = spawn(f"mesh_{layout}_healthy", tmp_path, world=WORLD[layout], limit=240)
     ref = ranks[0]["ref"]
@@ -50,3 +50,13 @@ def test_a_nan_batch_on_one_data_parallel_rank_is_named_with_its_ranks(tmp_path)
         [loss] = [f for f in bad["findings"] if f[0] == "NON_FINITE_LOSS"]
         assert loss[3] == [2, 3]  # the data-parallel group 1: ranks 2 and 3 (its two TP ranks)
         assert bad["findings"] == ranks[0]["got"][1]["findings"]
+
+
+def test_hsdp_replicas_whose_shards_differ_are_named_with_the_rank(tmp_path):
+    ranks = spawn("mesh_hsdp22_damaged", tmp_path, world=4, limit=240)
+    for r in ranks:
+        assert all("GRAD_DISAGREE" not in [f[0] for f in g["findings"]] for g in (r["got"][0], r["got"][2]))
+        [f] = [f for f in r["got"][1]["findings"] if f[0] == "GRAD_DISAGREE"]
+        # rank 3 holds the same shard as rank 1 (mesh (replicate=2, shard=2): ranks 1 and 3 share shard 1)
+        assert f[1] == ["layers.1.feed_forward.w2.weight"] and f[3] == {"layers.1.feed_forward.w2.weight": [3]}
+        assert r["got"][1]["findings"] == ranks[0]["got"][1]["findings"]
