@@ -43,7 +43,7 @@ AGREE_TOL = 1e-10
 AGREEMENT = True
 
 
-def rank_layout(n: int, valid_names: list[str], entries: int, fingerprint: bool = False) -> Layout:
+def rank_layout(n: int, valid_names: list[str], entries: int, fingerprint: bool = False, pieces: int = 0) -> Layout:
     """The same on every rank whatever each one measured: per judged entry, per valid name, and a
     fixed grid over every entry for the last step's update numbers (a rank that skipped or took
     another step than the others must still meet them in a collective of the same size)."""
@@ -51,6 +51,8 @@ def rank_layout(n: int, valid_names: list[str], entries: int, fingerprint: bool 
     for name in _PER_PARAM:
         if name != "n1" or AGREEMENT or fingerprint:
             lay.add(name, n)
+    if pieces:  # sharded gradients held by several replicas (HSDP): per shard, its holders' mean and mean square
+        lay.add("s1", pieces).add("s2", pieces)
     if fingerprint:  # the replicas' parameters (gradients reduced inside the optimizer): their mean square
         lay.add("pf2", n)  # (and their mean in n1's place: the gradients are not compared then)
     for name in _FLAGS + (_COUNTS if COUNTS else ()):
@@ -118,7 +120,17 @@ def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = 
             grid[0, at], grid[1, at], grid[2, at] = v[:n] ** 2 * w, v[n : 2 * n] ** 2 * w, v[2 * n :]
             grid[3, at] += 1.0
         parts.update(upd_sq=grid[0], par_sq=grid[1], changed=grid[2], upd_n=grid[3])
-    lay = rank_layout(len(idx), valid_names, entries, fingerprint is not None)
+    held = [(j, i) for j, i in enumerate(idx) if i in obs.pieces]  # (the same entries, in order, on every rank)
+    total = sum(obs.pieces[i][1] for _, i in held)
+    if held:
+        s1, s2, off = torch.zeros(total, dtype=torch.float64), torch.zeros(total, dtype=torch.float64), 0
+        for j, i in held:
+            shard, shards = obs.pieces[i]
+            v = float(raw[j]) if math.isfinite(float(raw[j])) else 0.0
+            s1[off + shard], s2[off + shard] = v / obs.holders[i], v * v / obs.holders[i]
+            off += shards
+        parts.update(s1=s1, s2=s2)
+    lay = rank_layout(len(idx), valid_names, entries, fingerprint is not None, total)
     return lay.pack(**parts), lay
 
 
@@ -164,6 +176,16 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
         comparable = replicated & (bad == 0) & (t["has"] == world)
         across.comparable = int(comparable.sum())
         across.disagree = (comparable & (spread > AGREE_TOL * sq)).nonzero().reshape(-1).tolist()
+    if "s1" in t:  # a sharded gradient agrees when each of its shards agrees across the ranks holding it
+        held = [(j, i) for j, i in enumerate(obs.idx) if i in obs.pieces]
+        s1, s2, off = t["s1"], t["s2"], 0
+        for j, i in held:
+            n = obs.pieces[i][1]
+            if has[j] == world and bad[j] == 0:
+                across.comparable += 1
+                if bool((s2[off:off + n] - s1[off:off + n] ** 2 > AGREE_TOL * s2[off:off + n]).any()):
+                    across.disagree = sorted(set(across.disagree or []) | {j})
+            off += n
     if "pf2" in t:  # the parameters' fingerprints: their mean (in n1) and mean square over the ranks
         pf2 = t["pf2"]
         odd = replicated & torch.isfinite(pf2) & (pf2 - t["n1"] * t["n1"] > AGREE_TOL * pf2)
@@ -273,10 +295,15 @@ def disagree_findings(across: Across, obs: Observation, names: list[str], status
         return []
     idx = [obs.idx[j] for j in across.disagree]
     local = across.local_norm or obs.norm_of
-    rows = dist.all_gather([local[i] if local[i] is not None else math.nan for i in idx], device)
+    n = len(idx)  # each rank's norms, then which shard it holds (a replica is compared with the shard's first holder)
+    rows = dist.all_gather([local[i] if local[i] is not None else math.nan for i in idx]
+                           + [float(obs.pieces.get(i, (0, 1))[0]) for i in idx], device)
     differ: dict[str, list[int]] = {}
     for k, i in enumerate(idx):
-        odd = [r for r, row in enumerate(rows) if row[k] != rows[0][k]]
+        first = {}
+        for r, row in enumerate(rows):
+            first.setdefault(row[n + k], r)
+        odd = [r for r, row in enumerate(rows) if row[k] != rows[first[row[n + k]]][k]]
         differ[names[i]] = odd
     ranks = sorted({r for rs in differ.values() for r in rs})
     return [Finding(FindingKind.GRAD_DISAGREE, f"the replicas' gradients of {describe_names(status, differ)} differ between "

@@ -47,14 +47,16 @@ def is_sharded(t: Tensor) -> bool:
     return any(p.is_shard() for p in t.placements)
 
 
-def placement_counts(t: Tensor) -> tuple[int, int]:
-    """(shards, holders) of a DTensor: how many pieces the mesh dimensions where it is sharded
+def placement_counts(t: Tensor) -> tuple[int, int, int]:
+    """(shards, holders, shard) of a DTensor: how many pieces the mesh dimensions where it is sharded
     (``Shard``, ``_StridedShard``) cut it into, and how many ranks hold each element (the product
     of the sizes of the dimensions where it is replicated, times the copies of its mesh in the world). The squared norm of the whole is then
     the sum over every rank of its local squared norm divided by ``holders``: each element counted
-    once. A ``Partial`` dimension (a sum still pending) counts as sharded, which is not exact for a
+    once. ``shard``: which of the ``shards`` pieces this rank holds (the holders of one piece are
+    replicas of each other). A ``Partial`` dimension (a sum still pending) counts as sharded, which is not exact for a
     norm; FSDP2 and tensor parallelism reduce gradients before the step, so none is Partial at a check."""
-    mesh, shards = t.device_mesh, 1
+    mesh, shards, shard = t.device_mesh, 1, 0
+    coordinate = mesh.get_coordinate() or [0] * mesh.ndim
     # the ranks outside its mesh hold the same tensor (FSDP2 + TP: a norm weight sharded over dp
     # only is the same on every TP rank of its dp group)
     holders = max(1, world_size() // mesh.size())
@@ -63,7 +65,8 @@ def placement_counts(t: Tensor) -> tuple[int, int]:
             holders *= mesh.size(d)
         else:
             shards *= mesh.size(d)
-    return shards, holders
+            shard = shard * mesh.size(d) + coordinate[d]
+    return shards, holders, shard
 
 
 def fsdp1_sharded(model) -> bool:

@@ -47,6 +47,8 @@ class Observation:
     #: sharded entries whose elements are each held by several ranks (HSDP's replicas, FSDP2 + TP's
     #: TP-replicated parameters): entry -> how many; 1 when absent
     holders: dict[int, int] = field(default_factory=dict)
+    #: those entries' (this rank's shard, how many shards): the holders of one shard are replicas
+    pieces: dict[int, tuple[int, int]] = field(default_factory=dict)
     loss_ranks: list[int] | None = None  # (after the reduction) the ranks whose loss was non-finite
     slices: dict[int, list[float]] = field(default_factory=dict)  # stacked experts: entry -> slice norms
     router: list[list[float]] | None = None  # tokens routed to each expert, per MoE layer
@@ -88,16 +90,17 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         grads = [g for g in grads if g is not None]
     sharded: set[int] = set()
     holders: dict[int, int] = {}
+    pieces: dict[int, tuple[int, int]] = {}
     if distributed:
         for k, i in enumerate(with_grad):
             if all_sharded:
                 sharded.add(i)
             elif dist.is_sharded(grads[k]):
-                shards, held = dist.placement_counts(grads[k])
+                shards, held, shard = dist.placement_counts(grads[k])
                 if shards > 1:  # (sharded over a mesh dimension of size 1 only: a replicated tensor)
                     sharded.add(i)
                     if held > 1:
-                        holders[i] = held
+                        holders[i], pieces[i] = held, (shard, shards)
             grads[k] = dist.to_local(grads[k])
 
     loss_t = loss.detach().reshape(1) if isinstance(loss, Tensor) and loss.numel() == 1 else None
@@ -164,7 +167,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     obs = Observation(sel.idx, norm_of, loss=got["loss"][0] if loss_t is not None else None,
                       valid={name: int(got[f"valid{j}"][0]) for j, name in enumerate(valid)},
                       updates=updates, scale=scale, sharded=sharded, with_grad=with_grad, norms=norms, slices=slices,
-                      holders=holders)
+                      holders=holders, pieces=pieces)
     if router:
         flat_r, obs.router, pos = got["router"], [], 0
         for c in router:
