@@ -120,15 +120,17 @@ def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = 
             grid[0, at], grid[1, at], grid[2, at] = v[:n] ** 2 * w, v[n : 2 * n] ** 2 * w, v[2 * n :]
             grid[3, at] += 1.0
         parts.update(upd_sq=grid[0], par_sq=grid[1], changed=grid[2], upd_n=grid[3])
-    held = [(j, i) for j, i in enumerate(idx) if i in obs.pieces]  # (the same entries, in order, on every rank)
+    held = [(j, i) for j, i in enumerate(idx) if i in obs.pieces] if obs.pieces else []  # (in order, on every rank)
     total = sum(obs.pieces[i][1] for _, i in held)
-    if held:
-        s1, s2, off = torch.zeros(total, dtype=torch.float64), torch.zeros(total, dtype=torch.float64), 0
-        for j, i in held:
-            shard, shards = obs.pieces[i]
-            v = float(raw[j]) if math.isfinite(float(raw[j])) else 0.0
-            s1[off + shard], s2[off + shard] = v / obs.holders[i], v * v / obs.holders[i]
-            off += shards
+    if held:  # this rank's norm at its shard's slot of each such entry
+        sizes = [obs.pieces[i][1] for _, i in held]
+        starts = torch.tensor([0] + sizes[:-1], dtype=torch.long).cumsum(0)
+        at = starts + torch.tensor([obs.pieces[i][0] for _, i in held], dtype=torch.long)
+        v = raw[torch.tensor([j for j, _ in held], dtype=torch.long)]
+        v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+        h = torch.tensor([float(obs.holders[i]) for _, i in held], dtype=torch.float64)
+        s1, s2 = torch.zeros(total, dtype=torch.float64), torch.zeros(total, dtype=torch.float64)
+        s1[at], s2[at] = v / h, v * v / h
         parts.update(s1=s1, s2=s2)
     lay = rank_layout(len(idx), valid_names, entries, fingerprint is not None, total)
     return lay.pack(**parts), lay
@@ -178,14 +180,15 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
         across.disagree = (comparable & (spread > AGREE_TOL * sq)).nonzero().reshape(-1).tolist()
     if "s1" in t:  # a sharded gradient agrees when each of its shards agrees across the ranks holding it
         held = [(j, i) for j, i in enumerate(obs.idx) if i in obs.pieces]
-        s1, s2, off = t["s1"], t["s2"], 0
-        for j, i in held:
-            n = obs.pieces[i][1]
-            if has[j] == world and bad[j] == 0:
-                across.comparable += 1
-                if bool((s2[off:off + n] - s1[off:off + n] ** 2 > AGREE_TOL * s2[off:off + n]).any()):
-                    across.disagree = sorted(set(across.disagree or []) | {j})
-            off += n
+        s1, s2 = t["s1"], t["s2"]
+        entry = torch.repeat_interleave(torch.arange(len(held)), torch.tensor([obs.pieces[i][1] for _, i in held]))
+        odd = torch.zeros(len(held)).index_add_(0, entry, (s2 - s1 * s1 > AGREE_TOL * s2).float()) > 0
+        js = torch.tensor([j for j, _ in held], dtype=torch.long)
+        usable = (t["has"][js] == world) & (bad[js] == 0)
+        across.comparable += int(usable.sum())
+        found = js[usable & odd].tolist()
+        if found:
+            across.disagree = sorted(set(across.disagree or []) | set(found))
     if "pf2" in t:  # the parameters' fingerprints: their mean (in n1) and mean square over the ranks
         pf2 = t["pf2"]
         odd = replicated & torch.isfinite(pf2) & (pf2 - t["n1"] * t["n1"] > AGREE_TOL * pf2)

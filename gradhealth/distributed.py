@@ -47,6 +47,9 @@ def is_sharded(t: Tensor) -> bool:
     return any(p.is_shard() for p in t.placements)
 
 
+_PLACED: dict = {}  # (mesh, placements) -> placement_counts: the same for every gradient of a layout
+
+
 def placement_counts(t: Tensor) -> tuple[int, int, int]:
     """(shards, holders, shard) of a DTensor: how many pieces the mesh dimensions where it is sharded
     (``Shard``, ``_StridedShard``) cut it into, and how many ranks hold each element (the product
@@ -55,6 +58,10 @@ def placement_counts(t: Tensor) -> tuple[int, int, int]:
     once. ``shard``: which of the ``shards`` pieces this rank holds (the holders of one piece are
     replicas of each other). A ``Partial`` dimension (a sum still pending) counts as sharded, which is not exact for a
     norm; FSDP2 and tensor parallelism reduce gradients before the step, so none is Partial at a check."""
+    key = (id(t.device_mesh), t.placements)
+    got = _PLACED.get(key)
+    if got is not None and got[0] is t.device_mesh:
+        return got[1]
     mesh, shards, shard = t.device_mesh, 1, 0
     coordinate = mesh.get_coordinate() or [0] * mesh.ndim
     # the ranks outside its mesh hold the same tensor (FSDP2 + TP: a norm weight sharded over dp
@@ -66,6 +73,9 @@ def placement_counts(t: Tensor) -> tuple[int, int, int]:
         else:
             shards *= mesh.size(d)
             shard = shard * mesh.size(d) + coordinate[d]
+    if len(_PLACED) > 256:
+        _PLACED.clear()
+    _PLACED[key] = (mesh, (shards, holders, shard))
     return shards, holders, shard
 
 
