@@ -353,19 +353,28 @@ def replica_findings(across: Across, obs: Observation, names: list[str], status,
 
 def desync_findings(params: list[Tensor], names: list[str], status, step: int, device) -> list[Finding]:
     """DESYNC: a fingerprint (sum and norm) of every replicated parameter, all-gathered once."""
-    pairs = [(n, p) for n, p in zip(names, params) if not dist.is_sharded(p)]
+    pairs, shard_of = [], []  # replicated parameters, and sharded ones whose shards several replicas hold (HSDP)
+    for n, p in zip(names, params):
+        pieces = dist.placement_counts(p) if dist.is_sharded(p) else (1, 2, 0)
+        if pieces[0] == 1 or pieces[1] > 1:
+            pairs.append((n, p))
+            shard_of.append(float(pieces[2]))
     if not pairs:
         return []
     local = [dist.to_local(p).detach() for _, p in pairs]
     with torch.no_grad():
         sums = torch.stack([t.sum(dtype=torch.float32) if t.numel() else torch.zeros((), device=t.device) for t in local])
         norms = torch.stack(torch._foreach_norm(local)).to(sums.dtype)
-    rows = dist.all_gather(torch.cat([sums, norms]).double().tolist(), device)
+    rows = dist.all_gather(torch.cat([sums, norms]).double().tolist() + shard_of, device)
     n = len(pairs)
     differ: dict[str, list[int]] = {}
     for j, (name, _) in enumerate(pairs):
-        ref = (rows[0][j], rows[0][n + j])
-        odd = [r for r, row in enumerate(rows) if (row[j], row[n + j]) != ref and not (math.isnan(row[j]) and math.isnan(ref[0]))]
+        first: dict[float, list[float]] = {}  # each rank against the first rank holding the same shard
+        for row in rows:
+            first.setdefault(row[2 * n + j], row)
+        refs = [first[row[2 * n + j]] for row in rows]
+        odd = [r for r, (row, ref) in enumerate(zip(rows, refs)) if (row[j], row[n + j]) != (ref[j], ref[n + j])
+               and not (math.isnan(row[j]) and math.isnan(ref[j]))]
         if odd:
             differ[name] = odd
     if not differ:

@@ -47,6 +47,18 @@ def is_sharded(t: Tensor) -> bool:
     return any(p.is_shard() for p in t.placements)
 
 
+def settle_partial(t: Tensor) -> Tensor:
+    """A DTensor gradient with a ``Partial`` placement (a sum still pending), reduced as torch's own
+    norm of it would (``Partial`` -> ``Replicate``: a collective over that mesh dimension, on every
+    rank alike, since every rank holds the same placements); anything else unchanged."""
+    DTensor = dtensor_type()
+    if DTensor is None or not isinstance(t, DTensor) or not any(p.is_partial() for p in t.placements):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    return t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
+
+
 _PLACED: dict = {}  # (mesh, placements) -> placement_counts: the same for every gradient of a layout
 
 
@@ -56,8 +68,7 @@ def placement_counts(t: Tensor) -> tuple[int, int, int]:
     of the sizes of the dimensions where it is replicated, times the copies of its mesh in the world). The squared norm of the whole is then
     the sum over every rank of its local squared norm divided by ``holders``: each element counted
     once. ``shard``: which of the ``shards`` pieces this rank holds (the holders of one piece are
-    replicas of each other). A ``Partial`` dimension (a sum still pending) counts as sharded, which is not exact for a
-    norm; FSDP2 and tensor parallelism reduce gradients before the step, so none is Partial at a check."""
+    replicas of each other). ``Partial`` is reduced first (:func:`settle_partial`)."""
     key = (id(t.device_mesh), t.placements)
     got = _PLACED.get(key)
     if got is not None and got[0] is t.device_mesh:

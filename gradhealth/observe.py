@@ -93,6 +93,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     pieces: dict[int, tuple[int, int]] = {}
     if distributed:
         for k, i in enumerate(with_grad):
+            grads[k] = dist.settle_partial(grads[k])
             if all_sharded:
                 sharded.add(i)
             elif dist.is_sharded(grads[k]):

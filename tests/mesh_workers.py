@@ -133,6 +133,7 @@ def run_mesh(rank, world, layout, case="healthy"):
         model.layers[0].attention.wq.weight.requires_grad_(False)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     mon = gh.GradHealth(model, opt, on_problem="raise" if case == "healthy" else "ignore", update_every=1,
+                        desync_every=1 if case == "drifted" else 100,
                         expect_frozen=[] if case == "frozen" else None)
     got, kept, ref = [], [], reference(0, groups, lr, steps) if case == "healthy" else None
     for s in range(steps):
@@ -146,6 +147,9 @@ def run_mesh(rank, world, layout, case="healthy"):
         if case == "damaged" and s == 1 and rank == 3:  # one replica's shard of one gradient, 1% off
             with torch.no_grad():
                 model.layers[1].feed_forward.w2.weight.grad.to_local().mul_(1.01)
+        if case == "drifted" and s == 1 and rank == 3:  # one replica's shard of one parameter moved
+            with torch.no_grad():
+                model.layers[0].ffn_norm.weight.to_local().add_(1e-3)
         r = mon.check(loss)
         kept.append(r)
         clip = None
@@ -166,4 +170,25 @@ def run_mesh(rank, world, layout, case="healthy"):
 
 
 SCENARIOS = {f"mesh_{layout}_{case}": (lambda layout, case: lambda r, w: run_mesh(r, w, layout, case))(layout, case)
-             for layout in ("hsdp", "hsdp22", "tp", "fsdp_tp") for case in ("healthy", "frozen", "nan", "damaged")}
+             for layout in ("hsdp", "hsdp22", "tp", "fsdp_tp") for case in ("healthy", "frozen", "nan", "damaged", "drifted")}
+
+
+def partial_grad(rank, world):
+    """A DTensor parameter whose gradient is still Partial (a pending sum): its norm is the sum's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3, bias=False)
+    model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate()]))
+    locals_ = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    model.weight.grad = DTensor.from_local(locals_[rank], mesh, [Partial()])
+    mon = gh.GradHealth(model, on_problem="raise")
+    r = mon.check()
+    mon.close()
+    return {"got": r.grad_norm["weight"], "want": sum(locals_).double().norm().item(),
+            "local": locals_[rank].double().norm().item()}
+
+
+SCENARIOS["partial_grad"] = partial_grad

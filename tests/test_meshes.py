@@ -60,3 +60,17 @@ def test_hsdp_replicas_whose_shards_differ_are_named_with_the_rank(tmp_path):
         # rank 3 holds the same shard as rank 1 (mesh (replicate=2, shard=2): ranks 1 and 3 share shard 1)
         assert f[1] == ["layers.1.feed_forward.w2.weight"] and f[3] == {"layers.1.feed_forward.w2.weight": [3]}
         assert r["got"][1]["findings"] == ranks[0]["got"][1]["findings"]
+
+
+def test_a_partial_gradient_is_normed_as_its_pending_sum(tmp_path):
+    for r in spawn("partial_grad", tmp_path, world=2):
+        assert close(r["got"], r["want"]) and not close(r["got"], r["local"])
+
+
+def test_hsdp_replicas_whose_parameters_drift_are_desync_with_the_rank(tmp_path):
+    ranks = spawn("mesh_hsdp22_drifted", tmp_path, world=4, limit=240)
+    for r in ranks:
+        assert "DESYNC" not in [f[0] for f in r["got"][0]["findings"]]
+        for g in r["got"][1:]:  # from the check after it moved on
+            [f] = [f for f in g["findings"] if f[0] == "DESYNC"]
+            assert f[1] == ["layers.0.ffn_norm.weight"] and f[3] == {"layers.0.ffn_norm.weight": [3]}
