@@ -363,7 +363,8 @@ def _mesh_worker(rank: int, world: int, port: int, out: str, rounds: int) -> Non
     os._exit(0)
 
 
-def bench_meshes(rounds: int) -> None:
+def _spawned(worker, world: int, rounds: int) -> dict:
+    """Run ``worker`` on ``world`` gloo ranks (a free loopback port); rank 0's timings."""
     import json
     import os
     import socket
@@ -374,10 +375,14 @@ def bench_meshes(rounds: int) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = os.path.join(tempfile.mkdtemp(), "mesh.json")
-    mp.spawn(_mesh_worker, args=(4, port, out, rounds), nprocs=4, join=True)
+    out = os.path.join(tempfile.mkdtemp(), "timings.json")
+    mp.spawn(worker, args=(world, port, out, rounds), nprocs=world, join=True)
     with open(out) as f:
-        res = json.load(f)
+        return json.load(f)
+
+
+def bench_meshes(rounds: int) -> None:
+    res = _spawned(_mesh_worker, 4, rounds)
     a, b = res["1-D (4,)"], res["2-D (2, 2)"]
     print("\n2-D meshes, 100 sharded tensors (50 blocks of width 64), 4 gloo ranks on this machine's cores:")
     print(f"  check() on FSDP2's 1-D mesh {a * 1e3:.3f} ms; on HSDP's 2-D mesh (each element once, per-shard "
@@ -386,20 +391,7 @@ def bench_meshes(rounds: int) -> None:
 
 def bench_distributed(rounds: int) -> None:
     """The check's collective at world size 2 (gloo, CPU), next to the same check in one process."""
-    import json
-    import os
-    import socket
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = os.path.join(tempfile.mkdtemp(), "dist.json")
-    mp.spawn(_dist_worker, args=(2, port, out, rounds), nprocs=2, join=True)
-    with open(out) as f:
-        res = json.load(f)
+    res = _spawned(_dist_worker, 2, rounds)
     dist_t = res["check()"]
     torch.manual_seed(0)
     saved = torch.get_num_threads()

@@ -15,6 +15,7 @@ from torch import nn
 import gradhealth as gh
 from gradhealth.integrations.lightning import GradHealthCallback, metrics_of
 from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
+from test_idioms_lightning import GAN  # Lightning's two-optimizer recipe
 
 
 def fit(module, callbacks, steps=4, data=None, **trainer_kw):
@@ -172,34 +173,6 @@ def test_resume_keeps_history(tmp_path):
     trainer.fit(DemoModule(), SyntheticData(n_batches=8), ckpt_path=os.path.join(str(tmp_path), "last.ckpt"))
     assert seen_at_start == [10]
     assert resumed.state_dict()["monitor"]["history"]["seen"] == 12
-
-
-class GAN(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.automatic_optimization = False
-        self.gen = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
-        self.disc = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-
-    def training_step(self, batch, batch_idx):
-        opt_g, opt_d = self.optimizers()
-        x = batch[0][:, :4]
-        z = torch.randn_like(x)
-        self.toggle_optimizer(opt_d)
-        d_loss = nn.functional.softplus(-self.disc(x)).mean() + nn.functional.softplus(self.disc(self.gen(z).detach())).mean()
-        opt_d.zero_grad()
-        self.manual_backward(d_loss)
-        opt_d.step()
-        self.untoggle_optimizer(opt_d)
-        self.toggle_optimizer(opt_g)
-        g_loss = nn.functional.softplus(-self.disc(self.gen(z))).mean()
-        opt_g.zero_grad()
-        self.manual_backward(g_loss)
-        opt_g.step()
-        self.untoggle_optimizer(opt_g)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.gen.parameters(), 1e-3), torch.optim.Adam(self.disc.parameters(), 1e-3)
 
 
 def test_two_optimizers_classified_per_step():
