@@ -43,7 +43,8 @@ AGREE_TOL = 1e-10
 AGREEMENT = True
 
 
-def rank_layout(n: int, valid_names: list[str], entries: int, fingerprint: bool = False, pieces: int = 0) -> Layout:
+def rank_layout(n: int, valid_names: list[str], entries: int, fingerprint: bool = False, pieces: int = 0,
+                experts: int = 0) -> Layout:
     """The same on every rank whatever each one measured: per judged entry, per valid name, and a
     fixed grid over every entry for the last step's update numbers (a rank that skipped or took
     another step than the others must still meet them in a collective of the same size)."""
@@ -53,6 +54,8 @@ def rank_layout(n: int, valid_names: list[str], entries: int, fingerprint: bool 
             lay.add(name, n)
     if pieces:  # sharded gradients held by several replicas (HSDP): per shard, its holders' mean and mean square
         lay.add("s1", pieces).add("s2", pieces)
+    if experts:  # sharded stacked experts: each expert's squared norm, from the ranks' shards
+        lay.add("ex", experts)
     if fingerprint:  # the replicas' parameters (gradients reduced inside the optimizer): their mean square
         lay.add("pf2", n)  # (and their mean in n1's place: the gradients are not compared then)
     for name in _FLAGS + (_COUNTS if COUNTS else ()):
@@ -132,7 +135,10 @@ def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = 
         s1, s2 = torch.zeros(total, dtype=torch.float64), torch.zeros(total, dtype=torch.float64)
         s1[at], s2[at] = v / h, v * v / h
         parts.update(s1=s1, s2=s2)
-    lay = rank_layout(len(idx), valid_names, entries, fingerprint is not None, total)
+    ex = [obs.ex_parts[i] for i in idx if i in obs.ex_parts]  # (the same entries and sizes on every rank)
+    if ex:
+        parts["ex"] = [v for vs in ex for v in vs]
+    lay = rank_layout(len(idx), valid_names, entries, fingerprint is not None, total, sum(map(len, ex)))
     return lay.pack(**parts), lay
 
 
@@ -178,6 +184,12 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
         comparable = replicated & (bad == 0) & (t["has"] == world)
         across.comparable = int(comparable.sum())
         across.disagree = (comparable & (spread > AGREE_TOL * sq)).nonzero().reshape(-1).tolist()
+    if "ex" in t:  # sharded stacked experts: every expert's norm, whole
+        flat, pos = got["ex"], 0
+        for i in [i for i in obs.idx if i in obs.ex_parts]:
+            n = len(obs.ex_parts[i])
+            obs.slices[i] = [math.sqrt(v) if v == v else v for v in flat[pos:pos + n]]
+            pos += n
     if "s1" in t:  # a sharded gradient agrees when each of its shards agrees across the ranks holding it
         held = [(j, i) for j, i in enumerate(obs.idx) if i in obs.pieces]
         s1, s2 = t["s1"], t["s2"]

@@ -130,6 +130,29 @@ def describe_stacks(stacks: dict[int, Stack]) -> str | None:
     return terminal_safe(f"stacked experts judged per expert in {len(by)} layer{'s' if len(by) != 1 else ''}: {shown}")
 
 
+def local_stack(stack: Stack, grad: Tensor, cut: tuple[int, int] | None) -> tuple[Stack, int | None]:
+    """The stack as this rank's shard of the gradient holds it, and where its experts start:
+    sharded along the stacking dimension (FSDP2's ``Shard(0)``), the shard holds experts
+    ``[offset, offset + n)`` whole (``torch.chunk``'s split); sharded along another, a part of every
+    expert (offset None)."""
+    n = grad.shape[stack.dim]
+    if cut is None or n == stack.count:  # whole, or cut along another dimension: a part of every expert
+        return stack, None
+    chunk = -(-stack.count // cut[1])
+    return Stack(stack.entry, stack.name, stack.module, stack.dim, n), cut[0] * chunk
+
+
+def spread_squares(norms: list[float], offset: int | None, count: int, holders: int) -> list[float]:
+    """Per expert of the whole stack, this rank's share of its squared norm: its own experts'
+    squares at their places (or a part of every expert's), over the ranks holding each element."""
+    if offset is None:
+        return [v * v / holders for v in norms]
+    out = [0.0] * count
+    for e, v in enumerate(norms):
+        out[offset + e] = v * v / holders
+    return out
+
+
 def _slices(grad: Tensor, stack: Stack) -> Tensor:
     g = grad.detach()
     if stack.dim:

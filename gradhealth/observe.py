@@ -50,6 +50,9 @@ class Observation:
     #: those entries' (this rank's shard, how many shards): the holders of one shard are replicas
     pieces: dict[int, tuple[int, int]] = field(default_factory=dict)
     loss_ranks: list[int] | None = None  # (after the reduction) the ranks whose loss was non-finite
+    #: sharded stacked experts: entry -> per expert, this rank's squared norm over 1/holders (summed
+    #: across the ranks into ``slices``)
+    ex_parts: dict[int, list[float]] = field(default_factory=dict)
     slices: dict[int, list[float]] = field(default_factory=dict)  # stacked experts: entry -> slice norms
     router: list[list[float]] | None = None  # tokens routed to each expert, per MoE layer
 
@@ -91,6 +94,8 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     sharded: set[int] = set()
     holders: dict[int, int] = {}
     pieces: dict[int, tuple[int, int]] = {}
+    cut: dict[int, tuple[int, int]] = {}  # sharded stacked experts: (this rank's shard, shards)
+    ex_parts: dict[int, list[float]] = {}  # their experts' squared norms from this rank's shard
     if distributed:
         for k, i in enumerate(with_grad):
             grads[k] = dist.settle_partial(grads[k])
@@ -102,6 +107,8 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
                     sharded.add(i)
                     if held > 1:
                         holders[i], pieces[i] = held, (shard, shards)
+                    if i in view.stacks:
+                        cut[i] = (shard, shards)
             grads[k] = dist.to_local(grads[k])
 
     loss_t = loss.detach().reshape(1) if isinstance(loss, Tensor) and loss.numel() == 1 else None
@@ -125,10 +132,12 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         parts["router"] = torch.cat([c.reshape(-1).to(router[0].device) for c in router])
     # stacked experts: their slices' norms replace the tensor's own (one pass), read in the same transfer
     stacked = [k for k, i in enumerate(with_grad) if i in view.stacks and grads[k].layout is torch.strided
-               and not grads[k].is_complex()] if view.stacks and not distributed else []
+               and not grads[k].is_complex()] if view.stacks else []
+    # (a shard holds some experts whole, or part of every expert: its own slices, summed across ranks later)
+    local = {k: experts.local_stack(view.stacks[with_grad[k]], grads[k], cut.get(with_grad[k])) for k in stacked}
     if stacked:
-        lay.add("slices", sum(view.stacks[with_grad[k]].count for k in stacked))
-        parts["slices"] = torch.cat([experts.slice_norms(grads[k], view.stacks[with_grad[k]]) for k in stacked])
+        lay.add("slices", sum(local[k][0].count for k in stacked))
+        parts["slices"] = torch.cat([experts.slice_norms(grads[k], local[k][0]) for k in stacked])
         whole = set(stacked)
         plain = [g for k, g in enumerate(grads) if k not in whole]
     else:
@@ -138,18 +147,22 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     got = lay.unpack(flat)
     slices: dict[int, list[float]] = {}
     if stacked:
-        counts = [view.stacks[with_grad[k]].count for k in stacked]
+        counts = [local[k][0].count for k in stacked]
         flat_slices, values, pos = got["slices"], [], 0
         for c in counts:
             values.append(list(flat_slices[pos:pos + c]))
             pos += c
-        values = experts.finish_slices([grads[k] for k in stacked], [view.stacks[with_grad[k]] for k in stacked], values)
+        values = experts.finish_slices([grads[k] for k in stacked], [local[k][0] for k in stacked], values)
+        for j, k in enumerate(stacked):  # a shard's slices: its squares at their experts, reduced across ranks
+            if with_grad[k] in cut:
+                ex_parts[with_grad[k]] = experts.spread_squares(values[j], local[k][1], view.stacks[with_grad[k]].count,
+                                                                holders.get(with_grad[k], 1))
         it = iter(norms)
         merged, at = [], dict(zip(stacked, values))
         for k in range(len(grads)):
             merged.append(stats.combine_norms(at[k]) if k in at else next(it))  # a stack's norm: its slices'
         norms = merged
-        slices = {with_grad[k]: v for k, v in at.items()}
+        slices = {with_grad[k]: v for k, v in at.items() if with_grad[k] not in cut}
 
     scale = got["scale"][0] if scale_t is not None else None
     if scale:
@@ -157,6 +170,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         pids = view.pids
         norms = [v if pids[i] in done else v / scale for i, v in zip(with_grad, norms)]
         slices = {i: vs if pids[i] in done else [v / scale for v in vs] for i, vs in slices.items()}
+        ex_parts = {i: vs if pids[i] in done else [v / scale**2 for v in vs] for i, vs in ex_parts.items()}
     for j, u in enumerate(updates):
         u.fetched(got[f"update{j}"])
     if len(norms) == len(view):  # every entry has a gradient
@@ -168,7 +182,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     obs = Observation(sel.idx, norm_of, loss=got["loss"][0] if loss_t is not None else None,
                       valid={name: int(got[f"valid{j}"][0]) for j, name in enumerate(valid)},
                       updates=updates, scale=scale, sharded=sharded, with_grad=with_grad, norms=norms, slices=slices,
-                      holders=holders, pieces=pieces)
+                      holders=holders, pieces=pieces, ex_parts=ex_parts)
     if router:
         flat_r, obs.router, pos = got["router"], [], 0
         for c in router:

@@ -192,3 +192,55 @@ def partial_grad(rank, world):
 
 
 SCENARIOS["partial_grad"] = partial_grad
+
+
+class Experts(nn.Module):
+    """Stacked experts as transformers 5 stores them: one [E, d, d] tensor, tokens routed by argmax;
+    expert 3 never gets a token (dead)."""
+
+    num_experts = 4
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(self.num_experts, d, d) * 0.3)
+
+    def forward(self, x, route):
+        return torch.einsum("td,tde->te", x, self.weight[route])
+
+
+class MoE(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.router = nn.Linear(d, 3, bias=False)  # only experts 0-2 can be chosen
+        self.experts = Experts(d)
+
+    def forward(self, x):
+        return self.experts(x, self.router(x).argmax(-1))
+
+
+def moe(rank, world, how):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model, ref = MoE(), MoE()
+    ref.load_state_dict(model.state_dict())
+    xs = [torch.randn(32, 8, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    # the reference: the mean of the ranks' losses, in one process
+    sum(ref(x).square().mean() for x in xs).div(world).backward()
+    want = [ref.experts.weight.grad[e].double().norm().item() for e in range(4)]
+    if how == "fsdp2":
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        trained = model
+    else:
+        trained = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)  # (the router gets none)
+    mon = gh.GradHealth(trained, on_problem="ignore", grad_patience=100)
+    trained(xs[rank]).square().mean().backward()
+    r = mon.check()
+    mon.close()
+    return {"got": [r.expert_grad_norm.get(f"experts[{e}]") for e in range(4)], "want": want,
+            "status": {k: v.value for k, v in r.expert_status.items()}}
+
+
+SCENARIOS["moe_fsdp2"] = lambda r, w: moe(r, w, "fsdp2")
+SCENARIOS["moe_ddp"] = lambda r, w: moe(r, w, "ddp")

@@ -74,3 +74,12 @@ def test_hsdp_replicas_whose_parameters_drift_are_desync_with_the_rank(tmp_path)
         for g in r["got"][1:]:  # from the check after it moved on
             [f] = [f for f in g["findings"] if f[0] == "DESYNC"]
             assert f[1] == ["layers.0.ffn_norm.weight"] and f[3] == {"layers.0.ffn_norm.weight": [3]}
+
+
+@pytest.mark.parametrize("how", ["fsdp2", "ddp"])
+def test_stacked_experts_are_judged_per_expert_under_fsdp2_and_ddp(tmp_path, how):
+    for r in spawn(f"moe_{how}", tmp_path, world=2):
+        assert r["want"][3] == 0.0 and all(v > 0 for v in r["want"][:3])  # the premise: expert 3 got no token
+        for got, want in zip(r["got"], r["want"]):
+            assert close(got, want) if want else got == 0.0
+        assert r["status"] == {"experts[0]": "OK", "experts[1]": "OK", "experts[2]": "OK", "experts[3]": "ZERO_GRAD"}
