@@ -248,7 +248,7 @@ class Ranks:
         self.nosync_step = False  # an optimizer step ran on gradients DDP did not reduce
         self._step_hooks: list = []
         self.watch_steps(optimizers)
-        from .replicas import Replicas
+        from .replicas import Replicas  # (it imports this module)
 
         self.replicas = Replicas(grad_sync, self.ddp is not None)  # where the gradients are reduced
         self.origin = None

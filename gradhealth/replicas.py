@@ -24,6 +24,9 @@ and a sum of squares, so a difference shows in the SUM): ranks at different coun
 
 from __future__ import annotations
 
+import torch
+
+from .distributed import to_local
 from .findings import Finding, FindingKind
 from .naming import on_ranks
 
@@ -54,10 +57,6 @@ class Replicas:
         stacked copy per sample size; None unless the replicas are compared on their parameters."""
         if not self.in_optimizer:
             return None
-        import torch
-
-        from .distributed import to_local
-
         key = (id(params), id(idx), len(idx), len(sharded))
         if key != self._key:  # the samples are views: made once, they follow the parameters' updates
             groups: dict[int, tuple[list[int], list]] = {}
