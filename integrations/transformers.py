@@ -183,6 +183,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         #: this step's micro-batches: [args, kwargs, random state, autocast dtype or None, has a loss]
         self._window: list[tuple] = []
         self._replaying = False
+        self._device = "cpu"
         self._pre_hook = None
         self._callbacks: list | None = None  # Trainer's callback list (found at on_train_begin)
         self._tb_sink = None
@@ -235,6 +236,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self._pending_state = None
         self._hook = model.register_forward_hook(self._on_forward)
         if self.replay_on_nonfinite:
+            self._device = next(iter(model.parameters()), torch.empty(0)).device.type  # (autocast's device type)
             self._pre_hook = model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True)
         self._callbacks = self._callback_list()
         if self.log:
@@ -299,7 +301,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
     def _on_forward_pre(self, module, args, kwargs) -> None:
         if self._replaying or not (self._in_step and module.training and torch.is_grad_enabled()):
             return
-        device = next(module.parameters(), torch.empty(0)).device.type
+        device = self._device
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         self._window.append([args, kwargs, rng_state(), dtype, False])  # (has a loss: set by the forward hook)
 
@@ -309,7 +311,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
     def _replay(self, mon: GradHealth, report: Report, window: list):
         """The step's micro-batches once more under the tracer, each alone, until one makes the NaN."""
         model = mon.model
-        device = next(model.parameters(), torch.empty(0)).device.type
+        device = self._device
 
         def runner(args, kwargs, dtype):
             def run() -> None:
