@@ -72,16 +72,20 @@ def mlp():
     return MLP()
 
 
-def run_spawned(fn, attempts=2):
+def run_spawned(fn, attempts=2, fresh=()):
     """Run a Lightning ddp_spawn fit; retry once when a worker died of SIGABRT (gloo's teardown can
     abort a process that already finished its work; seen once in ~12 suite runs). Any other failure,
-    gradhealth's errors included, propagates at once."""
+    gradhealth's errors included, propagates at once. The folders in `fresh` (where the fit writes its
+    logs) are removed before every attempt, so a relaunch leaves one run behind, not two."""
     import os
+    import shutil
 
     from torch.multiprocessing.spawn import ProcessExitedException
 
     for attempt in range(attempts):
         os.environ.pop("MASTER_PORT", None)  # a fresh port for every launch
+        for folder in fresh:
+            shutil.rmtree(folder, ignore_errors=True)
         try:
             return fn()
         except ProcessExitedException as exc:

@@ -50,10 +50,12 @@ def test_strict_config_raises(tmp_path):
 def test_multiprocess_config(tmp_path):
     from conftest import run_spawned
 
-    cli, _ = run_spawned(lambda: run("multiprocess.yaml", tmp_path, f"--trainer.logger.init_args.save_dir={tmp_path}"))
+    logs = tmp_path / "logs"
+    cli, _ = run_spawned(lambda: run("multiprocess.yaml", tmp_path, f"--trainer.logger.init_args.save_dir={logs}"),
+                         fresh=[logs])
     assert cli.trainer.world_size == 2
-    metrics = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f == "metrics.csv"]
-    assert metrics and "gradhealth/grad_norm_preclip/total" in open(metrics[0]).read()
+    metrics = [os.path.join(d, f) for d, _, fs in os.walk(logs) for f in fs if f == "metrics.csv"]
+    assert len(metrics) == 1 and "gradhealth/grad_norm_preclip/total" in open(metrics[0]).read()
     import csv
 
     rows = [r for r in csv.DictReader(open(metrics[0])) if r.get("gradhealth/grad_norm_preclip/total")]

@@ -26,7 +26,8 @@ def trainer(tmp_path, cb, steps=4):
 
 def test_ddp_spawn_logs_from_rank_zero(tmp_path):
     run_spawned(lambda: trainer(tmp_path, GradHealthCallback(), steps=4).fit(DemoModule(bug="not_in_optimizer"),
-                                                                              SyntheticData(n_batches=8)))
+                                                                              SyntheticData(n_batches=8)),
+                fresh=[tmp_path / "ddp"])
     files = glob.glob(os.path.join(str(tmp_path), "ddp", "*", "metrics.csv"))
     assert len(files) == 1  # one run, written by rank zero
     rows = [r for r in csv.DictReader(open(files[0])) if r.get("gradhealth/status/NOT_IN_OPTIMIZER")]
@@ -82,3 +83,20 @@ def test_ddp_spawn_nan_on_one_rank_gets_one_origin_verdict_on_every_rank(tmp_pat
     [[message, reproduced, rank, batch_idx]] = at["found"]
     assert reproduced is True and rank == 1 and batch_idx == 2
     assert message.startswith("on rank 1: batch 2 at step 2: it reproduced") and "did NOT" not in message
+
+
+def test_a_relaunch_leaves_one_run_behind(tmp_path):
+    """run_spawned's retry (after gloo's teardown abort) starts from an empty log folder: the relaunched
+    fit's logs are the only ones there, so the one-run assertions above hold after a retry too."""
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    logs, tries = tmp_path / "ddp", []
+
+    def fit():
+        tries.append(1)
+        (logs / f"version_{len(list(logs.glob('version_*'))) if logs.exists() else 0}").mkdir(parents=True)
+        if len(tries) == 1:
+            raise ProcessExitedException("process 1 terminated with signal SIGABRT", 1, 0, -6, "SIGABRT")
+
+    run_spawned(fit, fresh=[logs])
+    assert len(tries) == 2 and [p.name for p in logs.iterdir()] == ["version_0"]
