@@ -8,6 +8,9 @@ key                                       value
 ``gradhealth/<norm>/<name>``              L2 norm of one parameter's gradient, or of a module's own
                                           parameters' gradients (``granularity``)
 ``gradhealth/status/<STATE>``             how many parameters are in each state (all six)
+``gradhealth/params_in_trouble``          how many judged parameters are in trouble: not OK, not
+                                          FROZEN (but named by UNEXPECTED_FROZEN) and not tolerated
+                                          (0 when healthy)
 ``gradhealth/tolerated``                  how many of the problems the policy tolerated (transient)
 ``gradhealth/loss``                       the loss given to ``check(loss=...)``
 ``gradhealth/valid/<name>``               the valid count recorded with ``track_valid``
@@ -37,9 +40,23 @@ from .naming import module_of
 from .report import Report
 from .stats import combine_norms
 
-__all__ = ["report_metrics", "update_metrics", "expert_metrics", "suffix", "PREFIX", "group_name"]
+__all__ = ["report_metrics", "update_metrics", "expert_metrics", "suffix", "PREFIX", "TROUBLE", "group_name", "in_trouble"]
 
 PREFIX = "gradhealth"
+TROUBLE = "params_in_trouble"
+
+#: findings that name parameters in trouble outside the six states' error rules
+_NAMING = (FindingKind.UNEXPECTED_FROZEN, FindingKind.UNEXPECTED_TRAINABLE)
+
+
+def in_trouble(report: Report) -> int:
+    """How many parameters the user must act on at this check: the policy's errors (not OK, not
+    FROZEN, not tolerated) and those an expect_frozen finding of this check names."""
+    names = set(report.errors)
+    for f in report.findings:
+        if f.kind in _NAMING and f.step == report.step:
+            names.update(f.params)
+    return len(names)
 
 
 def group_name(name: str, granularity: str) -> str:
@@ -66,6 +83,7 @@ def report_metrics(report: Report, granularity: str = "module", norm: str = "gra
             out[f"{PREFIX}/{norm}/{g}"] = combine_norms(vs)
     for state, n in report.counts().items():
         out[f"{PREFIX}/status/{state.value}{suffix}"] = float(n)
+    out[f"{PREFIX}/{TROUBLE}{suffix}"] = float(in_trouble(report))
     out[f"{PREFIX}/tolerated{suffix}"] = float(len(report.tolerated))
     if report.loss is not None:
         out[f"{PREFIX}/loss{suffix}"] = report.loss

@@ -9,7 +9,7 @@ import numpy as np
 
 from gradhealth.status import Status
 
-__all__ = ["gradient_flow_image", "expert_map_image", "labelled_experts", "labelled", "CODES", "WORST"]
+__all__ = ["gradient_flow_image", "flow_picture", "rows_of", "expert_map_image", "labelled_experts", "CODES", "WORST"]
 
 # colours of the heatmap: log-norm ramp from dark to bright, and flat colours for the states
 _RAMP = np.array([[13, 8, 135], [126, 3, 168], [204, 71, 120], [248, 149, 64], [240, 249, 33]], dtype=np.float64)
@@ -71,22 +71,151 @@ def _canvas(img: np.ndarray, rows: list[str], top: int, bottom: int):
     return canvas, ImageDraw.Draw(canvas), left
 
 
-def labelled(img: np.ndarray, rows: list[str], steps: list[int], cell: tuple[int, int]) -> np.ndarray:
-    """Module names on the left and steps underneath, with PIL when it is installed."""
-    made = _canvas(img, rows, 4, 32)
-    if made is None:
-        return img
-    canvas, draw, left = made
-    cw, ch = cell
-    for i, r in enumerate(rows):
-        if ch >= 10 or i % max(1, 10 // ch) == 0:
-            draw.text((4, 4 + i * ch), r, fill=(0, 0, 0))
-    if steps:
-        draw.text((left, img.shape[0] + 8), f"step {steps[0]}", fill=(0, 0, 0))
-        draw.text((left + max(0, img.shape[1] - 60), img.shape[0] + 8), f"step {steps[-1]}", fill=(0, 0, 0))
-    draw.text((left, img.shape[0] + 22), "log10 grad norm: dark=low bright=high; grey NO_GRAD, blue FROZEN, red NaN/inf", fill=(0, 0, 0))
-    return np.asarray(canvas)
+#: the picture is drawn for TensorBoard's image card (about 310 px wide unless "show actual image
+#: size" is ticked): WIDTH px wide, its text FONT px high, so the card shows it at about 10 px
+WIDTH, FONT = 640, 28
+#: at most this many rows (modules, or groups of modules for large models) and columns (checks,
+#: or runs of consecutive checks once there are more): the same size from the first picture on
+ROWS, COLUMNS = 16, 50
 
+
+def _font(size: int):
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)  # Pillow >= 10.1 with FreeType: a scalable font
+    except (TypeError, OSError, ImportError):
+        return None  # older Pillow: the bitmap font, drawn at half size and scaled up
+
+
+def rows_of(modules: list[str], most: int = ROWS) -> tuple[list[str], list[list[int]]]:
+    """At most ``most`` rows for the picture: every module, or modules grouped by the deepest name
+    prefix that gives no more than ``most`` groups (``h.0.*``), or runs of consecutive modules.
+    Returns the row labels and, for each row, the indexes of its modules."""
+    if len(modules) <= most:
+        return list(modules), [[i] for i in range(len(modules))]
+    parts = [m.split(".") for m in modules]
+    for depth in range(max(len(p) for p in parts) - 1, 0, -1):
+        groups: dict[str, list[int]] = {}
+        for i, p in enumerate(parts):
+            groups.setdefault(".".join(p[:depth]), []).append(i)
+        if len(groups) <= most:
+            return [k + (".*" if len(v) > 1 or parts[v[0]][depth:] else "") for k, v in groups.items()], list(groups.values())
+    size = -(-len(modules) // most)
+    runs = [list(range(i, min(i + size, len(modules)))) for i in range(0, len(modules), size)]
+    return [f"{modules[r[0]]} .. {modules[r[-1]]}" if len(r) > 1 else modules[r[0]] for r in runs], runs
+
+
+def _squeeze(value: np.ndarray, state: np.ndarray, rows: list[list[int]], columns: list[list[int]]):
+    """Modules into rows (the norm of their norms, the worst state) and checks into columns (the
+    root mean square of the norms, the worst state)."""
+    rank = np.array([WORST[s] for s in Status] + [-1])  # state code -> badness; -1 (no entry) last
+    out_v = np.full((len(rows), len(columns)), np.nan)
+    out_s = np.full((len(rows), len(columns)), -1, dtype=np.int64)
+    for i, r in enumerate(rows):
+        for j, c in enumerate(columns):
+            v = value[np.ix_(r, c)]
+            s = state[np.ix_(r, c)]
+            if (s < 0).all():
+                continue
+            worst = s.flat[np.argmax(rank[s].ravel())]
+            out_s[i, j] = worst
+            finite = v[np.isfinite(v)]
+            out_v[i, j] = np.sqrt(np.sum(finite ** 2) / max(1, len(c))) if finite.size else np.nan
+    return out_v, out_s
+
+
+def flow_picture(value: np.ndarray, state: np.ndarray, modules: list[str], steps: list[int]) -> np.ndarray:
+    """The gradient-flow picture of ``value`` / ``state`` (modules x checks, as ``image`` takes them):
+    WIDTH px wide whatever the model and run length, a title with the step span, a row label per
+    row, the checks on the time axis, and a legend of the colours with the norms they stand for.
+    Without PIL, the bare image."""
+    labels, groups = rows_of(modules)
+    n = value.shape[1]
+    columns = [list(c) for c in np.array_split(np.arange(n), min(n, COLUMNS))] if n else []
+    per = max((len(c) for c in columns), default=1)
+    v, s = _squeeze(value, state, groups, columns)
+    try:
+        from PIL import Image, ImageDraw
+    except ImportError:
+        return image(v, s, (8, 12))
+    font = _font(FONT)
+    u = 1 if font is not None else 2  # without a scalable font: a half-size canvas, scaled up
+    W, f = WIDTH // u, FONT // u
+    row_h, pad = f + 6 // u, 6 // u
+    draw_probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    width = (lambda t: draw_probe.textlength(t, font=font)) if font else (lambda t: 6 * len(t))
+    label_w = int(min(W * 3 // 10, max(width(t) for t in labels))) + pad
+    plot_w = W - label_w - 2 * pad
+    cw = max(1, plot_w // COLUMNS)
+    title_h, axis_h = row_h + pad, 3 * row_h + pad
+    H = title_h + row_h * len(labels) + axis_h + pad
+    canvas = Image.new("RGB", (W, H), "white")
+    draw = ImageDraw.Draw(canvas)
+    text = lambda xy, t, fill=(0, 0, 0): draw.text(xy, t, fill=fill, font=font)  # noqa: E731
+    now = s[:, -1] if s.size else np.array([], dtype=np.int64)
+    calm = (-1, CODES[Status.OK], CODES[Status.FROZEN])
+    red = [i for i in range(len(labels)) if now[i] not in calm]  # rows not OK at the latest check
+    span = f"steps {steps[0]}-{steps[-1]}" if steps and steps[0] != steps[-1] else f"step {steps[0]}" if steps else ""
+    fewest = min((len(c) for c in columns), default=1)
+    each = f"{fewest}" if fewest == per else f"{fewest}-{per}"
+    text((pad, pad // 2), f"gradient flow, {span}" + (f", {each} checks a column" if per > 1 else ""))
+    x0 = label_w + pad
+    cells = image(v, s, (cw, row_h))
+    canvas.paste(Image.fromarray(cells), (x0, title_h))
+    draw.rectangle([x0 - 1, title_h - 1, x0 + cw * COLUMNS, title_h + row_h * len(labels)], outline=(160, 160, 160))
+    for i, t in enumerate(labels):
+        while width(t) > label_w - pad and len(t) > 2:  # the end of a long name says most
+            t = "…" + t[2:] if font else ".." + t[3:]
+        text((pad, title_h + i * row_h + 1), t, (200, 0, 0) if i in red else (0, 0, 0))
+    y = title_h + row_h * len(labels) + pad // 2
+    if steps:
+        text((x0, y), f"{steps[0]}")
+        last = f"{steps[-1]}"
+        text((max(x0, x0 + cw * len(columns) - width(last)), y), last)
+    lo, hi = _span(v, s)
+    y += row_h
+    x = pad
+    if lo is not None:
+        for t, colour in ((f"1e{round(lo)}", None), ("", "ramp"), (f"1e{round(hi)}", None)):
+            if colour == "ramp":
+                ramp = _ramp_strip(4 * f, f - 4 // u)
+                canvas.paste(Image.fromarray(ramp), (int(x), y + 2 // u))
+                x += 4 * f + pad
+            else:
+                text((x, y), t)
+                x += width(t) + pad
+    for t, colour in (("0", (0, 0, 0)), ("no grad", _COLOURS[Status.NO_GRAD]), ("frozen", _COLOURS[Status.FROZEN]),
+                      ("NaN/inf", _COLOURS[Status.NON_FINITE_GRAD]), ("name: not OK now", None)):
+        if x + f + width(t) > W - pad:  # the rest of the legend on a line of its own
+            x, y = pad, y + row_h
+        if colour is None:
+            text((x, y), "red", (200, 0, 0))
+            x += width("red ")
+        else:
+            draw.rectangle([x, y + 3 // u, x + f - 4 // u, y + f - 1], fill=colour)
+            x += f
+        text((x, y), t)
+        x += width(t) + 2 * pad
+    out = np.asarray(canvas)
+    return out if u == 1 else np.repeat(np.repeat(out, u, axis=0), u, axis=1)
+
+
+def _span(value: np.ndarray, state: np.ndarray):
+    """The log10 range of the ramp (as ``image`` colours it), or (None, None)."""
+    plain = (state >= 0) & np.isin(state, [CODES[s] for s in _COLOURS], invert=True)
+    ok = plain & np.isfinite(value) & (value > 0)
+    if not ok.any():
+        return None, None
+    logs = np.log10(value[ok])
+    return float(logs.min()), float(logs.max())
+
+
+def _ramp_strip(w: int, h: int) -> np.ndarray:
+    t = np.linspace(0, len(_RAMP) - 1, w)
+    k = np.clip(np.floor(t), 0, len(_RAMP) - 2).astype(np.int64)
+    row = _RAMP[k] + (t - k)[:, None] * (_RAMP[k + 1] - _RAMP[k])
+    return np.repeat(row[None].astype(np.uint8), h, axis=0)
 
 
 #: how bad a state looks on the image: a module shows its worst parameter's state

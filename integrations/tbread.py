@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from gradhealth.metrics import PREFIX
 from gradhealth.naming import terminal_safe
 
-__all__ = ["EVENT_FILE", "NAMES", "Run", "scan", "records", "events", "read_run", "safe"]
+__all__ = ["EVENT_FILE", "NAMES", "Run", "scan", "records", "events", "read_run", "read_layout", "safe"]
 
 EVENT_FILE = "events.out.tfevents"
 _TRAINER = "train/"  # Hugging Face Trainer's reporters write every training key as train/<key>
@@ -271,3 +271,26 @@ def safe(text) -> str:
     terminal as visible escapes, never as terminal commands (the core's ``terminal_safe``, with
     newlines escaped too: one item, one line)."""
     return terminal_safe(str(text)).replace("\n", "\\n")
+
+
+def read_layout(path: str) -> dict[str, list[str]]:
+    """The custom-scalars layout a run wrote last (TensorBoard shows that one): chart title -> tag
+    patterns, in the layout's order; {} when the run wrote none."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+
+    latest = None
+    runs, _ = scan(path)
+    for run in runs.values():
+        for p in run.files:
+            for data in records(p, run.skipped):
+                ev = Event()
+                ev.ParseFromString(data)
+                for v in ev.summary.value:
+                    if v.tag == metadata.CONFIG_SUMMARY_TAG:
+                        latest = v.tensor.string_val[0]
+    if latest is None:
+        return {}
+    lay = layout_pb2.Layout()
+    lay.ParseFromString(latest)
+    return {c.title: list(c.multiline.tag) for cat in lay.category for c in cat.chart}

@@ -9,9 +9,10 @@ Tags (public API) are the scheme of :mod:`gradhealth.metrics` (``gradhealth/grad
   FROZEN blue, non-finite red), written every ``heatmap_every`` checks (:mod:`.gradient_flow`);
 * ``gradhealth/expert_map``: with stacked experts, an image, MoE layers x experts, each expert's
   gradient norm over the recent checks (idle at all of them black, DEAD_EXPERT red);
-* a custom-scalars layout (the CUSTOM SCALARS tab), written once per run: gradient norm by module,
-  update ratio by module, parameter states over time, valid counts, loss, expert utilization and
-  the min / max expert gradient norm by MoE layer;
+* a custom-scalars layout (the CUSTOM SCALARS tab) written for the run (:mod:`.tblayout`): the
+  parameters in trouble (0 when healthy) and the findings first, then loss, gradient norm by
+  module, the states other than OK, update ratio by module, skipped steps, valid counts and the
+  experts' charts, each once its series has two points;
 * ``gradhealth/grad_norm_hist``: opt-in histogram of the per-parameter log10 gradient norms.
 
 Names are per parameter for models of up to 100 parameter tensors and per module above that
@@ -27,6 +28,7 @@ import os
 import numpy as np
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import custom_scalars
 
 from gradhealth.metrics import PREFIX, report_metrics, update_metrics
 from gradhealth.naming import module_of
@@ -34,27 +36,13 @@ from gradhealth.report import Report, describe_groups, group_by_module
 from gradhealth.stats import combine_norms
 from gradhealth.status import Status
 
-from .gradient_flow import CODES, WORST, expert_map_image, image, labelled, labelled_experts
+from .gradient_flow import CODES, WORST, expert_map_image, flow_picture, labelled_experts
+from .tblayout import RunLayout, layout
 from .tbread import NAMES, read_run
 
 __all__ = ["TensorBoardSink", "read_run", "layout"]
 
 AUTO_PARAM_LIMIT = 100
-
-
-def layout(norm: str = "grad_norm") -> dict:
-    """The custom-scalars layout: the charts a person wants side by side."""
-    return {
-        "gradhealth": {
-            "gradient norm by module": ["Multiline", [rf"{PREFIX}/{norm}/.*"]],
-            "update ratio by module": ["Multiline", [rf"{PREFIX}/update_ratio/.*"]],
-            "parameter states over time": ["Multiline", [rf"{PREFIX}/status/.*"]],
-            "valid counts": ["Multiline", [rf"{PREFIX}/valid/.*"]],
-            "loss and findings": ["Multiline", [rf"{PREFIX}/loss.*", rf"{PREFIX}/findings/.*", rf"{PREFIX}/skipped.*"]],
-            "expert utilization by MoE layer (0: collapse)": ["Multiline", [rf"{PREFIX}/experts/utilization/.*"]],
-            "expert gradient norm, min and max by MoE layer": ["Multiline", [rf"{PREFIX}/experts/grad_norm_m.*"]],
-        }
-    }
 
 
 def _listed(rows, most: int = 256) -> str:
@@ -130,11 +118,11 @@ class TensorBoardSink:
         self.scalars = scalars
         self.norm = norm
         self.close_writer = owned if close_writer is None else close_writer
-        self._layout_written = False
+        self._layout = RunLayout(norm)
         self._columns: list[dict[str, tuple[float, Status]]] = []
         self._steps: list[int] = []
         self._modules: dict[str, None] = {}
-        self._writes = 0
+        self._checks = 0
         self._texts: dict[int, set[int]] = {}
         self._states: list[str] = []
         self._module_of: dict[str, str] = {}
@@ -154,13 +142,17 @@ class TensorBoardSink:
         return due or not report.ok or any(f.level != "info" for f in report.findings)
 
     def write(self, report: Report) -> None:
-        if not self._wanted(report):
-            return
+        self._remember(report)  # every check is a column of the gradient-flow picture
+        if self._wanted(report):
+            self._write(report)
+        if self.heatmap_every and len(self._steps) and self._checks % self.heatmap_every == 0:
+            self.write_heatmap(report.step)
+
+    def _write(self, report: Report) -> None:
         self._written = self._written[-15:] + [report.step]
         w = self.writer
-        if not self._layout_written:
-            w.add_custom_scalars(layout(self.norm))
-            self._layout_written = True
+        self._layout.saw_report(report)
+        self._write_layout(report.step)
         granularity = self._granularity(report)
         metrics = report_metrics(report, granularity, self.norm)
         if self.scalars:
@@ -170,17 +162,10 @@ class TensorBoardSink:
             if logs.size:
                 w.add_histogram(f"{PREFIX}/{self.norm}_hist", logs, report.step)
         self._write_text(report)
-        prefix = f"{PREFIX}/{self.norm}/"
-        module_norms = ({k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix) and not k.startswith(prefix + "total")}
-                        if granularity == "module" else None)
-        self._remember(report, module_norms)
         if report.expert_layers:
             self._expert_columns = (self._expert_columns + [(report.expert_grad_norm, {u for f in report.findings
                                     if f.kind == "DEAD_EXPERT" and f.step == report.step for u in f.params})])[-self.heatmap_window:]
             self._expert_layers, self._expert_step = report.expert_layers, report.step
-        self._writes += 1
-        if self.heatmap_every and self._writes % self.heatmap_every == 0:
-            self.write_heatmap(report.step)
         if not report.ok:
             w.flush()  # a failing step is on disk before any error propagates
 
@@ -219,9 +204,23 @@ class TensorBoardSink:
         if report.step not in self._written and not any(f.level != "info" for f in report.findings):
             return
         self._write_text(report)
+        self._layout.saw_update(report)
+        self._write_layout(report.step)
         if not self.scalars:
             return
         self._scalars(update_metrics(report, self._granularity(report)), report.step)
+
+    def _write_layout(self, step: int) -> None:
+        """The layout of the charts this run has earned, when they changed (at this step: a
+        layout at step 0 after later scalars could be taken for a restarted run)."""
+        due = self._layout.due()
+        if due is None:
+            return
+        file_writer = getattr(self.writer, "_get_file_writer", None)
+        if file_writer is None:
+            self.writer.add_custom_scalars(due)
+        else:
+            file_writer().add_summary(custom_scalars(due), step)
 
     def _scalars(self, metrics: dict[str, float], step: int) -> None:
         """All of a step's scalars in ONE event (one protobuf, one record): a SummaryWriter's
@@ -236,9 +235,11 @@ class TensorBoardSink:
         summary = Summary(value=[Summary.Value(tag=t, simple_value=float(v)) for t, v in metrics.items()])
         file_writer().add_summary(summary, step)
 
-    def _remember(self, report: Report, module_norms: dict[str, float] | None) -> None:
+    def _remember(self, report: Report) -> None:
         """One heatmap column: each module's gradient norm and its worst parameter state, as lists
         aligned with ``self._modules`` (modules are only ever appended)."""
+        self._checks += 1
+        module_norms = report.module_grad_norm or None
         modules = self._module_of
         if len(modules) != len(report.status):
             for name in report.status:
@@ -278,8 +279,7 @@ class TensorBoardSink:
         n = len(rows)
         value = np.array([v + [np.nan] * (n - len(v)) for v, _ in self._columns], dtype=np.float64).T
         state = np.array([s + [-1] * (n - len(s)) for _, s in self._columns], dtype=np.int64).T
-        cell = (max(2, min(12, 800 // max(1, len(self._columns)))), max(3, min(24, 480 // max(1, n))))
-        img = labelled(image(value, state, cell), rows, self._steps, cell)
+        img = flow_picture(value, state, rows, self._steps)
         self.writer.add_image(f"{PREFIX}/gradient_flow", img, self._steps[-1] if step is None else step, dataformats="HWC")
         if self._expert_columns:
             self.write_expert_map(step)

@@ -249,6 +249,11 @@ def test_the_expert_map_and_the_report_name_dead_experts(tmp_path, capsys):
     assert {f"gradhealth/experts/utilization/{m}" for m in LAYERS} <= tags
     dead = frame[frame.tag == f"gradhealth/experts/dead/{LAYERS[1]}[3]"]
     assert sorted(dead.step) == [8, 9, 10, 11]
+    from gradhealth.integrations.tbread import read_layout
+
+    assert [c for c in read_layout(str(tmp_path)) if "expert" in c] == [
+        "expert utilization by MoE layer (healthy: near 1; 0: collapse)",
+        "expert gradient norm, min and max by MoE layer (healthy: min above 0)"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ea = EventAccumulator(str(tmp_path), size_guidance={"images": 0})

@@ -1,14 +1,11 @@
-"""TensorBoardSink and read_run against real event files, a real tensorboard server on loopback,
-and `gradhealth report`."""
+"""TensorBoardSink and read_run against real event files, and `gradhealth report` (the server and the
+browser: test_dashboards.py)."""
 
 import json
 import math
 import os
 import subprocess
 import sys
-import time
-import urllib.parse
-import urllib.request
 
 import lightning.pytorch as pl
 import pytest
@@ -17,7 +14,6 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 import gradhealth as gh
-from conftest import free_port
 from gradhealth.integrations.lightning import GradHealthCallback, metrics_of
 from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
 from gradhealth.integrations.gradient_flow import gradient_flow_image
@@ -139,48 +135,6 @@ def test_lightning_run_lands_in_one_tensorboard_run(tmp_path):
             assert value(frame, tag, r.step) == pytest.approx(v, rel=1e-6), tag
 
 
-def _get(port, path):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
-        return resp.read()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_tensorboard_server_serves_scalars_layout_and_heatmap(tmp_path):
-    train(tmp_path / "plain", steps=4)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path), "--host", "127.0.0.1",
-                             "--port", str(port), "--load_fast=false", "--reload_interval=1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 90
-        tags = {}
-        while time.time() < deadline:
-            try:
-                tags = json.loads(_get(port, "/data/plugin/scalars/tags"))
-                if tags.get("plain"):
-                    break
-            except OSError:
-                pass
-            time.sleep(1)
-        assert "gradhealth/grad_norm/total" in tags["plain"]
-        q = urllib.parse.urlencode({"run": "plain", "tag": "gradhealth/grad_norm/total"})
-        series = json.loads(_get(port, f"/data/plugin/scalars/scalars?{q}"))
-        assert [row[1] for row in series] == [0, 1, 2, 3]
-        layout = json.loads(_get(port, "/data/plugin/custom_scalars/layout"))
-        titles = {c["title"] for cat in layout["category"] for c in cat["chart"]}
-        assert {"gradient norm by module", "update ratio by module", "parameter states over time", "valid counts"} <= titles
-        images = json.loads(_get(port, "/data/plugin/images/tags"))
-        assert "gradhealth/gradient_flow" in images["plain"]
-        q = urllib.parse.urlencode({"run": "plain", "tag": "gradhealth/gradient_flow", "sample": 0})
-        entries = json.loads(_get(port, f"/data/plugin/images/images?{q}"))
-        png = _get(port, f"/data/plugin/images/individualImage?{entries[-1]['query']}")
-        assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_report_on_the_demo_logs_names_the_planted_problems(tmp_path):
@@ -232,3 +186,74 @@ def test_report_leaves_out_what_the_policy_tolerated(tmp_path):
     frame = read_run(tmp_path, text=True)
     assert value(frame, "gradhealth/status/NO_GRAD", 0) == 2.0 and value(frame, "gradhealth/tolerated", 0) == 2.0
     assert [i["kind"] for i in summarize_run(frame)] == []
+
+
+def test_the_layout_is_written_for_the_run(tmp_path):
+    from gradhealth.integrations.tbread import read_layout
+
+    train(tmp_path / "plain", steps=5)
+    charts = list(read_layout(str(tmp_path / "plain")))
+    assert [c.split(" (")[0].split(",")[0] for c in charts] == [
+        "parameters in trouble", "loss", "gradient norm by parameter or module", "update ratio |Δθ|/|θ| by parameter or module"]
+    assert "at every check" in charts[-1]  # update_every=1: the cadence is in the title
+
+    def guarded(logdir, valid_from):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with gh.GradHealth(model, opt, sinks=[TensorBoardSink(logdir, every_n=1)], on_problem="ignore",
+                           skip_nonfinite=True) as mon:
+            for step in range(6):
+                opt.zero_grad()
+                x = torch.randn(8, 4)
+                if step >= valid_from:
+                    mon.track_valid(torch.ones(8, dtype=torch.bool), "rows")
+                model(x).square().mean().backward()
+                mon.check()
+                opt.step()
+
+    guarded(str(tmp_path / "valid"), valid_from=3)
+    charts = read_layout(str(tmp_path / "valid"))
+    assert {"steps the step guard skipped (healthy: 0)", "valid counts (healthy: above 0 at every step)"} <= set(charts)
+    assert "loss (healthy: falling)" not in charts  # no loss given to check()
+    guarded(str(tmp_path / "once"), valid_from=5)  # tracked at the last check only: one point is no chart
+    assert not [c for c in read_layout(str(tmp_path / "once")) if c.startswith("valid")]
+
+
+def test_large_models_get_one_row_per_block_and_the_worst_state_shows():
+    import numpy as np
+
+    from gradhealth.integrations.gradient_flow import CODES, ROWS, _squeeze, rows_of
+
+    layer = ["ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"]
+    gpt2 = (["transformer.wte", "transformer.wpe"] + [f"transformer.h.{i}.{m}" for i in range(12) for m in layer]
+            + ["transformer.ln_f", "lm_head"])
+    labels, groups = rows_of(gpt2)
+    assert len(labels) == ROWS and labels[2] == "transformer.h.0.*" and labels[-2:] == ["transformer.ln_f", "lm_head"]
+    assert sorted(i for g in groups for i in g) == list(range(len(gpt2)))  # every module in one row
+    flat = [str(i) for i in range(40)]
+    labels, groups = rows_of(flat)
+    assert len(labels) <= ROWS and labels[0] == "0 .. 2" and [len(g) for g in groups][:2] == [3, 3]
+    assert rows_of(flat[:5]) == (flat[:5], [[0], [1], [2], [3], [4]])
+    # one module of a block NaN at one check: the block's row shows it; norms are the norm of the norms
+    value = np.ones((len(gpt2), 4))
+    state = np.full((len(gpt2), 4), CODES[gh.Status.OK])
+    state[5, 2] = CODES[gh.Status.NON_FINITE_GRAD]
+    value[5, 2] = float("nan")
+    v, s = _squeeze(value, state, rows_of(gpt2)[1], [[0, 1], [2, 3]])
+    assert s[2, 1] == CODES[gh.Status.NON_FINITE_GRAD] and (s[[0, 1, 3], :] == CODES[gh.Status.OK]).all()
+    assert v[2, 0] == pytest.approx(math.sqrt(6 * 2 / 2)) and v[0, 0] == pytest.approx(1.0)
+
+
+def test_the_picture_keeps_its_size_and_counts_every_check(tmp_path):
+    import io
+
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train(tmp_path, steps=120, heatmap_every=50, every_n=10)  # pictures at checks 50, 100, and the last at close
+    ea = EventAccumulator(str(tmp_path), size_guidance={"images": 0})
+    ea.Reload()
+    shots = ea.Images("gradhealth/gradient_flow")
+    assert [s.step for s in shots] == [49, 99, 119]  # every check counts, not only the 12 written ones
+    assert len({Image.open(io.BytesIO(s.encoded_image_string)).size for s in shots}) == 1
