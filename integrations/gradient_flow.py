@@ -5,6 +5,8 @@ experts idle at every recent check black). numpy only; labels with PIL when pres
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from gradhealth.status import Status
@@ -79,6 +81,7 @@ WIDTH, FONT = 640, 28
 ROWS, COLUMNS = 16, 50
 
 
+@functools.lru_cache(maxsize=4)
 def _font(size: int):
     from PIL import ImageFont
 
@@ -108,20 +111,24 @@ def rows_of(modules: list[str], most: int = ROWS) -> tuple[list[str], list[list[
 
 def _squeeze(value: np.ndarray, state: np.ndarray, rows: list[list[int]], columns: list[list[int]]):
     """Modules into rows (the norm of their norms, the worst state) and checks into columns (the
-    root mean square of the norms, the worst state)."""
-    rank = np.array([WORST[s] for s in Status] + [-1])  # state code -> badness; -1 (no entry) last
-    out_v = np.full((len(rows), len(columns)), np.nan)
-    out_s = np.full((len(rows), len(columns)), -1, dtype=np.int64)
-    for i, r in enumerate(rows):
-        for j, c in enumerate(columns):
-            v = value[np.ix_(r, c)]
-            s = state[np.ix_(r, c)]
-            if (s < 0).all():
-                continue
-            worst = s.flat[np.argmax(rank[s].ravel())]
-            out_s[i, j] = worst
-            finite = v[np.isfinite(v)]
-            out_v[i, j] = np.sqrt(np.sum(finite ** 2) / max(1, len(c))) if finite.size else np.nan
+    root mean square of the norms, the worst state). ``rows`` partition the modules, ``columns``
+    are runs of consecutive checks. NaN / -1 where a cell has no finite norm / no entry."""
+    if not rows or not columns:
+        return np.full((len(rows), len(columns)), np.nan), np.full((len(rows), len(columns)), -1, dtype=np.int64)
+    order = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])
+    row_at = np.cumsum([0] + [len(r) for r in rows[:-1]])
+    col_at = np.array([c[0] for c in columns])
+    rank = np.array([WORST[s] for s in Status] + [-1])  # state code -> badness; -1 (no entry) lowest
+    code_of = np.full(len(Status) + 1, -1, dtype=np.int64)  # badness + 1 -> state code
+    code_of[rank[:-1] + 1] = np.arange(len(Status))
+    worst = np.maximum.reduceat(np.maximum.reduceat(rank[state[order]], row_at, axis=0), col_at, axis=1)
+    finite = np.isfinite(value[order])
+    sq = np.where(finite, value[order], 0.0) ** 2
+    total = np.add.reduceat(np.add.reduceat(sq, row_at, axis=0), col_at, axis=1)
+    seen = np.add.reduceat(np.add.reduceat(finite.astype(np.int64), row_at, axis=0), col_at, axis=1)
+    width = np.array([len(c) for c in columns], dtype=np.float64)
+    out_v = np.where(seen > 0, np.sqrt(total / width), np.nan)
+    out_s = code_of[worst + 1]
     return out_v, out_s
 
 
