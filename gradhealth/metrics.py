@@ -22,6 +22,9 @@ key                                       value
 ``gradhealth/experts/dead/<m>[<i>]``      1.0 at a step where expert ``<i>`` is DEAD_EXPERT
 ``gradhealth/skipped``                    1.0 at a step the step guard dropped (skip_nonfinite,
                                           skip_spikes), else 0.0 (only with the guard on)
+``gradhealth/clip_coef``                  after ``monitor.clip_grad_norm_``: the factor the gradients
+                                          were scaled by (1.0: below ``max_norm``; from
+                                          :func:`clip_metrics`, once the clip ran)
 ``gradhealth/update_norm/total``          ||Δθ|| of every parameter the step updated
 ``gradhealth/update_norm/<name>``         ||Δθ|| of a parameter or a module
 ``gradhealth/update_ratio/<name>``        ||Δθ|| / ||θ|| of a parameter or a module (``total``: all)
@@ -40,7 +43,7 @@ from .naming import module_of
 from .report import Report
 from .stats import combine_norms
 
-__all__ = ["report_metrics", "update_metrics", "expert_metrics", "suffix", "PREFIX", "TROUBLE", "group_name", "in_trouble"]
+__all__ = ["report_metrics", "update_metrics", "clip_metrics", "expert_metrics", "suffix", "PREFIX", "TROUBLE", "group_name", "in_trouble"]
 
 PREFIX = "gradhealth"
 TROUBLE = "params_in_trouble"
@@ -116,6 +119,11 @@ def expert_metrics(report: Report) -> dict[str, float]:
             for u in f.params:
                 out[f"{PREFIX}/experts/dead/{u}"] = 1.0
     return out
+
+
+def clip_metrics(report: Report, suffix: str = "") -> dict[str, float]:
+    """The clip's factor, once ``monitor.clip_grad_norm_`` ran after the report's check."""
+    return {} if report.clip_coef is None else {f"{PREFIX}/clip_coef{suffix}": report.clip_coef}
 
 
 def update_metrics(report: Report, granularity: str = "module", suffix: str = "") -> dict[str, float]:

@@ -29,7 +29,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from . import crossrank, experts, judges, skipping, stats
+from . import clip, crossrank, experts, judges, skipping, stats
 from . import state as checked
 from .carry import Carry, Delivery
 from .classify import as_optimizers, classify_selection, unwrap, unwrap_optimizer, wrapper_scaler
@@ -83,7 +83,7 @@ class GradHealth:
         self.publisher.emit_warnings = self.ranks.rank == 0  # the same verdict is on every rank; rank 0 says it
         self.last_report: Report | None = None
         self._closed = False
-        self._plan, self._shards = None, (set(), {})
+        self._plan, self._shards, self._clip_source = None, (set(), {}), None
         self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every,
                                       change_every=o.change_every)
                         if self.optimizers else None)
@@ -144,6 +144,12 @@ class GradHealth:
             skipping.guard(report, o, self.carry, self.carry.history_for(report.optimizer_index),
                            [v.params[i] for i in v.selection(optimizer).idx], self.scaler is not None, self.tracker)
         return report
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None, *, parameters=None) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` right after ``check()`` (of ``parameters``, default: every
+        parameter with a gradient) with the check's norms: the gradients are read once (:mod:`.clip`)."""
+        return clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach, parameters)
 
     def publish(self, report: Report, stacklevel: int = 2) -> None:
         """The second half of :meth:`check`: every sink gets the report, then the policy acts."""
@@ -206,14 +212,9 @@ class GradHealth:
         """The norm history of checks over every parameter (None when off)."""
         return self.carry.history
 
-    @property
-    def emit_warnings(self) -> bool:
-        """False silences this monitor's warnings (not its raises): on ranks other than zero."""
-        return self.publisher.emit_warnings
-
-    @emit_warnings.setter
-    def emit_warnings(self, value: bool) -> None:
-        self.publisher.emit_warnings = bool(value)
+    emit_warnings = property(lambda self: self.publisher.emit_warnings,
+                             lambda self, value: setattr(self.publisher, "emit_warnings", bool(value)),
+                             doc="False silences this monitor's warnings (not its raises): on ranks other than zero.")
 
     forward_record = property(lambda self: self.carry.forward, doc="What the monitor saw when the model's forward last ran.")
 
@@ -289,6 +290,7 @@ class GradHealth:
                                               self.carry.streaks.skipping)
         if not reeval:
             self._arm_next(report, obs, optimizer)
+        self._clip_source = clip.ClipSource(report, obs.with_grad, obs.norms, optimizer is None)
         return report
 
     def _observe(self, sel: Selection, loss, reeval: bool = False, judged=()) -> tuple[Observation, int | None]:

@@ -142,6 +142,11 @@ class Publisher:
                 except Exception:  # the error being raised is the one the user must see
                     pass
 
+    def publish_clip(self, report: Report) -> None:
+        """A report again, once ``monitor.clip_grad_norm_`` clipped its gradients (``write_clip``)."""
+        for i, sink in enumerate(self.sinks):
+            self._call(i, sink, "write_clip", report, 5)
+
     def publish_update(self, report: Report) -> None:
         """A report again, once its step's update norms (and findings) are known."""
         for i, sink in enumerate(self.sinks):

@@ -167,6 +167,11 @@ class Report:
     expert_tokens: dict[str, int] = field(default_factory=dict, repr=False)
     #: the step guard dropped this check's gradients ("nonfinite" or "spike"), else None
     skipped: str | None = None
+    #: ``monitor.clip_grad_norm_`` after this check: the factor it scaled the gradients by (1.0: the
+    #: clip did not bite) and its ``max_norm``; None without one. The step's update norms are then
+    #: those of the clipped gradients.
+    clip_coef: float | None = None
+    clip_max_norm: float | None = None
     guarded: bool = field(default=False, repr=False)  # the step guard is on
 
     def _odd(self):
@@ -248,7 +253,9 @@ class Report:
 
     def summary_line(self) -> str:
         counts = ", ".join(f"{k} {s.value}" for s, k in self.counts().items() if k)
-        return f"{plural(len(self.status), 'parameter')}: {counts}; total grad norm {_fmt(self.total_grad_norm)}"
+        clip = (f" (clipped to {_fmt(self.clip_max_norm)}: x{_fmt(self.clip_coef)}; the update norms are the clipped step's)"
+                if self.clip_coef is not None and self.clip_coef < 1.0 else "")
+        return f"{plural(len(self.status), 'parameter')}: {counts}; total grad norm {_fmt(self.total_grad_norm)}{clip}"
 
     def __str__(self) -> str:
         return terminal_safe(self._text())

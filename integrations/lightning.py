@@ -43,7 +43,7 @@ from typing_extensions import override
 
 from gradhealth.errors import GradModeError
 from gradhealth.findings import Finding
-from gradhealth.metrics import report_metrics, suffix, update_metrics
+from gradhealth.metrics import clip_metrics, report_metrics, suffix, update_metrics
 from gradhealth.monitor import GradHealth
 from gradhealth.options import Options, check_choice
 from gradhealth.replay import producers, replay_nonfinite, shared_origin
@@ -98,6 +98,10 @@ class _LoggerSink:
         if report.step in self._written or any(f.level != "info" for f in report.findings):
             self._log(update_metrics_of(report, suffix(report, len(self.trainer.optimizers)), self.granularity),
                       report.step)
+
+    def write_clip(self, report: Report) -> None:
+        if report.step in self._written or report.clip_coef < 1.0:  # a clip that bites is always logged
+            self._log(clip_metrics(report, suffix(report, len(self.trainer.optimizers))), report.step)
 
 
 class GradHealthCallback(Callback):

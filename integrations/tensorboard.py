@@ -30,7 +30,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import custom_scalars
 
-from gradhealth.metrics import PREFIX, report_metrics, update_metrics
+from gradhealth.metrics import PREFIX, clip_metrics, report_metrics, update_metrics
 from gradhealth.naming import module_of
 from gradhealth.report import Report, describe_groups, group_by_module
 from gradhealth.stats import combine_norms
@@ -209,6 +209,11 @@ class TensorBoardSink:
         if not self.scalars:
             return
         self._scalars(update_metrics(report, self._granularity(report)), report.step)
+
+    def write_clip(self, report: Report) -> None:
+        """The clip's factor at the report's step (a clip that bites: always)."""
+        if self.scalars and (report.step in self._written or report.clip_coef < 1.0):
+            self._scalars(clip_metrics(report), report.step)
 
     def _write_layout(self, step: int) -> None:
         """The layout of the charts this run has earned, when they changed (at this step: a

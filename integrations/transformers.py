@@ -65,7 +65,7 @@ from transformers.trainer_callback import CallbackHandler, ExportableState
 
 from gradhealth.errors import GradHealthInternalWarning, GradModeError
 from gradhealth.findings import Finding
-from gradhealth.metrics import PREFIX, report_metrics, update_metrics
+from gradhealth.metrics import PREFIX, clip_metrics, report_metrics, update_metrics
 from gradhealth.monitor import GradHealth
 from gradhealth.options import ON_PROBLEM, Options, check_choice
 from gradhealth.replay import producers, replay_nonfinite, shared_origin
@@ -126,6 +126,9 @@ class _LogsSink:
     def write_update(self, report: Report) -> None:
         metrics = update_metrics(report, granularity="module" if self.granularity == "total" else self.granularity)
         self.pending.update(_headline(metrics) if self.granularity == "total" else metrics)
+
+    def write_clip(self, report: Report) -> None:
+        self.pending.update(clip_metrics(report))
 
 
 #: the per-name key families left out of Trainer's logs at granularity="total"

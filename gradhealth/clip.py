@@ -1,0 +1,107 @@
+"""Clipping by norm with the norms the check already has (``monitor.clip_grad_norm_``).
+
+``torch.nn.utils.clip_grad_norm_`` reads every gradient twice: once for the norms, once to scale.
+Right after a check the norms are known (exact, unscaled under a grad scaler, summed over shards
+and counted once over replicas, the same on every rank), so the clip is the multiply alone: one
+fused ``_foreach_mul_`` per device and dtype. What follows the norms is torch's own arithmetic
+(each norm in its gradient's dtype, their norm, ``max_norm / (total + 1e-6)`` clamped to 1), so the
+clipped gradients and the returned total are torch's.
+
+Falls back to torch's clip (two passes) where the check's norms cannot stand in: an order other
+than 2, no check since the last clip, a check of one optimizer's parameters only.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import distributed as dist
+from .report import Report
+
+__all__ = ["ClipSource", "clip_grad_norm_"]
+
+
+@dataclass
+class ClipSource:
+    """What a check leaves for the clip that follows it: its report, the entries it judged with a
+    gradient and their norms (global, unscaled)."""
+
+    report: Report
+    entries: list[int]
+    norms: list[float]
+    whole: bool  # the check judged every parameter (not one optimizer's)
+
+
+def _nonfinite(norm_type: float) -> RuntimeError:
+    return RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+                        "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+                        "set `error_if_nonfinite=False`")
+
+
+def _unscale(monitor) -> None:
+    """Unscale the gradients first when a grad scaler is on and has not (as Accelerate's clip and the
+    AMP recipe do): clipping scaled gradients would clip by ``scale`` times their norm."""
+    scaler = monitor.scaler
+    if scaler is None or not scaler.is_enabled() or not hasattr(scaler, "unscale_"):
+        return
+    from torch.amp.grad_scaler import OptState
+
+    states = getattr(scaler, "_per_optimizer_states", {})
+    for opt in monitor.optimizers:
+        if states.get(id(opt), {}).get("stage") not in (OptState.UNSCALED, OptState.STEPPED):
+            scaler.unscale_(opt)
+
+
+def _pairs(monitor, source: ClipSource, parameters) -> list | None:
+    """(gradient, its norm) of the parameters to clip, or None when the check did not measure
+    one of them (then torch's clip reads them itself)."""
+    params = monitor.view.params
+    if parameters is None:
+        if not source.whole:
+            return None
+        return [(params[i].grad, v) for i, v in zip(source.entries, source.norms) if params[i].grad is not None]
+    wanted = [p for p in ([parameters] if isinstance(parameters, Tensor) else parameters) if p.grad is not None]
+    norm_of = {id(params[i]): v for i, v in zip(source.entries, source.norms)}
+    if any(id(p) not in norm_of for p in wanted):
+        return None
+    return [(p.grad, norm_of[id(p)]) for p in wanted]
+
+
+def clip_grad_norm_(monitor, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None, parameters=None) -> Tensor:
+    source: ClipSource | None = monitor._clip_source
+    monitor._clip_source = None  # one clip per check: a second one reads the gradients again
+    _unscale(monitor)
+    pairs = _pairs(monitor, source, parameters) if source is not None and float(norm_type) == 2.0 else None
+    if pairs is None:
+        params = [p for p in monitor.view.params if p.grad is not None] if parameters is None else parameters
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    report = source.report
+    if not pairs:  # no gradient left: the step guard dropped them (the total they had), or none at all
+        return torch.tensor(report.total_grad_norm if report.skipped is not None else 0.0)
+    grads = [dist.to_local(g) for g, _ in pairs]
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for k, g in enumerate(grads):
+        groups[(g.device, g.dtype)].append(k)
+    # the per-tensor norms in their gradient's dtype, as torch's _foreach_norm returns them
+    norms = torch.cat([torch.tensor([pairs[k][1] for k in ks], dtype=torch.float64).to(dtype.to_real())
+                       for (_, dtype), ks in groups.items()])
+    total = torch.linalg.vector_norm(norms, 2.0)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise _nonfinite(norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    report.clip_coef, report.clip_max_norm = float(coef), float(max_norm)
+    for (device, _), ks in groups.items():
+        c = coef.to(device, non_blocking=True)
+        dense = [grads[k] for k in ks if grads[k].layout is torch.strided]
+        if dense:
+            torch._foreach_mul_(dense, c)
+        for k in ks:
+            if grads[k].layout is not torch.strided:  # sparse: torch's clip refuses them; one by one
+                grads[k].mul_(c)
+    monitor.publisher.publish_clip(report)
+    return total.to(grads[0].device)
