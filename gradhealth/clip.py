@@ -13,8 +13,9 @@ than 2, no check since the last clip, a check of one optimizer's parameters only
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -28,12 +29,28 @@ __all__ = ["ClipSource", "clip_grad_norm_"]
 @dataclass
 class ClipSource:
     """What a check leaves for the clip that follows it: its report, the entries it judged with a
-    gradient and their norms (global, unscaled)."""
+    gradient and their norms (global, unscaled), and which gradient tensors those were, at which
+    version (weakly: a gradient thrown away is not kept alive)."""
 
     report: Report
     entries: list[int]
     norms: list[float]
     whole: bool  # the check judged every parameter (not one optimizer's)
+    grads: list = field(default_factory=list)  # weakrefs to the gradients the norms are of
+    versions: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, report: Report, entries: list[int], norms: list[float], whole: bool, params: list) -> ClipSource:
+        grads = [params[i].grad for i in entries]
+        return cls(report, entries, norms, whole, [weakref.ref(g) for g in grads], [g._version for g in grads])
+
+    def current(self, params: list) -> bool:
+        """The gradients are still those the check measured: no backward, zero_grad or clip since."""
+        for i, ref, v in zip(self.entries, self.grads, self.versions):
+            g = params[i].grad
+            if g is not ref() or g._version != v:
+                return False
+        return True
 
 
 def _nonfinite(norm_type: float) -> RuntimeError:
@@ -42,24 +59,26 @@ def _nonfinite(norm_type: float) -> RuntimeError:
                         "set `error_if_nonfinite=False`")
 
 
-def _unscale(monitor) -> None:
-    """Unscale the gradients first when a grad scaler is on and has not (as Accelerate's clip and the
-    AMP recipe do): clipping scaled gradients would clip by ``scale`` times their norm."""
+def _still_scaled(monitor) -> list:
+    """The optimizers whose gradients a grad scaler has not unscaled yet (``unscale_``)."""
     scaler = monitor.scaler
     if scaler is None or not scaler.is_enabled() or not hasattr(scaler, "unscale_"):
-        return
+        return []
     from torch.amp.grad_scaler import OptState
 
     states = getattr(scaler, "_per_optimizer_states", {})
-    for opt in monitor.optimizers:
-        if states.get(id(opt), {}).get("stage") not in (OptState.UNSCALED, OptState.STEPPED):
-            scaler.unscale_(opt)
+    return [opt for opt in monitor.optimizers
+            if states.get(id(opt), {}).get("stage") not in (OptState.UNSCALED, OptState.STEPPED)]
 
 
 def _pairs(monitor, source: ClipSource, parameters) -> list | None:
     """(gradient, its norm) of the parameters to clip, or None when the check did not measure
     one of them (then torch's clip reads them itself)."""
     params = monitor.view.params
+    if source.report.skipped is not None:  # the step guard dropped them: nothing left to scale
+        return []
+    if not source.current(params):  # a check of earlier gradients: torch's clip reads these
+        return None
     if parameters is None:
         if not source.whole:
             return None
@@ -72,10 +91,15 @@ def _pairs(monitor, source: ClipSource, parameters) -> list | None:
 
 
 def clip_grad_norm_(monitor, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None, parameters=None) -> Tensor:
+                    foreach: bool | None = None, parameters=None, unscale: bool = True) -> Tensor:
     source: ClipSource | None = monitor._clip_source
     monitor._clip_source = None  # one clip per check: a second one reads the gradients again
-    _unscale(monitor)
+    scaled = _still_scaled(monitor)
+    if unscale:  # as Accelerate's clip and the AMP recipe do: clipping scaled gradients clips by scale x norm
+        for opt in scaled:
+            monitor.scaler.unscale_(opt)
+    elif scaled:  # left scaled on purpose: the tensors are not what the check's (unscaled) norms describe
+        source = None
     pairs = _pairs(monitor, source, parameters) if source is not None and float(norm_type) == 2.0 else None
     if pairs is None:
         params = [p for p in monitor.view.params if p.grad is not None] if parameters is None else parameters
@@ -95,7 +119,7 @@ def clip_grad_norm_(monitor, max_norm: float, norm_type: float = 2.0, error_if_n
         raise _nonfinite(norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     report.clip_coef, report.clip_max_norm = float(coef), float(max_norm)
-    for (device, _), ks in groups.items():
+    for (device, _), ks in (groups.items() if report.clip_coef != 1.0 else ()):  # (x1: nothing to write)
         c = coef.to(device, non_blocking=True)
         dense = [grads[k] for k in ks if grads[k].layout is torch.strided]
         if dense:
@@ -103,5 +127,6 @@ def clip_grad_norm_(monitor, max_norm: float, norm_type: float = 2.0, error_if_n
         for k in ks:
             if grads[k].layout is not torch.strided:  # sparse: torch's clip refuses them; one by one
                 grads[k].mul_(c)
-    monitor.publisher.publish_clip(report)
+    if report.published:  # (else the clip's numbers go out with the report: report_metrics)
+        monitor.publisher.publish_clip(report)
     return total.to(grads[0].device)

@@ -96,6 +96,7 @@ def report_metrics(report: Report, granularity: str = "module", norm: str = "gra
         if f.step == report.step and f.level != "info":
             out[f"{PREFIX}/findings/{f.kind}"] = 1.0
     out.update(expert_metrics(report))
+    out.update(clip_metrics(report, suffix))
     if report.skipped is not None or report.guarded:
         out[f"{PREFIX}/skipped{suffix}"] = 1.0 if report.skipped is not None else 0.0
     return out

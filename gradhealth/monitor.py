@@ -146,10 +146,10 @@ class GradHealth:
         return report
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach: bool | None = None, *, parameters=None) -> Tensor:
+                        foreach: bool | None = None, *, parameters=None, unscale: bool = True) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` right after ``check()`` (of ``parameters``, default: every
         parameter with a gradient) with the check's norms: the gradients are read once (:mod:`.clip`)."""
-        return clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach, parameters)
+        return clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach, parameters, unscale)
 
     def publish(self, report: Report, stacklevel: int = 2) -> None:
         """The second half of :meth:`check`: every sink gets the report, then the policy acts."""
@@ -290,7 +290,7 @@ class GradHealth:
                                               self.carry.streaks.skipping)
         if not reeval:
             self._arm_next(report, obs, optimizer)
-        self._clip_source = clip.ClipSource(report, obs.with_grad, obs.norms, optimizer is None)
+        self._clip_source = clip.ClipSource.of(report, obs.with_grad, obs.norms, optimizer is None, self.view.params)
         return report
 
     def _observe(self, sel: Selection, loss, reeval: bool = False, judged=()) -> tuple[Observation, int | None]:

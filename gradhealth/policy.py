@@ -93,6 +93,7 @@ class Publisher:
                               "its reports are lost, training continues", GradHealthInternalWarning, stacklevel=stacklevel)
 
     def publish(self, report: Report, stacklevel: int) -> None:
+        report.published = True
         for i, sink in enumerate(self.sinks):
             self._call(i, sink, "write", report, stacklevel + 2)
         loud = alarm(report)

@@ -172,6 +172,7 @@ class Report:
     #: those of the clipped gradients.
     clip_coef: float | None = None
     clip_max_norm: float | None = None
+    published: bool = field(default=False, repr=False, compare=False)  # the sinks have had it
     guarded: bool = field(default=False, repr=False)  # the step guard is on
 
     def _odd(self):

@@ -104,6 +104,30 @@ class _LoggerSink:
             self._log(clip_metrics(report, suffix(report, len(self.trainer.optimizers))), report.step)
 
 
+def _share_clip(trainer: pl.Trainer, monitor: GradHealth):
+    """Lightning's clip by norm (``gradient_clip_val``, ``self.clip_gradients``) with the norms of the
+    check made just before it: the precision plugin's ``clip_grad_by_norm`` clips the optimizer's
+    parameters with ``monitor.clip_grad_norm_`` (one read of the gradients). A plugin with its own
+    (FSDP's, DeepSpeed's) keeps it. Returns the undo, or None."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    plugin = trainer.precision_plugin
+    if type(plugin).clip_grad_by_norm is not Precision.clip_grad_by_norm:
+        return None
+
+    def clip_grad_by_norm(optimizer, clip_val) -> None:
+        # (unscale=False: what Lightning clips is its business; still-scaled gradients get torch's clip)
+        monitor.clip_grad_norm_(clip_val, parameters=list(plugin.main_params(optimizer)), unscale=False)
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    def undo() -> None:
+        if plugin.__dict__.get("clip_grad_by_norm") is clip_grad_by_norm:
+            del plugin.clip_grad_by_norm
+
+    return undo
+
+
 class GradHealthCallback(Callback):
     """Runs a :class:`gradhealth.GradHealth` monitor inside ``Trainer.fit``.
 
@@ -182,6 +206,7 @@ class GradHealthCallback(Callback):
             options=self.options, sinks=sinks, trace_on_nonfinite=not self.replay_on_nonfinite,
         )
         self.monitor.emit_warnings = trainer.is_global_zero
+        self._unshare = _share_clip(trainer, self.monitor)
         if self._pending_state is not None:
             self.monitor.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -276,6 +301,9 @@ class GradHealthCallback(Callback):
         self._close()
 
     def _close(self) -> None:
+        if getattr(self, "_unshare", None) is not None:
+            self._unshare()
+            self._unshare = None
         if self.monitor is not None:
             self._pending_state = self.monitor.state_dict()
             self.monitor.close()

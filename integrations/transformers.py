@@ -200,6 +200,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self._loss: torch.Tensor | None = None
         self._queued = False
         self._report: Report | None = None
+        self._unshare = None  # undoes the shared clip on Trainer's accelerator
 
     # ---------------------------------------------------------- checkpoints
     def state(self) -> dict:
@@ -242,6 +243,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             self._device = next(iter(model.parameters()), torch.empty(0)).device.type  # (autocast's device type)
             self._pre_hook = model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True)
         self._callbacks = self._callback_list()
+        self._unshare = self._share_clip()
         if self.log:
             self._move_before_reporters()
         self._tb_sink = None
@@ -382,6 +384,31 @@ class GradHealthCallback(TrainerCallback, ExportableState):
                 return lst
         return None
 
+    def _trainer(self):
+        """The Trainer running this callback: the holder of the callback list's handler."""
+        for handler in gc.get_referrers(self._callbacks) if self._callbacks is not None else ():
+            if not isinstance(handler, CallbackHandler):
+                continue
+            for held in gc.get_referrers(handler):  # the Trainer's __dict__ (or the Trainer)
+                if getattr(held, "callback_handler", None) is handler:
+                    return held
+                if isinstance(held, dict) and held.get("callback_handler") is handler:
+                    owner = next((o for o in gc.get_referrers(held) if getattr(o, "__dict__", None) is held), None)
+                    if owner is not None:
+                        return owner
+        return None
+
+    def _share_clip(self):
+        """Trainer's ``max_grad_norm`` clip (``accelerator.clip_grad_norm_``) with the norms of the check
+        made at the end of the step's last backward: the gradients are read once (:mod:`.accelerate`)."""
+        trainer = self._trainer()
+        accelerator = getattr(trainer, "accelerator", None)
+        if accelerator is None or not hasattr(accelerator, "clip_grad_norm_"):
+            return None
+        from .accelerate import share_clip
+
+        return share_clip(accelerator, self.monitor)
+
     def _add_tensorboard_sink(self, args) -> None:
         """The full detail into Trainer's TensorBoard run, on its own writer (created by Trainer's
         TensorBoardCallback in its on_train_begin, so looked for at the first step)."""
@@ -412,6 +439,9 @@ class GradHealthCallback(TrainerCallback, ExportableState):
 
     def _close(self) -> None:
         self._window = []
+        if getattr(self, "_unshare", None) is not None:
+            self._unshare()
+            self._unshare = None
         for hook in (self._hook, self._pre_hook):
             if hook is not None:
                 hook.remove()

@@ -208,3 +208,23 @@ def test_on_two_gloo_ranks_the_clip_equals_torchs(tmp_path, layout):
         assert all(c < 1.0 for c in r["coef"])  # the clip bit at every step
     assert ranks[0]["totals"] == ranks[1]["totals"]
     assert all(r["losses"][-1] < r["losses"][0] for r in ranks)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_check_of_earlier_gradients_is_never_used(set_to_none):
+    """every_n_steps=2 checks every other step; a check after the first of two micro-batches: the
+    clip of gradients the check did not see is torch's (the gradients are read), never stale norms."""
+    a, b = twins()
+    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in (a, b)]
+    mon = monitor(a, opts[0], on_problem="ignore", every_n_steps=2)
+    for step in range(4):
+        for o in opts:
+            o.zero_grad(set_to_none=set_to_none)
+        x = torch.randn(8, 6)
+        backward((a, b), x[:4])
+        mon.check()  # (every other step: the first micro-batch's gradients)
+        backward((a, b), x[4:])
+        ours, theirs = mon.clip_grad_norm_(0.2), torch.nn.utils.clip_grad_norm_(b.parameters(), 0.2)
+        assert float(ours) == pytest.approx(float(theirs), rel=1e-6) and gap(a, b) <= 1e-6, step
+        for o in opts:
+            o.step()

@@ -2,6 +2,7 @@
 two optimizers taking turns (toggle_optimizer), accumulate_grad_batches; real Trainer.fit runs."""
 
 import math
+import os
 import warnings
 
 import lightning.pytorch as pl
@@ -23,9 +24,9 @@ class Keep:
 
 
 def fit(module, callbacks, steps, data=None, **kw):
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(**{"logger": False, **kw}, max_steps=steps, accelerator="cpu", enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, callbacks=callbacks, **kw)
+                         limit_val_batches=0, callbacks=callbacks)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, data or SyntheticData(n_batches=16))
@@ -189,3 +190,59 @@ def test_accumulation_without_a_nan_is_silent_under_raise_and_learns():
         accumulate_grad_batches=4)
     assert len(keep.reports) == 12 and all(r.ok for r in keep.reports)
     assert sum(losses[-8:]) < sum(losses[:8])
+
+
+class CountClips:
+    """Counts torch.nn.utils.clip_grad_norm_ calls (each one reads every gradient for its norm)."""
+
+    def __init__(self, monkeypatch):
+        self.calls, original = 0, torch.nn.utils.clip_grad_norm_
+
+        def counted(*args, **kw):
+            self.calls += 1
+            return original(*args, **kw)
+
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", counted)
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_lightnings_clip_by_norm_uses_the_checks_norms(tmp_path, monkeypatch, manual):
+    """gradient_clip_val (automatic) and self.clip_gradients (manual): the same training as without
+    the callback, with no second read of the gradients; the clip's factor is logged."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    counter = CountClips(monkeypatch)
+    runs = []
+    for callbacks in ([GradHealthCallback(on_problem="raise")], []):
+        torch.manual_seed(0)
+        module = ManualClip(clip=0.1) if manual else DemoModule(bug="none")
+        before = counter.calls
+        logger = CSVLogger(str(tmp_path), name=f"run{len(runs)}")
+        trainer, said = fit(module, callbacks, 8, logger=logger, log_every_n_steps=1,
+                            **({} if manual else {"gradient_clip_val": 0.1}))
+        assert not said
+        runs.append((module, counter.calls - before, logger))
+    (ours, calls, logger), (twin, twin_calls, _) = runs
+    assert calls == 0 and twin_calls == 8  # Lightning's own clip reads the gradients at every step
+    for (name, p), q in zip(ours.named_parameters(), twin.parameters()):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-8), name
+    import csv
+
+    rows = [r for r in csv.DictReader(open(os.path.join(logger.log_dir, "metrics.csv"))) if r.get("gradhealth/clip_coef")]
+    assert len(rows) == 8 and all(float(r["gradhealth/clip_coef"]) < 1.0 for r in rows)  # the clip bit
+    if manual:
+        assert ours.losses[-1] < ours.losses[0]
+
+
+def test_clip_by_value_and_a_module_of_its_own_are_left_to_lightning(monkeypatch):
+    counter = CountClips(monkeypatch)
+    fit(DemoModule(bug="none"), [GradHealthCallback(on_problem="raise")], 4, gradient_clip_val=0.1,
+        gradient_clip_algorithm="value")
+    assert counter.calls == 0  # (by value: torch's clip_grad_value_, not ours, not a norm)
+
+    class OwnClip(DemoModule):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)  # the user's own call stays theirs
+
+    fit(OwnClip(bug="none"), [GradHealthCallback(on_problem="raise")], 4, gradient_clip_val=0.1)
+    assert counter.calls == 4

@@ -311,8 +311,9 @@ def test_core_accepts_accelerates_optimizer_wrapper():
     mon.close()
 
 
-def accelerate_loop(bug: bool, steps=12, accumulation=2):
-    """The README recipe: the plain-loop monitor inside an ``accelerate`` loop."""
+def accelerate_loop(bug: bool, steps=12, accumulation=2, shared=None):
+    """The README recipe: the plain-loop monitor inside an ``accelerate`` loop (``shared``: its clip
+    with the check's norms, :func:`gradhealth.integrations.accelerate.share_clip`)."""
     from accelerate import Accelerator
     from transformers import get_linear_schedule_with_warmup
 
@@ -325,6 +326,10 @@ def accelerate_loop(bug: bool, steps=12, accumulation=2):
     model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
     monitor = gh.GradHealth(accelerator.unwrap_model(model), optimizer, scaler=accelerator.scaler,
                             on_problem="raise")
+    if shared:  # (False: the same loop, torch's clip; both return the model too)
+        from gradhealth.integrations.accelerate import share_clip
+
+        share_clip(accelerator, monitor)
     reports = []
     for step, batch in enumerate(data):
         with accelerator.accumulate(model):
@@ -337,7 +342,7 @@ def accelerate_loop(bug: bool, steps=12, accumulation=2):
             scheduler.step()
             optimizer.zero_grad()
     monitor.close()
-    return reports
+    return reports if shared is None else (reports, accelerator.unwrap_model(model))
 
 
 def test_accelerate_recipe_is_silent_when_healthy_and_names_the_bug():
@@ -526,3 +531,51 @@ def test_healthy_accumulation_with_the_replay_on_is_silent_and_learns(tmp_path):
     assert len(kept.reports) == 16 and all(r.ok for r in kept.reports)
     assert sum(losses[-4:]) < sum(losses[:4])
     assert cb._window == []  # nothing kept once training ended
+
+
+class CountClips:
+    """Counts torch.nn.utils.clip_grad_norm_ calls (each one reads every gradient for its norm)."""
+
+    def __init__(self, monkeypatch):
+        self.calls, original = 0, torch.nn.utils.clip_grad_norm_
+
+        def counted(*args, **kw):
+            self.calls += 1
+            return original(*args, **kw)
+
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", counted)
+
+
+def test_accelerates_clip_shares_the_checks_norms(monkeypatch):
+    counter = CountClips(monkeypatch)
+    reports, model = accelerate_loop(bug=False, shared=True)
+    assert counter.calls == 0 and len(reports) == 12 and all(r.ok for r in reports)
+    assert all(r.clip_coef is not None for r in reports) and any(r.clip_coef < 1.0 for r in reports)  # it bit
+    _, twin = accelerate_loop(bug=False, shared=False)  # accelerate's own clip: torch's
+    assert counter.calls == 12
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name  # the same training
+
+
+def test_trainers_max_grad_norm_clips_with_the_checks_norms(tmp_path, monkeypatch):
+    counter = CountClips(monkeypatch)
+    runs = {}
+    for with_callback in (True, False):
+        model = tiny_bert()
+        cb = GradHealthCallback(on_problem="raise")
+        trainer = Trainer(model=model, args=arguments(tmp_path / str(with_callback), max_steps=6, max_grad_norm=0.5,
+                                                      logging_steps=1), train_dataset=Tokens(),
+                          callbacks=[cb] if with_callback else [])
+        before = counter.calls
+        train_strict(trainer)
+        runs[with_callback] = (model, counter.calls - before, trainer.state.log_history)
+    (ours, calls, logs), (twin, twin_calls, twin_logs) = runs[True], runs[False]
+    assert calls == 0 and twin_calls == 6  # Trainer's clip read the gradients again at every step, without us
+    assert getattr(trainer.accelerator, "clip_grad_norm_").__func__  # (undone at the end of train())
+    for (name, p), q in zip(ours.named_parameters(), twin.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name
+    steps = [h for h in logs if "grad_norm" in h]
+    assert [h["grad_norm"] for h in steps] == pytest.approx([h["grad_norm"] for h in twin_logs if "grad_norm" in h], rel=1e-5)
+    for h in steps:
+        assert h["gradhealth/grad_norm_preclip/total"] == pytest.approx(h["grad_norm"], rel=1e-5)
+        assert h["gradhealth/clip_coef"] == pytest.approx(min(1.0, 0.5 / (h["grad_norm"] + 1e-6)), rel=1e-5)
