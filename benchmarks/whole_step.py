@@ -40,7 +40,14 @@ VARIANTS = {
     "stale witnesses off": {},
     "+ TensorBoardSink": {},
     "every_n_steps=10": {"every_n_steps": 10},
+    "plain + torch's clip": None,
+    "monitor + shared clip": {},
 }
+#: the clipping pair: clip_grad_norm_ after the backward (torch's, reading every gradient for the norm
+#: and again to scale), against the default monitor and its clip with the check's norms; max_norm is
+#: small enough that both scale every step
+CLIPS = {"plain + torch's clip": "torch", "monitor + shared clip": "shared"}
+MAX_NORM = 1e-3
 
 
 def _sink(tmp: str):
@@ -85,18 +92,22 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
             monitor = GradHealth(model, opt, on_problem="ignore", **kw)
             if name == "stale witnesses off":
                 _no_witnesses(monitor)
-        runs[name] = (model, opt, monitor, [])
+        runs[name] = (model, opt, monitor, [], CLIPS.get(name))
     floors: list[float] = []
     with torch.no_grad():
         target = torch.randn_like(base(batch))  # a regression target: every layer gets a gradient
 
-    def step(model, opt, monitor, times, timed_floor=False):
+    def step(model, opt, monitor, times, clip=None, timed_floor=False):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(model(batch), target)
         loss.backward()
         if monitor is not None:
             monitor.check(loss=loss)
+        if clip == "torch":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        elif clip == "shared":
+            monitor.clip_grad_norm_(MAX_NORM)
         opt.step()
         times.append(time.perf_counter() - t0)
         if timed_floor:  # one fused norm pass, where the check would run (after a backward)
@@ -107,19 +118,19 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
             floors.append(time.perf_counter() - t1)
 
     def block(name) -> tuple[float, float]:
-        model, opt, monitor, times = runs[name]
+        model, opt, monitor, times, clip = runs[name]
         mine: list[float] = []
         for _ in range(steps):
-            step(model, opt, monitor, mine)
+            step(model, opt, monitor, mine, clip)
         times += mine
         return statistics.fmean(mine), statistics.median(mine)
 
     extra: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for model, opt, monitor, times in runs.values():  # warm-up: every code path once
+        for model, opt, monitor, times, clip in runs.values():  # warm-up: every code path once
             for _ in range(max(3, steps)):
-                step(model, opt, monitor, [])
+                step(model, opt, monitor, [], clip)
         others = [name for name in runs if name != "plain step"]
         for r in range(rounds):
             before = block("plain step")
@@ -128,15 +139,15 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
                 after = block("plain step")
                 extra[name].append(tuple(m - (b + a) / 2 for m, b, a in zip(mine, before, after)))
                 before = after
-            model, opt, _, _ = runs["plain step"]
+            model, opt, _, _, _ = runs["plain step"]
             step(model, opt, None, [], timed_floor=True)
     out = {}
-    for name, (_, _, _, t) in runs.items():
+    for name, (_, _, _, t, _) in runs.items():
         diffs = extra[name] or [(0.0, 0.0)]
         out[name] = {"mean": statistics.fmean(t), "median": statistics.median(t),
                      "extra_mean": statistics.fmean(d[0] for d in diffs),
                      "extra_median": statistics.median(d[1] for d in diffs)}
-    for model, opt, monitor, _ in runs.values():
+    for model, opt, monitor, _, _ in runs.values():
         if monitor is not None:
             monitor.close()
     shutil.rmtree(tmp, ignore_errors=True)
@@ -161,6 +172,12 @@ def _print(label: str, res: dict[str, dict[str, float]], batch: int = 8) -> None
             extra = row[f"extra_{key}"]
             cells.append(f"{extra * 1e3:>+{width}.2f}{100 * extra / plain[key]:>+7.1f}%{extra / floor:>+8.2f}")
         print(f"  {name:<22}" + "   ".join(cells))
+    torch_clip, shared = res.get("plain + torch's clip"), res.get("monitor + shared clip")
+    if torch_clip and shared:
+        pair = [(shared[f"extra_{k}"] - torch_clip[f"extra_{k}"]) for k in ("mean", "median")]
+        print(f"  clipping pair: the full diagnosis and the shared clip cost {pair[0] * 1e3:+.2f} ms ({pair[0] / floor:+.2f} "
+              f"floors) mean, {pair[1] * 1e3:+.2f} ms ({pair[1] / floor:+.2f} floors) median over torch's clip alone "
+              "(target: at most +0.5 floor)")
 
 
 def bench_whole_step(rounds: int, shapes=None, many=(1000, 10000), batch: int = 8) -> dict:
@@ -169,7 +186,8 @@ def bench_whole_step(rounds: int, shapes=None, many=(1000, 10000), batch: int = 
     that computes is long; the parts' rows are read at batch 8)."""
     print("\nwhat the user pays: a whole training step with and without the monitor, each part off in turn "
           "(interleaved; targets: default <= 10% / 1.5 floors on the small shape, <= 2% on the large ones)")
-    variants = VARIANTS if batch <= 8 else {k: VARIANTS[k] for k in ("plain step", "default monitor", "every_n_steps=10")}
+    variants = VARIANTS if batch <= 8 else {k: VARIANTS[k] for k in ("plain step", "default monitor", "every_n_steps=10",
+                                                                      "plain + torch's clip", "monitor + shared clip")}
     results = {}
     items = list(SHAPES.items()) if shapes is None else shapes
     for label, (blocks, width) in items:

@@ -8,7 +8,10 @@ fused ``_foreach_mul_`` per device and dtype. What follows the norms is torch's 
 clipped gradients and the returned total are torch's.
 
 Falls back to torch's clip (two passes) where the check's norms cannot stand in: an order other
-than 2, no check since the last clip, a check of one optimizer's parameters only.
+than 2, no check since the last clip, gradients that changed since the check (another backward, a
+zero_grad), a check that did not measure every parameter to clip; and at the monitor's first clip:
+checks keep what the clip needs (a weak reference and the version of each gradient, about 0.1 µs a
+tensor) only once the run has clipped (or an adapter armed them: :func:`arm`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from torch import Tensor
 from . import distributed as dist
 from .report import Report
 
-__all__ = ["ClipSource", "clip_grad_norm_"]
+__all__ = ["ClipSource", "clip_grad_norm_", "arm"]
+
+
+def arm(monitor) -> None:
+    """Clips will follow the checks (an adapter knows it from the framework's settings): the next
+    check keeps what the clip needs, so the first clip is shared too."""
+    if monitor._clip_source is False:
+        monitor._clip_source = None
 
 
 @dataclass
@@ -92,7 +102,7 @@ def _pairs(monitor, source: ClipSource, parameters) -> list | None:
 
 def clip_grad_norm_(monitor, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None, parameters=None, unscale: bool = True) -> Tensor:
-    source: ClipSource | None = monitor._clip_source
+    source: ClipSource | None = monitor._clip_source or None  # (False: the first clip; checks keep norms from now on)
     monitor._clip_source = None  # one clip per check: a second one reads the gradients again
     scaled = _still_scaled(monitor)
     if unscale:  # as Accelerate's clip and the AMP recipe do: clipping scaled gradients clips by scale x norm

@@ -83,7 +83,7 @@ class GradHealth:
         self.publisher.emit_warnings = self.ranks.rank == 0  # the same verdict is on every rank; rank 0 says it
         self.last_report: Report | None = None
         self._closed = False
-        self._plan, self._shards, self._clip_source = None, (set(), {}), None
+        self._plan, self._shards, self._clip_source = None, (set(), {}), False
         self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every,
                                       change_every=o.change_every)
                         if self.optimizers else None)
@@ -290,7 +290,8 @@ class GradHealth:
                                               self.carry.streaks.skipping)
         if not reeval:
             self._arm_next(report, obs, optimizer)
-        self._clip_source = clip.ClipSource.of(report, obs.with_grad, obs.norms, optimizer is None, self.view.params)
+        if self._clip_source is not False:  # (False until the first clip: then every check keeps its norms)
+            self._clip_source = clip.ClipSource.of(report, obs.with_grad, obs.norms, optimizer is None, self.view.params)
         return report
 
     def _observe(self, sel: Selection, loss, reeval: bool = False, judged=()) -> tuple[Observation, int | None]:

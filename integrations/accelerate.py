@@ -19,7 +19,10 @@ _PLAIN = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA"
 
 def share_clip(accelerator, monitor) -> Callable[[], None]:
     """Route ``accelerator.clip_grad_norm_`` through ``monitor.clip_grad_norm_``; returns the undo."""
+    from gradhealth.clip import arm
+
     original = accelerator.clip_grad_norm_
+    arm(monitor)
 
     def clip_grad_norm_(parameters, max_norm, norm_type=2):
         kind = getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))

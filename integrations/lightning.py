@@ -111,9 +111,13 @@ def _share_clip(trainer: pl.Trainer, monitor: GradHealth):
     (FSDP's, DeepSpeed's) keeps it. Returns the undo, or None."""
     from lightning.pytorch.plugins.precision import Precision
 
+    from gradhealth.clip import arm
+
     plugin = trainer.precision_plugin
     if type(plugin).clip_grad_by_norm is not Precision.clip_grad_by_norm:
         return None
+    if trainer.gradient_clip_val:  # (self.clip_gradients under manual optimization: from its first call)
+        arm(monitor)
 
     def clip_grad_by_norm(optimizer, clip_val) -> None:
         # (unscale=False: what Lightning clips is its business; still-scaled gradients get torch's clip)

@@ -16,8 +16,12 @@ from test_distributed import spawn
 OPEN = []
 
 
-def monitor(*args, **kw):
+def monitor(*args, first_clip_shared=True, **kw):
     OPEN.append(gh.GradHealth(*args, **kw))
+    if first_clip_shared:  # (as the adapters do; else the monitor's first clip is torch's, the next ones shared)
+        from gradhealth.clip import arm
+
+        arm(OPEN[-1])
     return OPEN[-1]
 
 
@@ -228,3 +232,23 @@ def test_a_check_of_earlier_gradients_is_never_used(set_to_none):
         assert float(ours) == pytest.approx(float(theirs), rel=1e-6) and gap(a, b) <= 1e-6, step
         for o in opts:
             o.step()
+
+
+def test_a_plain_loops_first_clip_is_torchs_and_the_next_ones_shared():
+    a, b = twins()
+    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in (a, b)]
+    mon = monitor(a, opts[0], on_problem="raise", first_clip_shared=False)
+    read = []
+    for step in range(3):
+        for o in opts:
+            o.zero_grad()
+        backward((a, b), torch.randn(8, 6))
+        report = mon.check()
+        with Reads([p.grad for p in a.parameters()]) as ours:
+            total = mon.clip_grad_norm_(0.2)
+        read.append(ours.ops)
+        assert float(total) == pytest.approx(float(torch.nn.utils.clip_grad_norm_(b.parameters(), 0.2)), rel=1e-6)
+        assert gap(a, b) <= 1e-6 and (report.clip_coef is None) == (step == 0)
+        for o in opts:
+            o.step()
+    assert read == [["_foreach_norm", "_foreach_mul_"], ["_foreach_mul_"], ["_foreach_mul_"]]
