@@ -424,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shapes", default="all", help="comma-separated shape indexes (0,1,2) or 'all'")
     ap.add_argument("--batch", type=int, default=8, help="the whole-step section's batch size (default 8)")
+    ap.add_argument("--many", default=None, help="the whole-step section's many-tensors models, comma-separated tensor "
+                                                 "counts (default: 1000,10000 with --shapes all, else none)")
+    ap.add_argument("--targets", action="store_true", help="the whole-step section times only the plain step, the "
+                                                           "default monitor and the clipping pair (more rounds in the time)")
     ap.add_argument("--sections", default="all",
                     help="comma-separated: step,checks,budget,deltas,experts,many,tracer,distributed,lightning,transformers,"
                          "tensorboard (default: all)")
@@ -438,7 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     if "step" in sections and args.device == "cpu":
         from gradhealth.benchmarks.whole_step import bench_whole_step
 
-        bench_whole_step(args.rounds, chosen, many=(1000, 10000) if args.shapes == "all" else (), batch=args.batch)
+        many = (1000, 10000) if args.shapes == "all" else ()
+        if args.many is not None:
+            many = tuple(int(n) for n in args.many.split(",") if n)
+        bench_whole_step(args.rounds, chosen, many=many, batch=args.batch, targets=args.targets)
     for label, (blocks, width) in chosen:
         if "checks" in sections:
             bench_shape(label, blocks, width, args.rounds, args.device)

@@ -180,7 +180,10 @@ def _print(label: str, res: dict[str, dict[str, float]], batch: int = 8) -> None
               "(target: at most +0.5 floor)")
 
 
-def bench_whole_step(rounds: int, shapes=None, many=(1000, 10000), batch: int = 8) -> dict:
+TARGETS = ("plain step", "default monitor", "plain + torch's clip", "monitor + shared clip")
+
+
+def bench_whole_step(rounds: int, shapes=None, many=(1000, 10000), batch: int = 8, targets: bool = False) -> dict:
     """Print the whole-step table for the chosen bench shapes and the many-tensors models. Above
     batch 8 only the plain step, the default monitor and ``every_n_steps=10`` are timed (a step
     that computes is long; the parts' rows are read at batch 8)."""
@@ -188,6 +191,8 @@ def bench_whole_step(rounds: int, shapes=None, many=(1000, 10000), batch: int = 
           "(interleaved; targets: default <= 10% / 1.5 floors on the small shape, <= 2% on the large ones)")
     variants = VARIANTS if batch <= 8 else {k: VARIANTS[k] for k in ("plain step", "default monitor", "every_n_steps=10",
                                                                       "plain + torch's clip", "monitor + shared clip")}
+    if targets:
+        variants = {k: VARIANTS[k] for k in TARGETS}
     results = {}
     items = list(SHAPES.items()) if shapes is None else shapes
     for label, (blocks, width) in items:

@@ -16,9 +16,11 @@ tensor) only once the run has clipped (or an adapter armed them: :func:`arm`).
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 from torch import Tensor
@@ -26,7 +28,17 @@ from torch import Tensor
 from . import distributed as dist
 from .report import Report
 
-__all__ = ["ClipSource", "clip_grad_norm_", "arm"]
+__all__ = ["ClipSource", "clip_grad_norm_", "arm", "keep"]
+
+_GRAD, _VERSION = operator.attrgetter("grad"), operator.attrgetter("_version")
+_DTYPE, _DEVICE, _LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("device"), operator.attrgetter("layout")
+_CALL = weakref.ref.__call__
+
+
+def keep(monitor, report: Report, entries: list[int], norms: list[float], whole: bool) -> None:
+    """At the end of a check: what a clip that follows needs (from the run's first clip on)."""
+    if monitor._clip_source is not False:
+        monitor._clip_source = ClipSource.of(report, entries, norms, whole, monitor.view.params, monitor._plan)
 
 
 def arm(monitor) -> None:
@@ -48,19 +60,29 @@ class ClipSource:
     whole: bool  # the check judged every parameter (not one optimizer's)
     grads: list = field(default_factory=list)  # weakrefs to the gradients the norms are of
     versions: list[int] = field(default_factory=list)
+    #: (device, dtype) when those gradients are all dense and real, of one dtype on one device (the
+    #: check's norm plan knows it): the clip needs no grouping of its own
+    single: tuple | None = None
 
     @classmethod
-    def of(cls, report: Report, entries: list[int], norms: list[float], whole: bool, params: list) -> ClipSource:
-        grads = [params[i].grad for i in entries]
-        return cls(report, entries, norms, whole, [weakref.ref(g) for g in grads], [g._version for g in grads])
+    def of(cls, report: Report, entries: list[int], norms: list[float], whole: bool, params: list,
+           plan=None) -> ClipSource:
+        grads = list(map(_GRAD, map(params.__getitem__, entries)))
+        single = None
+        if plan is not None and plan.plain and len(plan.groups) == 1 and len(plan.perm) == len(grads):
+            device, dtype, _ = plan.groups[0]
+            single = (device, dtype)
+        return cls(report, entries, norms, whole, list(map(weakref.ref, grads)), list(map(_VERSION, grads)), single)
 
-    def current(self, params: list) -> bool:
-        """The gradients are still those the check measured: no backward, zero_grad or clip since."""
-        for i, ref, v in zip(self.entries, self.grads, self.versions):
-            g = params[i].grad
-            if g is not ref() or g._version != v:
-                return False
-        return True
+    def current(self, params: list) -> list | None:
+        """The gradients the check measured, if they still are the parameters' (no backward,
+        zero_grad or clip since); else None."""
+        grads = list(map(_GRAD, map(params.__getitem__, self.entries)))
+        if any(map(operator.is_, grads, repeat(None))):
+            return None
+        if not all(map(operator.is_, grads, map(_CALL, self.grads))) or list(map(_VERSION, grads)) != self.versions:
+            return None
+        return grads
 
 
 def _nonfinite(norm_type: float) -> RuntimeError:
@@ -81,23 +103,33 @@ def _still_scaled(monitor) -> list:
             if states.get(id(opt), {}).get("stage") not in (OptState.UNSCALED, OptState.STEPPED)]
 
 
-def _pairs(monitor, source: ClipSource, parameters) -> list | None:
-    """(gradient, its norm) of the parameters to clip, or None when the check did not measure
-    one of them (then torch's clip reads them itself)."""
+def _pairs(monitor, source: ClipSource, parameters) -> tuple[list, list] | None:
+    """The gradients to clip and their norms, or None when the check did not measure one of them
+    as it is now (then torch's clip reads them itself)."""
     params = monitor.view.params
     if source.report.skipped is not None:  # the step guard dropped them: nothing left to scale
-        return []
-    if not source.current(params):  # a check of earlier gradients: torch's clip reads these
+        return [], []
+    grads = source.current(params)
+    if grads is None:  # a check of earlier gradients: torch's clip reads these
         return None
     if parameters is None:
-        if not source.whole:
-            return None
-        return [(params[i].grad, v) for i, v in zip(source.entries, source.norms) if params[i].grad is not None]
+        return (grads, source.norms) if source.whole else None
     wanted = [p for p in ([parameters] if isinstance(parameters, Tensor) else parameters) if p.grad is not None]
     norm_of = {id(params[i]): v for i, v in zip(source.entries, source.norms)}
     if any(id(p) not in norm_of for p in wanted):
         return None
-    return [(p.grad, norm_of[id(p)]) for p in wanted]
+    return [p.grad for p in wanted], [norm_of[id(p)] for p in wanted]
+
+
+def _groups(grads: list) -> dict[tuple, list[int]]:
+    """(device, dtype, dense) -> indexes, in the order torch's clip groups them (first seen)."""
+    dtypes, devices, layouts = set(map(_DTYPE, grads)), set(map(_DEVICE, grads)), set(map(_LAYOUT, grads))
+    if len(dtypes) == 1 and len(devices) == 1 and layouts == {torch.strided}:  # the common case: one group
+        return {(grads[0].device, grads[0].dtype, True): list(range(len(grads)))}
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for k, g in enumerate(grads):
+        groups[(g.device, g.dtype, g.layout is torch.strided)].append(k)
+    return groups
 
 
 def clip_grad_norm_(monitor, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -115,27 +147,31 @@ def clip_grad_norm_(monitor, max_norm: float, norm_type: float = 2.0, error_if_n
         params = [p for p in monitor.view.params if p.grad is not None] if parameters is None else parameters
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     report = source.report
-    if not pairs:  # no gradient left: the step guard dropped them (the total they had), or none at all
+    grads, values = pairs
+    if not grads:  # no gradient left: the step guard dropped them (the total they had), or none at all
         return torch.tensor(report.total_grad_norm if report.skipped is not None else 0.0)
-    grads = [dist.to_local(g) for g, _ in pairs]
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for k, g in enumerate(grads):
-        groups[(g.device, g.dtype)].append(k)
+    if monitor.ranks.active:  # (DTensors: their local shards; the norms are the global ones)
+        grads = list(map(dist.to_local, grads))
+    one = source.single if parameters is None and source.single is not None else None
+    groups = {(*one, True): None} if one is not None else _groups(grads)
     # the per-tensor norms in their gradient's dtype, as torch's _foreach_norm returns them
-    norms = torch.cat([torch.tensor([pairs[k][1] for k in ks], dtype=torch.float64).to(dtype.to_real())
-                       for (_, dtype), ks in groups.items()])
+    if len(groups) == 1:
+        [(_, dtype, _)] = groups
+        norms = torch.tensor(values, dtype=torch.float64).to(dtype.to_real())
+    else:
+        norms = torch.cat([torch.tensor([values[k] for k in ks], dtype=torch.float64).to(dtype.to_real())
+                           for (_, dtype, _), ks in groups.items()])
     total = torch.linalg.vector_norm(norms, 2.0)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise _nonfinite(norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     report.clip_coef, report.clip_max_norm = float(coef), float(max_norm)
-    for (device, _), ks in (groups.items() if report.clip_coef != 1.0 else ()):  # (x1: nothing to write)
+    for (device, _, dense), ks in (groups.items() if report.clip_coef != 1.0 else ()):  # (x1: nothing to write)
         c = coef.to(device, non_blocking=True)
-        dense = [grads[k] for k in ks if grads[k].layout is torch.strided]
         if dense:
-            torch._foreach_mul_(dense, c)
-        for k in ks:
-            if grads[k].layout is not torch.strided:  # sparse: torch's clip refuses them; one by one
+            torch._foreach_mul_(grads if ks is None or len(groups) == 1 else [grads[k] for k in ks], c)
+        else:  # sparse: torch's clip refuses them; one by one
+            for k in ks:
                 grads[k].mul_(c)
     if report.published:  # (else the clip's numbers go out with the report: report_metrics)
         monitor.publisher.publish_clip(report)

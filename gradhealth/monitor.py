@@ -290,8 +290,7 @@ class GradHealth:
                                               self.carry.streaks.skipping)
         if not reeval:
             self._arm_next(report, obs, optimizer)
-        if self._clip_source is not False:  # (False until the first clip: then every check keeps its norms)
-            self._clip_source = clip.ClipSource.of(report, obs.with_grad, obs.norms, optimizer is None, self.view.params)
+        clip.keep(self, report, obs.with_grad, obs.norms, optimizer is None)  # (for a clip_grad_norm_ that follows)
         return report
 
     def _observe(self, sel: Selection, loss, reeval: bool = False, judged=()) -> tuple[Observation, int | None]:

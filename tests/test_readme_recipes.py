@@ -80,6 +80,7 @@ def test_nanogpt_style_loop_with_a_disabled_scaler(dtype, scaler_line, one_threa
         exec(code, ns)  # on_problem="raise": a healthy run raises nothing
     assert ns["scaler"].is_enabled() is False and ns["monitor"].scaler is None
     assert ns["monitor"].last_report.ok and ns["monitor"].carry.checks == 30
+    assert ns["monitor"].last_report.clip_coef is not None  # the clip used the check's norms (from the second step)
     assert model(*probe)[1].item() < 0.7 * before
 
 
