@@ -100,3 +100,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+class CountClips:
+    """Counts torch.nn.utils.clip_grad_norm_ calls (each one reads every gradient for its norm)."""
+
+    def __init__(self, monkeypatch):
+        self.calls, original = 0, torch.nn.utils.clip_grad_norm_
+
+        def counted(*args, **kw):
+            self.calls += 1
+            return original(*args, **kw)
+
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", counted)

@@ -13,6 +13,7 @@ from torch import nn
 import gradhealth as gh
 from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
 from gradhealth.integrations.lightning import GradHealthCallback
+from conftest import CountClips
 
 
 class Keep:
@@ -190,19 +191,6 @@ def test_accumulation_without_a_nan_is_silent_under_raise_and_learns():
         accumulate_grad_batches=4)
     assert len(keep.reports) == 12 and all(r.ok for r in keep.reports)
     assert sum(losses[-8:]) < sum(losses[:8])
-
-
-class CountClips:
-    """Counts torch.nn.utils.clip_grad_norm_ calls (each one reads every gradient for its norm)."""
-
-    def __init__(self, monkeypatch):
-        self.calls, original = 0, torch.nn.utils.clip_grad_norm_
-
-        def counted(*args, **kw):
-            self.calls += 1
-            return original(*args, **kw)
-
-        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", counted)
 
 
 @pytest.mark.parametrize("manual", [False, True])

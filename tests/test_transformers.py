@@ -19,6 +19,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 from gradhealth.integrations.transformers import GradHealthCallback  # noqa: E402
 from gradhealth.demos.hf_trainer import HeadOutOfOptimizer, NaNLossOnce, Tokens, tiny_bert  # noqa: E402
 from gradhealth.report import frozen_summary  # noqa: E402
+from conftest import CountClips  # noqa: E402
 
 
 def arguments(out, **kw):
@@ -531,19 +532,6 @@ def test_healthy_accumulation_with_the_replay_on_is_silent_and_learns(tmp_path):
     assert len(kept.reports) == 16 and all(r.ok for r in kept.reports)
     assert sum(losses[-4:]) < sum(losses[:4])
     assert cb._window == []  # nothing kept once training ended
-
-
-class CountClips:
-    """Counts torch.nn.utils.clip_grad_norm_ calls (each one reads every gradient for its norm)."""
-
-    def __init__(self, monkeypatch):
-        self.calls, original = 0, torch.nn.utils.clip_grad_norm_
-
-        def counted(*args, **kw):
-            self.calls += 1
-            return original(*args, **kw)
-
-        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", counted)
 
 
 def test_accelerates_clip_shares_the_checks_norms(monkeypatch):
