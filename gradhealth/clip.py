@@ -17,6 +17,7 @@ tensor) only once the run has clipped (or an adapter armed them: :func:`arm`).
 from __future__ import annotations
 
 import operator
+import warnings
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from . import distributed as dist
+from .errors import GradHealthInternalWarning
 from .report import Report
 
 __all__ = ["ClipSource", "clip_grad_norm_", "arm", "keep"]
@@ -132,24 +134,8 @@ def _groups(grads: list) -> dict[tuple, list[int]]:
     return groups
 
 
-def clip_grad_norm_(monitor, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None, parameters=None, unscale: bool = True) -> Tensor:
-    source: ClipSource | None = monitor._clip_source or None  # (False: the first clip; checks keep norms from now on)
-    monitor._clip_source = None  # one clip per check: a second one reads the gradients again
-    scaled = _still_scaled(monitor)
-    if unscale:  # as Accelerate's clip and the AMP recipe do: clipping scaled gradients clips by scale x norm
-        for opt in scaled:
-            monitor.scaler.unscale_(opt)
-    elif scaled:  # left scaled on purpose: the tensors are not what the check's (unscaled) norms describe
-        source = None
-    pairs = _pairs(monitor, source, parameters) if source is not None and float(norm_type) == 2.0 else None
-    if pairs is None:
-        params = [p for p in monitor.view.params if p.grad is not None] if parameters is None else parameters
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    report = source.report
-    grads, values = pairs
-    if not grads:  # no gradient left: the step guard dropped them (the total they had), or none at all
-        return torch.tensor(report.total_grad_norm if report.skipped is not None else 0.0)
+def _scaling(monitor, source: ClipSource, parameters, grads: list, values: list):
+    """(the gradients' local tensors, their groups, the total as torch computes it)."""
     if monitor.ranks.active:  # (DTensors: their local shards; the norms are the global ones)
         grads = list(map(dist.to_local, grads))
     one = source.single if parameters is None and source.single is not None else None
@@ -161,7 +147,33 @@ def clip_grad_norm_(monitor, max_norm: float, norm_type: float = 2.0, error_if_n
     else:
         norms = torch.cat([torch.tensor([values[k] for k in ks], dtype=torch.float64).to(dtype.to_real())
                            for (_, dtype, _), ks in groups.items()])
-    total = torch.linalg.vector_norm(norms, 2.0)
+    return grads, groups, torch.linalg.vector_norm(norms, 2.0)
+
+
+def clip_grad_norm_(monitor, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None, parameters=None, unscale: bool = True) -> Tensor:
+    source: ClipSource | None = monitor._clip_source or None  # (False: the first clip; checks keep norms from now on)
+    monitor._clip_source = None  # one clip per check: a second one reads the gradients again
+    scaled = _still_scaled(monitor)
+    if unscale:  # as Accelerate's clip and the AMP recipe do: clipping scaled gradients clips by scale x norm
+        for opt in scaled:
+            monitor.scaler.unscale_(opt)
+    elif scaled:  # left scaled on purpose: the tensors are not what the check's (unscaled) norms describe
+        source = None
+    try:
+        pairs = _pairs(monitor, source, parameters) if source is not None and float(norm_type) == 2.0 else None
+        if pairs is not None and pairs[0]:
+            grads, groups, total = _scaling(monitor, source, parameters, *pairs)
+    except Exception as exc:  # never break a training run: torch's own clip instead
+        warnings.warn(f"gradhealth: the shared clip failed internally ({type(exc).__name__}: {exc}); torch's "
+                      "clip_grad_norm_ ran instead", GradHealthInternalWarning, stacklevel=3)
+        pairs = None
+    if pairs is None:
+        params = [p for p in monitor.view.params if p.grad is not None] if parameters is None else parameters
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    report = source.report
+    if not pairs[0]:  # no gradient left: the step guard dropped them (the total they had), or none at all
+        return torch.tensor(report.total_grad_norm if report.skipped is not None else 0.0)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise _nonfinite(norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

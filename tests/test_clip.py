@@ -252,3 +252,21 @@ def test_a_plain_loops_first_clip_is_torchs_and_the_next_ones_shared():
         for o in opts:
             o.step()
     assert read == [["_foreach_norm", "_foreach_mul_"], ["_foreach_mul_"], ["_foreach_mul_"]]
+
+
+def test_an_internal_failure_of_the_shared_clip_falls_back_to_torchs(monkeypatch):
+    import gradhealth.clip as clip
+
+    a, b = twins()
+    mon = monitor(a, torch.optim.SGD(a.parameters(), lr=0.1), on_problem="raise")
+    backward((a, b), torch.randn(8, 6))
+    mon.check()
+
+    def broken(*args, **kw):
+        raise ValueError("planted")
+
+    monkeypatch.setattr(clip, "_scaling", broken)
+    with pytest.warns(gh.GradHealthInternalWarning, match="planted"):
+        ours = mon.clip_grad_norm_(0.2)
+    theirs = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.2)
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-6) and gap(a, b) <= 1e-6
