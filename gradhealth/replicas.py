@@ -30,11 +30,12 @@ from .distributed import to_local
 from .findings import Finding, FindingKind
 from .naming import on_ranks
 
-__all__ = ["Replicas", "GRAD_SYNC", "SAMPLE"]
+__all__ = ["Replicas", "GRAD_SYNC", "SAMPLE", "WHOLE"]
 
 GRAD_SYNC = ("auto", "before_check", "in_optimizer")
-#: elements per parameter in its fingerprint (a strided view, no copy)
-SAMPLE = 64
+#: elements per parameter in its fingerprint: the whole of a tensor up to WHOLE elements, else a
+#: strided sample of SAMPLE (views, no copies); stacked in chunks of at most CHUNK elements
+SAMPLE, WHOLE, CHUNK = 64, 4096, 1 << 20
 
 
 class Replicas:
@@ -52,29 +53,35 @@ class Replicas:
         return not self.in_optimizer
 
     def fingerprints(self, params: list, idx: list[int], sharded: set[int]):
-        """Per judged entry, the float64 sum of squares of a fixed strided sample (at most
-        ``SAMPLE`` elements) of a replicated parameter, 0 for shards: a float64 tensor, from one
-        stacked copy per sample size; None unless the replicas are compared on their parameters."""
+        """Per judged entry, a float64 sum of squares of its replicated parameter, 0 for shards: of
+        the whole tensor up to ``WHOLE`` elements, else of a fixed strided sample of ``SAMPLE``. One
+        stacked copy per shape (small tensors, in chunks of at most ``CHUNK`` elements) or per
+        sample size: on the CPU a stack of same-shape tensors costs far less per tensor than a
+        gather of strided views. None unless the replicas are compared on their parameters."""
         if not self.in_optimizer:
             return None
         key = (id(params), id(idx), len(idx), len(sharded))
-        if key != self._key:  # the samples are views: made once, they follow the parameters' updates
-            groups: dict[int, tuple[list[int], list]] = {}
+        if key != self._key:  # views (no copies): made once, they follow the parameters' updates
+            groups: dict[tuple, tuple[list[int], list]] = {}
             for j, i in enumerate(idx):
                 t = to_local(params[i].detach())
                 if i in sharded or t.numel() == 0 or not t.is_contiguous():
                     continue
                 flat = t.view(-1)
-                view = flat[:: max(1, t.numel() // SAMPLE)][:SAMPLE]
-                pos, views = groups.setdefault(view.numel(), ([], []))
+                view = flat if t.numel() <= WHOLE else flat[:: max(1, t.numel() // SAMPLE)][:SAMPLE]
+                pos, views = groups.setdefault((view.numel(), t.dtype), ([], []))
+                if len(views) * view.numel() >= CHUNK:  # a full chunk: start the next one
+                    groups[(view.numel(), t.dtype, j)] = groups.pop((view.numel(), t.dtype))
+                    pos, views = groups.setdefault((view.numel(), t.dtype), ([], []))
                 pos.append(j)
                 views.append(view)
             self._views = [(torch.tensor(pos), views) for pos, views in groups.values()]
             self._key, self._n = key, len(idx)
         out = torch.zeros(self._n, dtype=torch.float64)
         for pos, views in self._views:
-            x = torch.stack(views).to(torch.float64)
-            out[pos] = (x * x).sum(1).cpu()
+            x = torch.stack(views)  # (float32 accumulation is ample: the agreement test needs ~1e-5 relative)
+            kw = {"dtype": torch.float32} if x.dtype in (torch.float16, torch.bfloat16) else {}
+            out[pos] = torch.linalg.vector_norm(x, dim=1, **kw).double().square().cpu()
         return out
 
     def judge_disagreement(self, disagree: list[int], comparable: int, step: int) -> tuple[bool, list[Finding]]:
