@@ -13,6 +13,10 @@ Where each check runs:
   optimizer's parameters. A backward Lightning did not see (``loss.backward()`` called directly)
   is checked inside ``opt.step()`` instead, after any clip: those reports carry a ``POSTCLIP``
   info finding and log under ``grad_norm_postclip``;
+* Lightning's clip by norm (``gradient_clip_val``, ``self.clip_gradients``) runs through
+  ``monitor.clip_grad_norm_`` with the check's norms, so the gradients are read once (the
+  precision plugin's ``clip_grad_by_norm``, undone at the end of training; plugins with their own,
+  FSDP's and DeepSpeed's, keep it); ``gradhealth/clip_coef`` is logged;
 * the optimizer's own step hooks measure the update, reported with the next check;
 * ``on_exception`` / ``teardown``: flush and close the sinks, remove every hook.
 
@@ -21,7 +25,7 @@ the Trainer, at the optimizer step, with ``grad_norm_preclip`` as the norm name 
 module (``granularity="param"`` for one per parameter):
 
 ``gradhealth/grad_norm_preclip/total`` and ``/<module>``, ``gradhealth/status/<STATE>``,
-``gradhealth/loss``, ``gradhealth/valid/<name>``, ``gradhealth/findings/<KIND>``, and once the
+``gradhealth/params_in_trouble``, ``gradhealth/loss``, ``gradhealth/valid/<name>``, ``gradhealth/findings/<KIND>``, and once the
 step has run, ``gradhealth/update_norm/total``, ``gradhealth/update_norm/<module>`` and
 ``gradhealth/update_ratio/<module>``. With several optimizers, totals, loss and counts get the
 optimizer's index: ``total_opt1``.

@@ -15,6 +15,10 @@ Where each check runs (once per optimizer step, after gradient accumulation):
   (the scaler Accelerate's optimizer wrapper carries). Clipping first would hide the answer:
   ``clip_grad_norm_`` multiplies every gradient by ``max_norm / total``, so one inf gradient
   makes all the others exactly 0 and one NaN makes them all NaN;
+* Trainer's clip (``max_grad_norm``) runs through ``monitor.clip_grad_norm_`` with that check's
+  norms (``accelerator.clip_grad_norm_`` routed by :func:`gradhealth.integrations.accelerate.share_clip`
+  for the run, undone at its end): the gradients are read once, Trainer's ``grad_norm`` is the
+  same number, ``gradhealth/clip_coef`` says whether it bit;
 * ``on_pre_optimizer_step`` (after Trainer's clipping, before the step): the report is
   published (sinks, warning, raise). When the model's forward was never seen (a custom loop
   that bypasses the model's ``__call__``), the check runs here instead, on clipped gradients,
