@@ -184,7 +184,8 @@ def flow_picture(value: np.ndarray, state: np.ndarray, modules: list[str], steps
     y += row_h
     x = pad
     if lo is not None:
-        for t, colour in ((f"1e{round(lo)}", None), ("", "ramp"), (f"1e{round(hi)}", None)):
+        for t, colour in ((f"{10 ** lo:.0e}".replace("e-0", "e-").replace("e+0", "e"), None), ("", "ramp"),
+                          (f"{10 ** hi:.0e}".replace("e-0", "e-").replace("e+0", "e"), None)):
             if colour == "ramp":
                 ramp = _ramp_strip(4 * f, f - 4 // u)
                 canvas.paste(Image.fromarray(ramp), (int(x), y + 2 // u))
