@@ -37,9 +37,13 @@ def not_in_optimizer(model, optimizer):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dashboards")
-    torch.set_num_threads(1)
-    demo = {bug: run_scenario(bug, str(root / "demo"), 40) for bug in ("none", "not_in_optimizer")}
-    plain = plain_runs(str(root / "plain"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (tiny models: faster and reproducible on one thread; restored below)
+    try:
+        demo = {bug: run_scenario(bug, str(root / "demo"), 40) for bug in ("none", "not_in_optimizer")}
+        plain = plain_runs(str(root / "plain"))
+    finally:
+        torch.set_num_threads(threads)
     return root, demo, plain
 
 
