@@ -8,6 +8,7 @@ gradient read back to the host.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 import warnings
@@ -276,15 +277,32 @@ def bench_tracer(rounds: int) -> None:
               f"torch.autograd.detect_anomaly {t['anomaly'] / t['plain']:.2f}x; disarmed: no hooks at all")
 
 
-def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
+@contextlib.contextmanager
+def _gloo_rank(rank: int, world: int, port: int, out: str):
+    """A benchmark rank: one thread, its gloo group, a dict to fill that rank 0 writes to ``out``,
+    and the group torn down; the caller then leaves with ``os._exit(0)`` (the interpreter's
+    teardown can abort while gloo's threads stop)."""
     import json
-    import os
 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    res: dict = {}
     try:
+        yield res
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(res, f)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
+    import os
+
+    with _gloo_rank(rank, world, port, out) as res:
         torch.manual_seed(0)
         model = build_model(100, 64)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -299,9 +317,9 @@ def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> Non
             mon.ranks.replicas.in_optimizer = fingerprint
             mon.check()
 
-        res = interleaved({"check()": lambda: timed(True), "check() without agreement": lambda: timed(False),
-                           "check() without lockstep": lambda: timed(True, counts=False),
-                           "check() in_optimizer": lambda: timed(True, fingerprint=True)}, rounds, 20)
+        res.update(interleaved({"check()": lambda: timed(True), "check() without agreement": lambda: timed(False),
+                                "check() without lockstep": lambda: timed(True, counts=False),
+                                "check() in_optimizer": lambda: timed(True, fingerprint=True)}, rounds, 20))
         crossrank.AGREEMENT, crossrank.COUNTS = True, True
         mon.close()
         # the rank-origin comm hook: a DDP training step with and without it
@@ -319,28 +337,18 @@ def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> Non
             m(x).square().mean().backward()
 
         res.update(interleaved({"ddp step": lambda: step(plain), "ddp step + hook": lambda: step(hooked)}, rounds, 5))
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(res, f)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    os._exit(0)  # skip the interpreter's teardown, which can abort while gloo's threads stop
+    os._exit(0)
 
 
 def _mesh_worker(rank: int, world: int, port: int, out: str, rounds: int) -> None:
     """The check of a model sharded on a 1-D mesh (FSDP2, (4,)) and on a 2-D one (HSDP, (2, 2):
     replicated and sharded dimensions, the per-shard agreement), interleaved, 4 gloo ranks."""
-    import json
     import os
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with _gloo_rank(rank, world, port, out) as res:
         mons = {}
         for name, shape, dims in (("1-D (4,)", (world,), ("shard",)), ("2-D (2, 2)", (2, world // 2), ("replicate", "shard"))):
             torch.manual_seed(0)
@@ -351,15 +359,9 @@ def _mesh_worker(rank: int, world: int, port: int, out: str, rounds: int) -> Non
             model(torch.randn(8, 64)).square().mean().backward()
             mons[name] = GradHealth(model, None, on_problem="ignore", deltas="off", desync_every=0)
             mons[name].carry.checks = 1  # past the first check: no DESYNC fingerprint in the timed loop
-        res = interleaved({k: m.check for k, m in mons.items()}, rounds, 10)
+        res.update(interleaved({k: m.check for k, m in mons.items()}, rounds, 10))
         for m in mons.values():
             m.close()
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(res, f)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
     os._exit(0)
 
 
