@@ -58,14 +58,13 @@ from its saved options, which cannot include ``sinks``: pass sinks through ``rep
 from __future__ import annotations
 
 import dataclasses
-import gc
 import warnings
 from typing import Any
 
 import torch
 from torch.autograd import Variable
 from transformers import TrainerCallback
-from transformers.trainer_callback import CallbackHandler, ExportableState
+from transformers.trainer_callback import ExportableState
 
 from gradhealth.errors import GradHealthInternalWarning, GradModeError
 from gradhealth.findings import Finding
@@ -76,6 +75,8 @@ from gradhealth.replay import producers, replay_nonfinite, shared_origin
 from gradhealth.report import Report
 from gradhealth.skipping import defused
 from gradhealth.snapshot import rng_state
+
+from .hf_wiring import callback_list, move_before_reporters, share_trainer_clip, tensorboard_writer
 
 __all__ = ["GradHealthCallback", "NORM"]
 
@@ -246,10 +247,10 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         if self.replay_on_nonfinite:
             self._device = next(iter(model.parameters()), torch.empty(0)).device.type  # (autocast's device type)
             self._pre_hook = model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True)
-        self._callbacks = self._callback_list()
-        self._unshare = self._share_clip()
+        self._callbacks = callback_list(self)
+        self._unshare = share_trainer_clip(self._callbacks, self.monitor)
         if self.log:
-            self._move_before_reporters()
+            move_before_reporters(self._callbacks, self)
         self._tb_sink = None
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -378,47 +379,11 @@ class GradHealthCallback(TrainerCallback, ExportableState):
                 self._report = self.monitor.measure(self._loss, step=self._step)
             self._loss = None
 
-    def _callback_list(self) -> list | None:
-        """Trainer's callback list (Trainer keeps no reference a callback could use; its handler
-        is found as the referrer of its callback list)."""
-        for lst in gc.get_referrers(self):
-            if not isinstance(lst, list) or not any(x is self for x in lst):
-                continue
-            if any(isinstance(h, CallbackHandler) and h.callbacks is lst for h in gc.get_referrers(lst)):
-                return lst
-        return None
-
-    def _trainer(self):
-        """The Trainer running this callback: the holder of the callback list's handler."""
-        for handler in gc.get_referrers(self._callbacks) if self._callbacks is not None else ():
-            if not isinstance(handler, CallbackHandler):
-                continue
-            for held in gc.get_referrers(handler):  # the Trainer's __dict__ (or the Trainer)
-                if getattr(held, "callback_handler", None) is handler:
-                    return held
-                if isinstance(held, dict) and held.get("callback_handler") is handler:
-                    owner = next((o for o in gc.get_referrers(held) if getattr(o, "__dict__", None) is held), None)
-                    if owner is not None:
-                        return owner
-        return None
-
-    def _share_clip(self):
-        """Trainer's ``max_grad_norm`` clip (``accelerator.clip_grad_norm_``) with the norms of the check
-        made at the end of the step's last backward: the gradients are read once (:mod:`.accelerate`)."""
-        trainer = self._trainer()
-        accelerator = getattr(trainer, "accelerator", None)
-        if accelerator is None or not hasattr(accelerator, "clip_grad_norm_"):
-            return None
-        from .accelerate import share_clip
-
-        return share_clip(accelerator, self.monitor)
-
     def _add_tensorboard_sink(self, args) -> None:
         """The full detail into Trainer's TensorBoard run, on its own writer (created by Trainer's
         TensorBoardCallback in its on_train_begin, so looked for at the first step)."""
         self._tb_sink = False  # looked for once per train()
-        tb = next((cb for cb in self._callbacks or () if type(cb).__name__ == "TensorBoardCallback"), None)
-        writer = getattr(tb, "tb_writer", None)
+        writer = tensorboard_writer(self._callbacks)
         if writer is None or self.monitor is None:
             return
         try:
@@ -428,18 +393,6 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self._tb_sink = TensorBoardSink(writer, norm=NORM, granularity="module", close_writer=False, on_steps=True,
                                         every_n=max(1, int(args.logging_steps)) if args.logging_steps >= 1 else 1)
         self.monitor.publisher.sinks = self.monitor.publisher.sinks + (self._tb_sink,)
-
-    def _move_before_reporters(self) -> None:
-        """Put this callback before the ``report_to`` callbacks, so the keys it merges into
-        ``logs`` reach them."""
-        lst = self._callbacks
-        if lst is None:
-            return
-        reporters = [i for i, cb in enumerate(lst) if type(cb).__module__.startswith("transformers.integrations")]
-        mine = next(i for i, cb in enumerate(lst) if cb is self)
-        if reporters and reporters[0] < mine:
-            lst.pop(mine)
-            lst.insert(reporters[0], self)
 
     def _close(self) -> None:
         self._window = []
