@@ -164,9 +164,11 @@ def clip_grad_norm_(monitor, max_norm: float, norm_type: float = 2.0, error_if_n
         pairs = _pairs(monitor, source, parameters) if source is not None and float(norm_type) == 2.0 else None
         if pairs is not None and pairs[0]:
             grads, groups, total = _scaling(monitor, source, parameters, *pairs)
-    except Exception as exc:  # never break a training run: torch's own clip instead
-        warnings.warn(f"gradhealth: the shared clip failed internally ({type(exc).__name__}: {exc}); torch's "
-                      "clip_grad_norm_ ran instead", GradHealthInternalWarning, stacklevel=3)
+    except Exception as exc:  # never break a training run: torch's own clip instead (said once)
+        if not getattr(monitor, "_clip_failed", False):
+            monitor._clip_failed = True
+            warnings.warn(f"gradhealth: the shared clip failed internally ({type(exc).__name__}: {exc}); torch's "
+                          "clip_grad_norm_ runs instead", GradHealthInternalWarning, stacklevel=3)
         pairs = None
     if pairs is None:
         params = [p for p in monitor.view.params if p.grad is not None] if parameters is None else parameters

@@ -152,7 +152,7 @@ def flow_picture(value: np.ndarray, state: np.ndarray, modules: list[str], steps
     row_h, pad = f + 6 // u, 6 // u
     draw_probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     width = (lambda t: draw_probe.textlength(t, font=font)) if font else (lambda t: 6 * len(t))
-    label_w = int(min(W * 3 // 10, max(width(t) for t in labels))) + pad
+    label_w = int(min(W * 3 // 10, max((width(t) for t in labels), default=0))) + pad
     plot_w = W - label_w - 2 * pad
     cw = max(1, plot_w // COLUMNS)
     title_h, axis_h = row_h + pad, 3 * row_h + pad

@@ -258,7 +258,8 @@ def test_an_internal_failure_of_the_shared_clip_falls_back_to_torchs(monkeypatch
     import gradhealth.clip as clip
 
     a, b = twins()
-    mon = monitor(a, torch.optim.SGD(a.parameters(), lr=0.1), on_problem="raise")
+    opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in (a, b)]
+    mon = monitor(a, opts[0], on_problem="raise")
     backward((a, b), torch.randn(8, 6))
     mon.check()
 
@@ -270,3 +271,12 @@ def test_an_internal_failure_of_the_shared_clip_falls_back_to_torchs(monkeypatch
         ours = mon.clip_grad_norm_(0.2)
     theirs = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.2)
     assert float(ours) == pytest.approx(float(theirs), rel=1e-6) and gap(a, b) <= 1e-6
+    for o in opts:
+        o.step()
+        o.zero_grad()
+    backward((a, b), torch.randn(8, 6))
+    mon.check()
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        mon.clip_grad_norm_(0.2)
+    assert not [w for w in again if "shared clip" in str(w.message)]  # said once, not at every step
