@@ -123,6 +123,7 @@ class TensorBoardSink:
         self._steps: list[int] = []
         self._modules: dict[str, None] = {}
         self._checks = 0
+        self._pictured = -1  # the check count at the last picture
         self._texts: dict[int, set[int]] = {}
         self._states: list[str] = []
         self._module_of: dict[str, str] = {}
@@ -259,12 +260,15 @@ class TensorBoardSink:
                 sq.setdefault(modules[name], []).append(v)
             module_norms = {m: combine_norms(vs) for m, vs in sq.items()}
         row = self._row
-        values = [0.0] * len(row)
         states = [CODES[Status.OK]] * len(row)
-        for m, v in module_norms.items():
-            i = row.get(m)
-            if i is not None:
-                values[i] = v
+        if len(module_norms) == len(row) and list(module_norms) == list(row):  # every module, in row order:
+            values = list(module_norms.values())                                 # no Python loop per module
+        else:
+            values = [0.0] * len(row)
+            for m, v in module_norms.items():
+                i = row.get(m)
+                if i is not None:
+                    values[i] = v
         worst = WORST
         for name, state in report._odd():  # only the parameters that are not OK
             i = row[modules[name]]
@@ -280,6 +284,7 @@ class TensorBoardSink:
         """Write the gradient-flow image of the recent checks now."""
         if not self._columns:
             return
+        self._pictured = self._checks
         rows = list(self._modules)
         n = len(rows)
         value = np.array([v + [np.nan] * (n - len(v)) for v, _ in self._columns], dtype=np.float64).T
@@ -306,7 +311,7 @@ class TensorBoardSink:
         self.writer.add_image(f"{PREFIX}/expert_map", img, self._expert_step if step is None else step, dataformats="HWC")
 
     def flush(self) -> None:
-        if self._columns and self.heatmap_every:
+        if self._columns and self.heatmap_every and self._pictured != self._checks:  # (not the same picture twice)
             self.write_heatmap()
         self.writer.flush()
 

@@ -257,3 +257,12 @@ def test_the_picture_keeps_its_size_and_counts_every_check(tmp_path):
     shots = ea.Images("gradhealth/gradient_flow")
     assert [s.step for s in shots] == [49, 99, 119]  # every check counts, not only the 12 written ones
     assert len({Image.open(io.BytesIO(s.encoded_image_string)).size for s in shots}) == 1
+
+
+def test_the_last_picture_is_not_written_twice(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train(tmp_path, steps=100, heatmap_every=50, every_n=10)  # checks 50 and 100; close() adds none
+    ea = EventAccumulator(str(tmp_path), size_guidance={"images": 0})
+    ea.Reload()
+    assert [s.step for s in ea.Images("gradhealth/gradient_flow")] == [49, 99]
