@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from . import distributed as dist
+from . import lockstep
 from .findings import Finding, FindingKind
 from .guards import ForwardRecord
 from .layout import Layout
@@ -30,7 +31,8 @@ from .status import Status
 __all__ = ["rank_layout", "pack_rank", "combine", "Across", "rank_findings", "disagree_findings", "desync_findings", "AGREE_TOL"]
 
 _PER_PARAM = ("sq", "has", "bad", "nz", "n1", "pre_bad", "pre_zero")
-_FLAGS = ("has_pre", "loss_sum", "loss_bad", "loss_n", "cause", "eval", "stale", "failed", "unsynced", "nosync_step")
+_FLAGS = ("has_pre", "loss_sum", "loss_bad", "loss_n", "cause", "eval", "stale", "failed", "unsynced", "nosync_step",
+          "missed")
 _COUNTS = ("checks1", "checks2", "steps1", "steps2")
 #: the lockstep counts in the collective (off only to time what they cost, like AGREEMENT)
 COUNTS = True
@@ -76,14 +78,15 @@ def weights(obs: Observation, idx, inv: float) -> list[float]:
 
 def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = False,
               unsynced: bool = False, counts: tuple[int, int] = (0, 0), fingerprint: list[float] | None = None,
-              nosync_step: bool = False, steps: bool | None = None) -> tuple[Tensor, Layout]:
+              nosync_step: bool = False, steps: bool | None = None, missed: bool = False) -> tuple[Tensor, Layout]:
     """This rank's float64 vector (CPU) and its layout. ``pre``: the DDP hook's (non-finite,
     all-zero) flags per judged parameter before the all-reduce, or None; ``unsynced``: a DDP
     training backward ran here without DDP's communication hook; ``counts``: this rank's checks
     and optimizer steps so far (lockstep); ``fingerprint``: per judged entry, its parameter's
     fingerprint (:mod:`.replicas`); ``nosync_step``: an optimizer step ran here on gradients DDP
     did not reduce; ``steps``: the monitor measures optimizer steps (the same on every rank: the
-    grid of update numbers is always there then; None: when this rank has any)."""
+    grid of update numbers is always there then; None: when this rank has any); ``missed``: this
+    rank's loop did not call ``check()``, its optimizer step joined it (:mod:`.lockstep`)."""
     b, inv, idx = dist.bit(rank), 1.0 / world, obs.idx
     raw = torch.tensor([0.0 if obs.norm_of[i] is None else obs.norm_of[i] for i in idx], dtype=torch.float64)
     weight = torch.tensor(weights(obs, idx, inv), dtype=torch.float64)
@@ -100,7 +103,7 @@ def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = 
         loss_bad=[b if loss is not None and not math.isfinite(loss) else 0.0], loss_n=[1.0 if loss is not None else 0.0],
         cause=[b if obs.loss_cause else 0.0], eval=[b if obs.eval_record is not None else 0.0],
         stale=[b if obs.stale else 0.0], failed=[b if failed else 0.0], unsynced=[b if unsynced else 0.0],
-        nosync_step=[b if nosync_step else 0.0],
+        nosync_step=[b if nosync_step else 0.0], missed=[b if missed else 0.0],
     )
     if COUNTS:
         parts.update(checks1=[counts[0] * inv], checks2=[counts[0] ** 2 * inv], steps1=[counts[1] * inv],
@@ -161,6 +164,7 @@ class Across:
     local_norm: list | None = None  # this rank's own norms per entry, before the reduction
     comparable: int = 0  # replicated gradients held by every rank, finite everywhere (what disagree is out of)
     nosync_step_mask: float = 0.0  # ranks that stepped on gradients DDP did not reduce
+    missed_mask: float = 0.0  # ranks whose check was joined from their optimizer step (no check() call)
     lockstep: bool = True  # every rank at the same check and optimizer step counts
     fp_disagree: list[int] | None = None  # positions whose replicated parameters differ across ranks
 
@@ -175,7 +179,7 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
     if across.failed > 0:
         return across
     sq, has, bad, nz = t["sq"], t["has"].tolist(), t["bad"], t["nz"]
-    across.nosync_step_mask = got["nosync_step"][0]
+    across.nosync_step_mask, across.missed_mask = got["nosync_step"][0], got["missed"][0]
     for c in ("checks", "steps") if COUNTS else ():  # the spread of the counts over the ranks: 0 when all agree
         across.lockstep = across.lockstep and got[f"{c}2"][0] - got[f"{c}1"][0] ** 2 <= 1e-9 * max(1.0, got[f"{c}2"][0])
     replicated = torch.tensor([i not in obs.sharded for i in obs.idx], dtype=torch.bool)
@@ -330,13 +334,16 @@ def disagree_findings(across: Across, obs: Observation, names: list[str], status
 
 
 def replica_findings(across: Across, obs: Observation, names: list[str], status, step: int, device, replicas,
-                     counts: tuple[int, int], fingerprint: list[float] | None) -> list[Finding]:
-    """The replicas, the same on every rank: LOCKSTEP (ranks at different checks or steps),
-    DDP_NOT_SYNCED for a step on unreduced gradients, and agreement: of the gradients
-    (GRAD_DISAGREE, or the optimizer's reduction still to come) or of the parameters (DESYNC)."""
+                     counts: tuple[int, int], fingerprint: list[float] | None, missed=None) -> list[Finding]:
+    """The replicas, the same on every rank: LOCKSTEP (ranks at different checks or steps, a rank
+    that did not call check(): :mod:`.lockstep`), DDP_NOT_SYNCED for a step on unreduced gradients,
+    and agreement: of the gradients (GRAD_DISAGREE, or the optimizer's reduction still to come) or
+    of the parameters (DESYNC)."""
     found: list[Finding] = []
+    if across.missed_mask > 0:
+        found += lockstep.missed_findings(across.missed_mask, across.world, step, missed)
     if not across.lockstep:  # (every rank sees the mismatch in the sum: every rank gathers)
-        found += replicas.lockstep(dist.all_gather([float(counts[0]), float(counts[1])], device), step)
+        found += lockstep.count_findings(dist.all_gather([float(counts[0]), float(counts[1])], device), step)
     if across.nosync_step_mask > 0:
         ranks = dist.ranks_of(across.nosync_step_mask, across.world)
         found.append(Finding(FindingKind.DDP_NOT_SYNCED, f"optimizer.step() ran on {on_ranks(ranks) if ranks else 'some ranks'} "

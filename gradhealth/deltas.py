@@ -114,6 +114,8 @@ class UpdateTracker:
         #: called with the optimizer before each step (the monitor notes whether the armed check's
         #: gradients are still there)
         self.before_step = None
+        #: called first, with the step hook's arguments (:class:`gradhealth.lockstep.MissedChecks`)
+        self.on_step = None
         self._handles = [opt.register_step_post_hook(self._post) for opt in optimizers]
         self._handles += [opt.register_step_pre_hook(self._pre) for opt in optimizers]
 
@@ -250,6 +252,8 @@ class UpdateTracker:
 
     # ----------------------------------------------------------- measurement
     def _pre(self, opt, args, kwargs) -> None:
+        if self.on_step is not None:  # (before anything here: it may run the check this step lacks)
+            self.on_step(opt, args, kwargs)
         self._in_step[id(opt)] = 0
         self.witness.confirm(opt)
         if self.before_step is not None and self.armed_step is not None and self.steps_since_check == 0:

@@ -29,7 +29,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from . import clip, crossrank, experts, judges, skipping, stats
+from . import clip, crossrank, experts, judges, lockstep, skipping, stats
 from . import state as checked
 from .carry import Carry, Delivery
 from .classify import as_optimizers, classify_selection, unwrap, unwrap_optimizer, wrapper_scaler
@@ -93,7 +93,8 @@ class GradHealth:
         self._watch = ForwardWatch(model, unwrap(model), self.carry, bool(self.view.stacks)) if o.watch_forward else None
         self._changes = ModelChanges(model)
         self._owned = Owned(self, self._watch, self._changes, self.tracker, self.carry, self.ranks)
-        self._note_lazy()
+        self._missed = lockstep.MissedChecks.attach(self)  # (a rank whose loop skips a check() joins it from its step)
+        self._changes.note_lazy()
 
     # ------------------------------------------------------------------ public
     def check(self, loss: Tensor | None = None, *, step: int | None = None, optimizer=None) -> Report | None:
@@ -124,6 +125,8 @@ class GradHealth:
         if optimizer is not None:
             optimizer = unwrap_optimizer(optimizer)
             self.view.optimizer_index(optimizer)  # a clear error for an optimizer the monitor does not know
+        if self._missed is not None:
+            self._missed.called(step, optimizer)
         s = self._gate(check_step(step))
         if s is None:
             return None
@@ -226,16 +229,12 @@ class GradHealth:
     explain = staticmethod(explain)
 
     # ---------------------------------------------------------------- stages
-    def _note_lazy(self) -> None:
-        if self._changes.lazy:
-            log.info("lazy parameters not materialised yet, left out until their first forward: %s", ", ".join(self._changes.lazy))
-
     def _refresh(self) -> None:
         """Rebuild the view of the model's parameters (and what depends on it) if they changed:
         a registration that put back the same tensors (``module.w += 1`` re-sets the attribute)
         changes nothing, so every rank keeps the same layout."""
         view = ParamView(self.model, self.optimizers, self.options.experts)
-        self._note_lazy()
+        self._changes.note_lazy()
         if [(n, id(p)) for n, p in view.entries] == [(n, id(p)) for n, p in self.view.entries]:
             self.view.meta_names = view.meta_names  # (a meta parameter attached: named at every check)
             return
@@ -327,7 +326,8 @@ class GradHealth:
                                                 r.replicas.fingerprints(self.view.params, obs.idx, obs.sharded),
                                                 (obs.sharded, obs.holders))
         vec, lay = crossrank.pack_rank(obs, r.rank, r.world, pre, self._failed is not None, unsynced, self._counts,
-                                       self._fp, r.take_nosync_step(), self.tracker is not None)
+                                       self._fp, r.take_nosync_step(), self.tracker is not None,
+                                       self._missed is not None and self._missed.joining)
         across = crossrank.combine(all_reduce_tensor(vec, r.device), lay, obs, r.world)
         if across.failed:
             failed = ranks_of(across.failed, r.world)
@@ -371,7 +371,7 @@ class GradHealth:
                 found += judges.stale_grad(report.status, stale or set(report.status), step, where(across.stale_mask))
             found += crossrank.rank_findings(report, across, obs, names)
             found += crossrank.replica_findings(across, obs, names, report.status, step, self.ranks.device,
-                                                self.ranks.replicas, self._counts, self._fp)
+                                                self.ranks.replicas, self._counts, self._fp, self._missed)
         found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step, obs.loss_ranks)
         if nonfinite and report.expert_status:
             found += judges.nonfinite_experts(report.expert_status, step)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import weakref
 from array import array
 from collections.abc import Mapping
@@ -136,6 +138,11 @@ class ModelChanges:
         self.lazy = lazy_names(model)
         _install()
         _LIVE.add(self)
+
+    def note_lazy(self) -> None:
+        if self.lazy:
+            logging.getLogger("gradhealth").info("lazy parameters not materialised yet, left out until their first "
+                                                 "forward: %s", ", ".join(self.lazy))
 
     def stale(self) -> bool:
         if self.lazy and lazy_names(self.model) != self.lazy:

@@ -17,9 +17,8 @@ ranks at the same check.
   to come, said once at info (``GRAD_SYNC``), and from then on ``in_optimizer``. A loop that
   reduced most gradients by hand and missed some keeps ``GRAD_DISAGREE`` naming exactly those.
 
-Every check's collective also carries each rank's check count and optimizer step count (as a sum
-and a sum of squares, so a difference shows in the SUM): ranks at different counts are
-``LOCKSTEP`` (error) at that check, naming the ranks and their counts (gathered only then).
+Whether the ranks are at the same check (the lockstep counts, a rank that skipped ``check()``) is
+:mod:`gradhealth.lockstep`.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import torch
 
 from .distributed import to_local
 from .findings import Finding, FindingKind
-from .naming import on_ranks
 
 __all__ = ["Replicas", "GRAD_SYNC", "SAMPLE", "WHOLE"]
 
@@ -99,19 +97,3 @@ class Replicas:
             "nanochat's DistMuonAdamW or modded-nanogpt's DistAdam). The replicas are compared on their parameters "
             "after each step from now on; pass grad_sync='in_optimizer' to say so (or 'before_check' if your loop "
             "reduces them before check())", level="info", step=step)]
-
-    @staticmethod
-    def lockstep(counts: list[list[float]], step: int) -> list[Finding]:
-        """LOCKSTEP from every rank's [checks, optimizer steps] (gathered at a mismatch only)."""
-        ref = counts[0]
-        odd = [r for r, c in enumerate(counts) if c != ref]
-        if not odd:
-            return []
-        each = "; ".join(f"rank {r}: check {int(c[0])}, {int(c[1])} optimizer steps" for r, c in enumerate(counts))
-        return [Finding(
-            FindingKind.LOCKSTEP, f"the ranks are not at the same check ({each}): {on_ranks(odd)} and rank 0 "
-            "parted where one of them skipped a gradient sync (its check deferred while it stepped on its own "
-            "gradients), a check() or an optimizer.step() the other ran; from here on each rank trains on its own. "
-            "Make every rank take the same branch (nanoGPT: require_backward_grad_sync must be True at the last "
-            "micro-step on every rank)",
-            step=step, data={"counts": {r: [int(c[0]), int(c[1])] for r, c in enumerate(counts)}, "ranks": odd})]

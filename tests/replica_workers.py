@@ -124,7 +124,52 @@ def nanogpt_sync(rank, world, case):
     return {"reports": reports, "losses": losses}
 
 
+def skipped_check(rank, world, case, idiom="ddp", on_problem="raise", every_n=1):
+    """A plain loop that calls check() after every backward, but on ``case``'s ranks not at
+    iteration 5 (a rank-dependent branch around the call): ``rank1`` skips it on rank 1 only,
+    ``every`` on both ranks, ``none`` nowhere. ``idiom``: DDP, or the gradients reduced inside the
+    optimizer (no wrapper)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    if idiom == "ddp":
+        net = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    else:
+        net, opt = model, ReducingAdamW(model.parameters(), lr=2e-2)
+    mon = gh.GradHealth(net, opt, on_problem=on_problem, every_n_steps=every_n)
+    g = torch.Generator().manual_seed(100 + rank)
+    w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
+    reports, losses, called = {}, [], []
+    for it in range(16):
+        x = torch.randn(16, 8, generator=g)
+        loss = nn.functional.mse_loss(net(x), x @ w)
+        loss.backward()
+        skip = it == 5 and (case == "every" or (case == "rank1" and rank == 1))
+        try:
+            if not skip:
+                called.append(it)
+                r = mon.check(loss)
+                if r is not None:
+                    reports[it] = _report(r)
+            before = mon.last_report
+            opt.step()
+            if mon.last_report is not before:  # a check joined from the step
+                reports[it] = {"from_step": True, **_report(mon.last_report)}
+        except gh.GradHealthError as exc:
+            reports[it] = {"raised_at": it, "in_step": skip, **_report(exc.report)}
+            break
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    mon.close()
+    same = _gather_params(model) if "raised_at" not in reports.get(5, {}) else None
+    return {"reports": {str(k): v for k, v in reports.items()}, "losses": losses, "same": same, "called": called}
+
+
 SCENARIOS = {
+    **{f"skipped_check_{c}_{i}": (lambda c, i: lambda r, w: skipped_check(r, w, c, i))(c, i)
+       for c in ("rank1", "every", "none") for i in ("ddp", "in_optimizer")},
+    "skipped_check_rank1_warn": lambda r, w: skipped_check(r, w, "rank1", on_problem="warn"),
+    "skipped_check_rank1_gated": lambda r, w: skipped_check(r, w, "rank1", every_n=2),
     "in_optimizer_auto": lambda r, w: in_optimizer(r, w, "auto"),
     "in_optimizer_explicit": lambda r, w: in_optimizer(r, w, "explicit"),
     "in_optimizer_drift": lambda r, w: in_optimizer(r, w, "drift"),

@@ -90,3 +90,62 @@ def test_one_rank_skipping_an_optimizer_step_is_named_at_the_next_check(tmp_path
     assert lock[3] == [1] and [f for f in r1[-1]["findings"] if f[0] == "LOCKSTEP"] == [lock]
     assert "NOT_UPDATED" in kinds(r1[-1])  # (and rank 1 itself says its step did not run)
     assert "DDP_NOT_SYNCED" not in kinds(r0[-1])  # its gradients were reduced: it only skipped the step
+
+
+def _fell(losses):
+    return sum(losses[-3:]) < 0.7 * sum(losses[:3])
+
+
+@pytest.mark.parametrize("idiom", ["ddp", "in_optimizer"])
+def test_a_rank_that_skips_one_check_is_named_at_that_check(tmp_path, idiom):
+    ranks = spawn(f"skipped_check_rank1_{idiom}", tmp_path)
+    r0, r1 = ranks[0]["reports"], ranks[1]["reports"]
+    assert 5 not in ranks[1]["called"] and 5 in ranks[0]["called"]  # the premise: only rank 1 skipped the call
+    assert all(r0[str(i)]["ok"] and r1[str(i)]["ok"] for i in range(5))
+    # rank 0 raised in its check, rank 1 in optimizer.step(): the check its loop skipped was joined
+    # from there, so neither waits in a collective the other never enters (no gloo abort, no hang)
+    assert r0["5"]["raised_at"] == r1["5"]["raised_at"] == 5 and len(r0) == len(r1) == 6
+    assert r1["5"]["in_step"] and not r0["5"]["in_step"]
+    [lock] = [f for f in r0["5"]["findings"] if f[0] == "LOCKSTEP"]
+    assert lock[2] == "error" and lock[3] == [1]
+    assert r0["5"]["findings"] == r1["5"]["findings"]  # the same verdict on both ranks
+    assert r0["5"]["status"] == r1["5"]["status"] and r0["5"]["total"] == pytest.approx(r1["5"]["total"], rel=1e-12)
+
+
+def test_a_rank_that_skips_one_check_under_warn_trains_on(tmp_path):
+    ranks = spawn("skipped_check_rank1_warn", tmp_path)
+    r0, r1 = ranks[0]["reports"], ranks[1]["reports"]
+    assert r1["5"]["from_step"] and len(r0) == len(r1) == 16
+    for i in range(16):  # named at that check only; the counts stay in step after it
+        want = [["LOCKSTEP", [], "error", [1], None]] if i == 5 else []
+        assert r0[str(i)]["findings"] == r1[str(i)]["findings"] == want
+    for r in ranks:
+        assert r["same"] is True and _fell(r["losses"])  # DDP kept the replicas together; they learn
+
+
+def test_a_skipped_call_that_every_n_steps_would_skip_is_silent(tmp_path):
+    ranks = spawn("skipped_check_rank1_gated", tmp_path)
+    assert 5 not in ranks[1]["called"]
+    for r in ranks:  # every_n_steps=2: checks 0, 2, ... 14 on both ranks, all healthy under raise
+        assert sorted(map(int, r["reports"])) == list(range(0, 16, 2)) and all(rep["ok"] for rep in r["reports"].values())
+        assert r["same"] is True and _fell(r["losses"])
+
+
+@pytest.mark.parametrize("idiom", ["ddp", "in_optimizer"])
+def test_a_call_every_rank_skips_is_the_loops_cadence(tmp_path, idiom):
+    ranks = spawn(f"skipped_check_every_{idiom}", tmp_path)
+    for r in ranks:
+        assert 5 not in r["called"] and len(r["reports"]) == 16 and r["same"] is True and _fell(r["losses"])
+        assert all(rep["ok"] for rep in r["reports"].values())  # silent under raise
+        [said] = [f for rep in r["reports"].values() for f in rep["findings"] if f[0] == "LOCKSTEP"]
+        assert said[2] == "info" and r["reports"]["5"]["from_step"]
+    assert ranks[0]["reports"] == ranks[1]["reports"]
+
+
+@pytest.mark.parametrize("idiom", ["ddp", "in_optimizer"])
+def test_every_check_called_is_silent(tmp_path, idiom):
+    ranks = spawn(f"skipped_check_none_{idiom}", tmp_path)
+    for r in ranks:
+        assert len(r["called"]) == len(r["reports"]) == 16 and r["same"] is True and _fell(r["losses"])
+        assert all(rep["ok"] and not rep.get("from_step") for rep in r["reports"].values())
+        assert all(f[0] == "GRAD_SYNC" for rep in r["reports"].values() for f in rep["findings"])
