@@ -8,9 +8,10 @@ ranks at the same check.
 * ``"in_optimizer"``: inside ``optimizer.step()`` (ZeRO-2 style optimizers: nanochat's
   ``DistMuonAdamW``, modded-nanogpt's ``DistAdam``): at the check every rank legitimately holds its
   own gradients, so the replicas are compared on their *parameters* instead, after the step: a
-  fingerprint of every replicated parameter (the float64 sum of squares of a fixed strided sample
-  of at most ``SAMPLE`` elements) rides in the check's one collective, and one that differs is
-  ``DESYNC`` at that check;
+  fingerprint of every replicated parameter (the sum of squares of the whole of a small one, of
+  at most ``WHOLE`` elements, else of a fixed sample of ``SAMPLE`` in blocks of ``BLOCK`` neighbours) rides in the check's
+  one collective, and one that differs is ``DESYNC`` at that check (a drift in elements the sample
+  leaves out is found by the periodic whole-tensor ``DESYNC`` check, every ``desync_every``);
 * ``"auto"`` (default): with a DDP wrapper known (passed, found by an adapter, or found from the
   module the monitor was given), ``before_check``; without one, ``before_check`` until a check
   where the replicated gradients differ on *every* replicated parameter: that is a reduction still
@@ -28,12 +29,13 @@ import torch
 from .distributed import to_local
 from .findings import Finding, FindingKind
 
-__all__ = ["Replicas", "GRAD_SYNC", "SAMPLE", "WHOLE"]
+__all__ = ["Replicas", "GRAD_SYNC", "SAMPLE", "BLOCK", "WHOLE"]
 
 GRAD_SYNC = ("auto", "before_check", "in_optimizer")
 #: elements per parameter in its fingerprint: the whole of a tensor up to WHOLE elements, else a
-#: strided sample of SAMPLE (views, no copies); stacked in chunks of at most CHUNK elements
-SAMPLE, WHOLE, CHUNK = 64, 4096, 1 << 20
+#: sample of SAMPLE in blocks of BLOCK neighbours spread over it (views, no copies); stacked in
+#: chunks of at most CHUNK elements
+SAMPLE, BLOCK, WHOLE, CHUNK = 64, 16, 256, 1 << 20
 
 
 class Replicas:
@@ -52,10 +54,11 @@ class Replicas:
 
     def fingerprints(self, params: list, idx: list[int], sharded: set[int]):
         """Per judged entry, a float64 sum of squares of its replicated parameter, 0 for shards: of
-        the whole tensor up to ``WHOLE`` elements, else of a fixed strided sample of ``SAMPLE``. One
-        stacked copy per shape (small tensors, in chunks of at most ``CHUNK`` elements) or per
-        sample size: on the CPU a stack of same-shape tensors costs far less per tensor than a
-        gather of strided views. None unless the replicas are compared on their parameters."""
+        the whole tensor up to ``WHOLE`` elements, else of a fixed sample of ``SAMPLE`` (in blocks). One
+        stacked copy per size and kind of view (whole tensors, in chunks of at most ``CHUNK``
+        elements, apart from samples: torch.stack of the two mixed takes a slow path), so
+        a check copies a few thousand elements per hundred parameters. None unless the replicas
+        are compared on their parameters."""
         if not self.in_optimizer:
             return None
         key = (id(params), id(idx), len(idx), len(sharded))
@@ -66,11 +69,14 @@ class Replicas:
                 if i in sharded or t.numel() == 0 or not t.is_contiguous():
                     continue
                 flat = t.view(-1)
-                view = flat if t.numel() <= WHOLE else flat[:: max(1, t.numel() // SAMPLE)][:SAMPLE]
-                pos, views = groups.setdefault((view.numel(), t.dtype), ([], []))
+                whole = t.numel() <= WHOLE
+                # a sample in blocks of BLOCK neighbours: a few cache lines per tensor, not SAMPLE
+                view = flat if whole else flat.as_strided((SAMPLE // BLOCK, BLOCK), (t.numel() // (SAMPLE // BLOCK), 1))
+                kind = (view.numel(), t.dtype, whole)
+                pos, views = groups.setdefault(kind, ([], []))
                 if len(views) * view.numel() >= CHUNK:  # a full chunk: start the next one
-                    groups[(view.numel(), t.dtype, j)] = groups.pop((view.numel(), t.dtype))
-                    pos, views = groups.setdefault((view.numel(), t.dtype), ([], []))
+                    groups[(*kind, j)] = groups.pop(kind)
+                    pos, views = groups.setdefault(kind, ([], []))
                 pos.append(j)
                 views.append(view)
             self._views = [(torch.tensor(pos), views) for pos, views in groups.values()]
@@ -79,7 +85,7 @@ class Replicas:
         for pos, views in self._views:
             x = torch.stack(views)  # (float32 accumulation is ample: the agreement test needs ~1e-5 relative)
             kw = {"dtype": torch.float32} if x.dtype in (torch.float16, torch.bfloat16) else {}
-            out[pos] = torch.linalg.vector_norm(x, dim=1, **kw).double().square().cpu()
+            out[pos] = torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), **kw).double().square().cpu()
         return out
 
     def judge_disagreement(self, disagree: list[int], comparable: int, step: int) -> tuple[bool, list[Finding]]:
