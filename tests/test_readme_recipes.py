@@ -163,3 +163,14 @@ def test_lightning_accumulate_recipe(tmp_path, monkeypatch, one_thread):
     fresh = DemoModule()
     assert ns["trainer"].global_step == 12
     assert _loss(ns["trainer"].lightning_module) < _loss(fresh)
+
+
+def test_every_finding_kind_has_a_row_in_the_findings_table():
+    """A user who reads a finding's kind in a warning looks it up in the README's table: every kind
+    the code can emit has its row (level, meaning, causes, what to do)."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    table = text.split("| finding | level | what it means | usual causes | what to do |", 1)[1].split("\n\n", 1)[0]
+    rows = {name for line in table.splitlines() if line.startswith("|")
+            for name in re.findall(r"`([A-Z_]+)`", line.split("|")[1])}
+    missing = [k.name for k in gh.FindingKind if k.name not in rows]
+    assert not missing, f"FindingKinds without a row in the README's findings table: {missing}"
