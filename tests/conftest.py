@@ -103,13 +103,18 @@ def one_thread():
 
 
 class CountClips:
-    """Counts torch.nn.utils.clip_grad_norm_ calls (each one reads every gradient for its norm)."""
+    """Counts the clips that read every gradient for their norm: ``torch.nn.utils.clip_grad_norm_``
+    (Lightning, older Accelerate) or ``torch.nn.utils.get_total_norm`` (Accelerate 1.16's
+    DTensor-aware clip: one per device mesh, then ``clip_grads_with_norm_``). torch's own clip calls
+    its private ``_get_total_norm``, so no clip is counted twice."""
 
     def __init__(self, monkeypatch):
-        self.calls, original = 0, torch.nn.utils.clip_grad_norm_
+        self.calls = 0
+        for name in ("clip_grad_norm_", "get_total_norm"):
+            original = getattr(torch.nn.utils, name)
 
-        def counted(*args, **kw):
-            self.calls += 1
-            return original(*args, **kw)
+            def counted(*args, _original=original, **kw):
+                self.calls += 1
+                return _original(*args, **kw)
 
-        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", counted)
+            monkeypatch.setattr(torch.nn.utils, name, counted)

@@ -162,7 +162,9 @@ def test_bench_distributed_section_runs():
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "at world size 2" in res.stdout and "the collective adds" in res.stdout
-    assert "the replicas' gradient agreement in the same collective" in res.stdout
+    assert "the same check again (what this measurement's noise is)" in res.stdout
+    assert "without the replicas' gradient agreement" in res.stdout and "with the lockstep counts" in res.stdout
+    assert "grad_sync='in_optimizer'" in res.stdout and "with the rank-origin comm hook" in res.stdout
 
 
 def test_bench_sections_for_experts_and_many_tensors_run(capsys):
