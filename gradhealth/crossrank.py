@@ -242,19 +242,25 @@ def reduce_updates(updates: list, entries: int, shards: tuple[set, dict], ranks)
     combine(dist.all_reduce_tensor(vec, ranks.device), lay, obs, ranks.world)
 
 
-def rank_findings(report: Report, across: Across, obs: Observation, names: list[str]) -> list[Finding]:
+def rank_findings(report: Report, across: Across, obs: Observation, names: list[str],
+                  scaler_skips: bool = False) -> list[Finding]:
     """Findings from what single ranks saw, the same on every rank: NONFINITE_RANK, PARTIALLY_USED
     and EMPTY_VALID_SET on some ranks only. (The loss, eval-mode and stale masks go through the
-    ordinary judges with ``where=``; see :func:`where`.)"""
+    ordinary judges with ``where=``; see :func:`where`.) ``scaler_skips``: a grad scaler skips this
+    step as it settles (``AMP_SKIPPED`` at info): the ranks whose scaled gradients overflowed are
+    said at info too, not an error."""
     out: list[Finding] = []
     world, idx, status = across.world, obs.idx, report.status
     if across.has_pre:
         bad = {names[i]: m for i, m in zip(idx, across.pre_bad) if m > 0}
         if bad:
             ranks = sorted({r for m in set(bad.values()) for r in dist.ranks_of(m, world)})
+            then = ("the grad scaler skips this step (its scale is settling): nothing to do" if scaler_skips
+                    else "look at that rank's batch")
             out.append(Finding(FindingKind.NONFINITE_RANK, f"the non-finite gradients were produced on {on_ranks(ranks)} "
-                               f"before DDP's all-reduce spread them to every rank ({describe_names(status, bad)}): look "
-                               "at that rank's batch", params=tuple(bad), step=report.step, data={"ranks": ranks}))
+                               f"before DDP's all-reduce spread them to every rank ({describe_names(status, bad)}): "
+                               f"{then}", params=tuple(bad), step=report.step, data={"ranks": ranks},
+                               level="info" if scaler_skips else "error"))
         partly = {names[i]: m for i, m in zip(idx, across.pre_zero)
                   if 0 < m and status.get(names[i]) not in (Status.NO_GRAD, Status.ZERO_GRAD, Status.FROZEN)}
         if partly:

@@ -144,8 +144,10 @@ def collective_device() -> torch.device:
 
 
 class RankOrigin:
-    """A DDP communication hook that notes each parameter's local gradient norm before the
-    all-reduce (one fused norm per bucket, no sync), then runs DDP's default all-reduce.
+    """A DDP communication hook that notes each parameter's local largest |gradient| before the
+    all-reduce (one fused max-norm per bucket, no sync: it is NaN/inf only where an element is,
+    and 0 only where all are, while a 2-norm of finite elements can overflow: 1e20 in float32,
+    300 in float16), then runs DDP's default all-reduce.
 
     DDP cannot unregister a comm hook: after the monitor closes, it only forwards.
     """
@@ -178,7 +180,7 @@ class RankOrigin:
         if state.enabled:
             grads = bucket.gradients()
             if grads:
-                norms = torch._foreach_norm(grads)
+                norms = torch._foreach_norm(grads, math.inf)
                 for p, n in zip(bucket.parameters(), norms):
                     state.local[id(p)] = n
         return state._allreduce(None, bucket)

@@ -14,8 +14,10 @@ called ``check()`` at least once between every two steps so far, a step with few
 that joins the missing check from the step's pre-hook, before the update, on the gradients the
 check would have seen. The collective then meets the other ranks' check, its numbers are real, and
 the rank's flag in it makes ``LOCKSTEP`` (error) on every rank, naming the rank that skipped. If
-every rank skipped the same call, that is the loop's own cadence: said at info, and the steps
-without a check are no longer checked.
+every rank joined the same check, that is the loop's own cadence, and every rank lowers its count
+to what it called: to 0 (a loop that checks only some steps) said at info, and steps without a
+check are no longer checked; to more than 0 silently (the first interval was longer than the
+loop's: a grad scaler skipped ``optimizer.step()`` while its scale settled).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class MissedChecks:
         self.fewest: int | None = None  # the fewest check() calls between two steps so far
         self.bare = True  # every call so far a plain check(): no step=, no optimizer=
         self._last = monitor.carry.calls
+        self.calls_now = 0  # this rank's own check() calls before the step being joined
 
     @classmethod
     def attach(cls, monitor) -> MissedChecks | None:
@@ -66,9 +69,13 @@ class MissedChecks:
             return
         if self.fewest is None:  # (the first step: a loop that checks every Nth step has 0 here)
             self.fewest = n
-        if n >= self.fewest:
-            return
-        for _ in range(self.fewest - n):
+        self.calls_now, joined = n, 0
+        # Each joined check either names this rank (the others called check(): join until level with
+        # them), or every rank joined it: the cadence was lower than the steps so far showed (a grad
+        # scaler that skipped the first step makes its interval two checks long), and
+        # missed_findings lowers ``fewest`` to this step's own calls, which ends the loop.
+        while n + joined < self.fewest:
+            joined += 1
             self.joining = True
             try:
                 report = m.measure()
@@ -82,9 +89,11 @@ class MissedChecks:
 def missed_findings(mask: float, world: int, step: int, missed: MissedChecks | None) -> list[Finding]:
     """``LOCKSTEP`` for the ranks whose check was joined from their optimizer step (``mask``)."""
     ranks = ranks_of(mask, world)
-    if len(ranks) == world:  # the loop's cadence, not one rank's branch
+    if len(ranks) == world:  # the loop's cadence, not one rank's branch: every rank learns it
         if missed is not None:
-            missed.fewest = 0
+            missed.fewest = missed.calls_now
+        if missed is not None and missed.calls_now > 0:  # (fewer calls than a first interval a skipped step lengthened)
+            return []
         return [Finding(FindingKind.LOCKSTEP, f"no rank called check() before the optimizer step of step {step} (every "
                         "step before had one): gradhealth checked it from optimizer.step() on every rank; steps without "
                         "a check() are no longer checked", level="info", step=step)]

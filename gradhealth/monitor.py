@@ -369,7 +369,8 @@ class GradHealth:
                 found += judges.eval_mode(crossrank.remote_record(obs.eval_record), step, where(across.eval_mask))
             if across.stale_mask:
                 found += judges.stale_grad(report.status, stale or set(report.status), step, where(across.stale_mask))
-            found += crossrank.rank_findings(report, across, obs, names)
+            found += crossrank.rank_findings(report, across, obs, names, any(
+                f.kind == "AMP_SKIPPED" and f.level == "info" for f in found))  # (the scaler's own overflow)
             found += crossrank.replica_findings(across, obs, names, report.status, step, self.ranks.device,
                                                 self.ranks.replicas, self._counts, self._fp, self._missed)
         found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step, obs.loss_ranks)

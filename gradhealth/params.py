@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-
 import weakref
 from array import array
 from collections.abc import Mapping

@@ -124,7 +124,7 @@ def nanogpt_sync(rank, world, case):
     return {"reports": reports, "losses": losses}
 
 
-def skipped_check(rank, world, case, idiom="ddp", on_problem="raise", every_n=1):
+def skipped_check(rank, world, case, idiom="ddp", on_problem="raise", every_n=1, scaler=False):
     """A plain loop that calls check() after every backward, but on ``case``'s ranks not at
     iteration 5 (a rank-dependent branch around the call): ``rank1`` skips it on rank 1 only,
     ``every`` on both ranks, ``none`` nowhere. ``idiom``: DDP, or the gradients reduced inside the
@@ -136,14 +136,18 @@ def skipped_check(rank, world, case, idiom="ddp", on_problem="raise", every_n=1)
         opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
     else:
         net, opt = model, ReducingAdamW(model.parameters(), lr=2e-2)
-    mon = gh.GradHealth(net, opt, on_problem=on_problem, every_n_steps=every_n)
+    # ``scaler``: a grad scaler whose first scale overflows (2**127 times a gradient above 2 is inf):
+    # it skips optimizer.step() at the first iterations while its scale settles, as fp16 AMP does
+    amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127) if scaler else None
+    mon = gh.GradHealth(net, opt, on_problem=on_problem, every_n_steps=every_n, scaler=amp)
     g = torch.Generator().manual_seed(100 + rank)
     w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
-    reports, losses, called = {}, [], []
+    reports, losses, called, skipped, ran = {}, [], [], [], []
+    opt.register_step_post_hook(lambda *_: ran.append(1))
     for it in range(16):
         x = torch.randn(16, 8, generator=g)
         loss = nn.functional.mse_loss(net(x), x @ w)
-        loss.backward()
+        (loss if amp is None else amp.scale(loss)).backward()
         skip = it == 5 and (case == "every" or (case == "rank1" and rank == 1))
         try:
             if not skip:
@@ -151,8 +155,13 @@ def skipped_check(rank, world, case, idiom="ddp", on_problem="raise", every_n=1)
                 r = mon.check(loss)
                 if r is not None:
                     reports[it] = _report(r)
-            before = mon.last_report
-            opt.step()
+            before, steps = mon.last_report, len(ran)
+            if amp is None:
+                opt.step()
+            else:
+                amp.step(opt)
+                amp.update()
+                skipped.append(len(ran) == steps)  # the scaler did not call optimizer.step()
             if mon.last_report is not before:  # a check joined from the step
                 reports[it] = {"from_step": True, **_report(mon.last_report)}
         except gh.GradHealthError as exc:
@@ -162,7 +171,24 @@ def skipped_check(rank, world, case, idiom="ddp", on_problem="raise", every_n=1)
         losses.append(loss.item())
     mon.close()
     same = _gather_params(model) if "raised_at" not in reports.get(5, {}) else None
-    return {"reports": {str(k): v for k, v in reports.items()}, "losses": losses, "same": same, "called": called}
+    return {"reports": {str(k): v for k, v in reports.items()}, "losses": losses, "same": same, "called": called,
+            "scaler_skipped": skipped}
+
+
+def huge_finite(rank, world):
+    """DDP gradients that are all finite but so large that their float32 2-norm overflows (each
+    element about 1e25: its square is past float32's 3.4e38): one check, under raise."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    net = nn.parallel.DistributedDataParallel(model)
+    mon = gh.GradHealth(net, torch.optim.SGD(model.parameters(), lr=0.0), on_problem="raise")
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(100 + rank))
+    (net(x).square().mean() * 1e25).backward()
+    premise = {"finite": all(bool(p.grad.isfinite().all()) for p in model.parameters()),
+               "norm_overflows": any(torch.linalg.vector_norm(p.grad).isinf().item() for p in model.parameters())}
+    report = _report(mon.check())
+    mon.close()
+    return {"report": report, **premise}
 
 
 SCENARIOS = {
@@ -170,6 +196,8 @@ SCENARIOS = {
        for c in ("rank1", "every", "none") for i in ("ddp", "in_optimizer")},
     "skipped_check_rank1_warn": lambda r, w: skipped_check(r, w, "rank1", on_problem="warn"),
     "skipped_check_rank1_gated": lambda r, w: skipped_check(r, w, "rank1", every_n=2),
+    **{f"skipped_check_{c}_amp": (lambda c: lambda r, w: skipped_check(r, w, c, scaler=True))(c) for c in ("none", "rank1")},
+    "huge_finite": huge_finite,
     "in_optimizer_auto": lambda r, w: in_optimizer(r, w, "auto"),
     "in_optimizer_explicit": lambda r, w: in_optimizer(r, w, "explicit"),
     "in_optimizer_drift": lambda r, w: in_optimizer(r, w, "drift"),

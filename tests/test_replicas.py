@@ -149,3 +149,37 @@ def test_every_check_called_is_silent(tmp_path, idiom):
         assert len(r["called"]) == len(r["reports"]) == 16 and r["same"] is True and _fell(r["losses"])
         assert all(rep["ok"] and not rep.get("from_step") for rep in r["reports"].values())
         assert all(f[0] == "GRAD_SYNC" for rep in r["reports"].values() for f in rep["findings"])
+
+
+def test_a_grad_scalers_first_overflow_under_ddp_is_silent_under_raise(tmp_path):
+    """fp16 AMP's settling on DDP: the scaler skips the first optimizer.step(), so the first step
+    interval holds two checks; one check per step after that is the loop's cadence, not a skip."""
+    ranks = spawn("skipped_check_none_amp", tmp_path)
+    for r in ranks:
+        assert r["scaler_skipped"][0] and not any(r["scaler_skipped"][1:5])  # the premise: it skipped step 0 only, early on
+        assert len(r["called"]) == 16 and r["same"] is True and _fell(r["losses"])
+        assert all(rep["ok"] for rep in r["reports"].values())  # silent under raise
+        said = [f for rep in r["reports"].values() for f in rep["findings"]]
+        assert not [f for f in said if f[0] == "LOCKSTEP"]  # the shorter cadence is learnt without a word
+        rank = [f for f in said if f[0] == "NONFINITE_RANK"]  # the scaler's overflow: where it began, at info
+        assert rank and all(f[2] == "info" for f in rank)
+    assert ranks[0]["reports"] == ranks[1]["reports"]
+
+
+def test_a_rank_that_skips_one_check_under_a_grad_scaler_is_named(tmp_path):
+    ranks = spawn("skipped_check_rank1_amp", tmp_path)
+    assert ranks[0]["scaler_skipped"][0] and 5 not in ranks[1]["called"]  # premise: a settling scaler, then the skip
+    r0, r1 = ranks[0]["reports"], ranks[1]["reports"]
+    assert r0["5"]["raised_at"] == r1["5"]["raised_at"] == 5 and r1["5"]["in_step"]
+    [lock] = [f for f in r0["5"]["findings"] if f[0] == "LOCKSTEP"]
+    assert lock[2] == "error" and lock[3] == [1] and r0["5"]["findings"] == r1["5"]["findings"]
+
+
+def test_huge_finite_gradients_are_not_a_nonfinite_rank(tmp_path):
+    """The rank-origin hook reads each gradient's largest |element| before DDP's all-reduce: a
+    2-norm of finite elements overflows (1e25 squared), and it named a rank for a NaN it never made."""
+    ranks = spawn("huge_finite", tmp_path)
+    for r in ranks:
+        assert r["finite"] and r["norm_overflows"]  # the premise
+        assert r["report"]["ok"] and set(r["report"]["status"].values()) == {"OK"}
+        assert not [f for f in r["report"]["findings"] if f[0] in ("NONFINITE_RANK", "NONFINITE_COLLECTIVE")]
