@@ -144,10 +144,8 @@ def collective_device() -> torch.device:
 
 
 class RankOrigin:
-    """A DDP communication hook that notes each parameter's local largest |gradient| before the
-    all-reduce (one fused max-norm per bucket, no sync: it is NaN/inf only where an element is,
-    and 0 only where all are, while a 2-norm of finite elements can overflow: 1e20 in float32,
-    300 in float16), then runs DDP's default all-reduce.
+    """A DDP communication hook that notes each parameter's local gradient norm before the
+    all-reduce (one fused norm per bucket, no sync), then runs DDP's default all-reduce.
 
     DDP cannot unregister a comm hook: after the monitor closes, it only forwards.
     """
@@ -180,13 +178,18 @@ class RankOrigin:
         if state.enabled:
             grads = bucket.gradients()
             if grads:
-                norms = torch._foreach_norm(grads, math.inf)
+                norms = torch._foreach_norm(grads)
                 for p, n in zip(bucket.parameters(), norms):
                     state.local[id(p)] = n
         return state._allreduce(None, bucket)
 
-    def take(self, params: list[Tensor]) -> tuple[list[float], list[float]] | None:
-        """Per parameter: (non-finite before all-reduce, all-zero before all-reduce) as 0/1."""
+    def take(self, params: list[Tensor], reduced: list[float | None]) -> tuple[list[float], list[float]] | None:
+        """Per parameter: (non-finite before all-reduce, all-zero before all-reduce) as 0/1.
+        ``reduced``: the check's own norms of the reduced gradients (scaled: they never overflow).
+        The hook's plain 2-norm is inf for finite elements too large to square (1e20 in float32,
+        a few hundred in float16): an inf is an inf element only where the reduced gradient is
+        non-finite too (DDP averages: an inf element stays inf, finite ones stay finite); a NaN
+        norm always is one. (A max-norm would tell at once, but costs 4x the 2-norm on the CPU.)"""
         if not self.local:
             return None
         vals = [self.local.get(id(p)) for p in params]
@@ -194,9 +197,10 @@ class RankOrigin:
         fetched = torch.stack(present).tolist() if present else []
         it = iter(fetched)
         bad, zero = [], []
-        for v in vals:
+        for v, after in zip(vals, reduced):
             x = next(it) if v is not None else 0.0
-            bad.append(0.0 if math.isfinite(x) else 1.0)
+            overflow = x == math.inf and after is not None and math.isfinite(after)
+            bad.append(0.0 if math.isfinite(x) or overflow else 1.0)
             zero.append(1.0 if x == 0.0 else 0.0)
         self.local = {}
         return bad, zero

@@ -320,7 +320,7 @@ class GradHealth:
     def _reduce(self, obs: Observation) -> crossrank.Across:
         """THE collective of a check: every rank's numbers summed, the same verdict everywhere."""
         r = self.ranks
-        pre = r.origin.take([self.view.params[i] for i in obs.idx]) if r.origin is not None else None
+        pre = r.origin.take([self.view.params[i] for i in obs.idx], [obs.norm_of[i] for i in obs.idx]) if r.origin else None
         unsynced = r.origin is not None and r.origin.unsynced() and bool(obs.with_grad)
         self._counts, self._fp, self._shards = ((self.carry.checks, self.tracker.total_steps if self.tracker else 0),
                                                 r.replicas.fingerprints(self.view.params, obs.idx, obs.sharded),
