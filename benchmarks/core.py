@@ -322,7 +322,7 @@ def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> Non
         def timed(agreement: bool, counts: bool = True, fingerprint: bool = False):
             # the same order on every rank: one layout per collective
             crossrank.AGREEMENT, crossrank.COUNTS = agreement, counts
-            mon.ranks.replicas.in_optimizer = fingerprint
+            mon.replicas.in_optimizer = fingerprint
             mon.check()
 
         res.update(interleaved({"check()": lambda: timed(True), "check() without agreement": lambda: timed(False),

@@ -1,4 +1,4 @@
-"""The six-state decision tree, parameter naming through wrappers, and argument validation."""
+"""The six-state decision tree, the user's parameter names (:mod:`.wrappers`), and argument validation."""
 
 from __future__ import annotations
 
@@ -11,39 +11,11 @@ from torch import nn
 
 from . import stats
 from .status import Status
+from .wrappers import unwrap, user_names
 
-__all__ = ["classify", "classify_selection", "is_lazy", "lazy_names", "decide", "named_parameters", "unwrap", "unwrap_optimizer", "wrapper_scaler", "as_optimizers", "optimizer_param_ids"]
+__all__ = ["classify", "classify_selection", "is_lazy", "lazy_names", "decide", "named_parameters", "unwrap_optimizer", "wrapper_scaler", "as_optimizers", "optimizer_param_ids"]
 
-# Infixes that wrappers put into parameter names; the user knows the wrapped module's names.
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module the user wrote, under DistributedDataParallel, DataParallel or torch.compile."""
-    seen = 0
-    while seen < 16:
-        seen += 1
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-            continue
-        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if isinstance(inner, nn.Module):
-            model = inner
-            continue
-        inner = getattr(model, "_forward_module", None)  # Lightning's wrapper inside its DDP
-        if isinstance(inner, nn.Module) and type(model).__name__.endswith("WrapperBase"):
-            model = inner
-            continue
-        break
-    return model
-
-
-def _clean(name: str) -> str:
-    for token in _WRAPPER_TOKENS:
-        if token in name:
-            name = name.replace(token, "")
-    return name
 
 
 def check_model(model) -> nn.Module:
@@ -63,7 +35,8 @@ def named_parameters(model: nn.Module, *, validate: bool = True, meta: bool = Fa
     wrapper prefixes removed. Raises ``ValueError`` for an empty model or (unless ``meta``) meta
     parameters."""
     module = check_model(model)
-    entries = [(_clean(n), p) for n, p in module.named_parameters() if not is_lazy(p)]
+    named = [(n, p) for n, p in module.named_parameters() if not is_lazy(p)]
+    entries = list(zip(user_names(module, [n for n, _ in named]), [p for _, p in named]))
     if validate:
         if not entries and not any(is_lazy(p) for p in module.parameters()):
             raise ValueError(
@@ -86,7 +59,8 @@ def is_lazy(p) -> bool:
 
 
 def lazy_names(model: nn.Module) -> list[str]:
-    return [_clean(n) for n, p in unwrap(model).named_parameters() if is_lazy(p)]
+    root = unwrap(model)
+    return user_names(root, [n for n, p in root.named_parameters() if is_lazy(p)])
 
 
 def unwrap_optimizer(optimizer):

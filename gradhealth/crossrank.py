@@ -162,7 +162,8 @@ class Across:
     bad_mask: list[float] | None = None  # per judged parameter: the ranks holding a non-finite gradient
     disagree: list[int] | None = None  # positions (in obs.idx) of replicated gradients that differ across ranks
     local_norm: list | None = None  # this rank's own norms per entry, before the reduction
-    comparable: int = 0  # replicated gradients held by every rank, finite everywhere (what disagree is out of)
+    comparable: int = 0  # replicated gradients held by every rank, finite everywhere, non-zero somewhere: the
+    # evidence of whether a reduction ran (what ``disagree`` is out of)
     nosync_step_mask: float = 0.0  # ranks that stepped on gradients DDP did not reduce
     missed_mask: float = 0.0  # ranks whose check was joined from their optimizer step (no check() call)
     lockstep: bool = True  # every rank at the same check and optimizer step counts
@@ -186,8 +187,8 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
     if "n1" in t and "pf2" not in t:  # replicated gradients held by every rank, finite everywhere: do they agree?
         spread = sq - t["n1"] * t["n1"]
         comparable = replicated & (bad == 0) & (t["has"] == world)
-        across.comparable = int(comparable.sum())
         across.disagree = (comparable & (spread > AGREE_TOL * sq)).nonzero().reshape(-1).tolist()
+        across.comparable = int((comparable & (nz > 0)).sum())  # (zero on every rank: equal whether reduced or not)
     if "ex" in t:  # sharded stacked experts: every expert's norm, whole
         flat, pos = got["ex"], 0
         for i in [i for i in obs.idx if i in obs.ex_parts]:
@@ -201,7 +202,7 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
         odd = torch.zeros(len(held)).index_add_(0, entry, (s2 - s1 * s1 > AGREE_TOL * s2).float()) > 0
         js = torch.tensor([j for j, _ in held], dtype=torch.long)
         usable = (t["has"][js] == world) & (bad[js] == 0)
-        across.comparable += int(usable.sum())
+        across.comparable += int((usable & (nz[js] > 0)).sum())
         found = js[usable & odd].tolist()
         if found:
             across.disagree = sorted(set(across.disagree or []) | set(found))

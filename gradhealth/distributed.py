@@ -11,6 +11,8 @@ import math
 import torch
 from torch import Tensor
 
+from .wrappers import ddp_of, unwrap
+
 __all__ = ["active", "world_size", "rank", "to_local", "is_sharded", "RankOrigin", "Ranks", "ranks_of", "bit", "MASK_LIMIT"]
 
 MASK_LIMIT = 52  # float64 holds 2**rank bit sums exactly below this
@@ -206,37 +208,18 @@ class RankOrigin:
         return bad, zero
 
 
-def wrapper_of(module):
-    """The DistributedDataParallel that wraps ``module``, if one does (found among the objects
-    that refer to it, once, when the monitor is made), else None."""
-    import gc
-
-    from torch import nn
-
-    seen, frontier = set(), [module]
-    for _ in range(3):  # the wrapper -> its _modules dict -> the module (or the wrapper directly)
-        nxt = []
-        for obj in frontier:
-            for ref in gc.get_referrers(obj):
-                if isinstance(ref, nn.parallel.DistributedDataParallel) and ref.module is module:
-                    return ref
-                if isinstance(ref, dict) and id(ref) not in seen:
-                    seen.add(id(ref))
-                    nxt.append(ref)
-        frontier = nxt
-    return None
-
-
 class Ranks:
     """The monitor's view of ``torch.distributed``: whether it is on, who we are, the collective's
-    device, whether every gradient is a shard (FSDP1), and the DDP wrapper with its hook."""
+    device, whether every gradient is a shard (FSDP1), and the DDP wrapper with its hooks.
 
-    def __init__(self, model, ddp_model=None, rank_origin: bool = True, optimizers=(), grad_sync: str = "auto"):
-        import warnings
+    The DDP wrapper is the one passed, one in the chain of wrappers the monitor was given, or one
+    that refers to the user's module (:func:`.wrappers.ddp_of`); a monitor made before the wrapper
+    exists (``fabric.setup`` after it) looks again at the model's first training forward, which runs
+    inside the wrapper. That forward hook also notes whether DDP reduces the coming backward: a
+    check after ``no_sync()`` (Fabric's ``no_backward_sync``) has ended still sees local gradients."""
 
+    def __init__(self, model, ddp_model=None, rank_origin: bool = True, optimizers=()):
         from torch import nn
-
-        from .errors import GradHealthInternalWarning
 
         self.active = active()
         self.world = world_size()
@@ -247,32 +230,55 @@ class Ranks:
         self.device = collective_device() if self.active else None
         if ddp_model is not None and not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
             raise TypeError(f"ddp_model must be a torch.nn.parallel.DistributedDataParallel; got {type(ddp_model).__name__}")
-        is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
-        self.ddp = ddp_model if ddp_model is not None else (model if is_ddp else None)
-        if self.ddp is None and self.active:  # e.g. Accelerate's recipe: the monitor gets the unwrapped module
-            self.ddp = wrapper_of(model)
         self.nosync_step = False  # an optimizer step ran on gradients DDP did not reduce
+        self.forward_synced = True  # DDP reduces the backward of the last training forward
+        self._optimizers, self._rank_origin = list(optimizers), rank_origin
         self._step_hooks: list = []
-        self.watch_steps(optimizers)
-        from .replicas import Replicas  # (it imports this module)
+        self.ddp, self.origin = None, None
+        self._watch = None
+        if not self.active:
+            return
+        found = ddp_model if ddp_model is not None else ddp_of(model)
+        if found is not None:
+            self._attach(found)
+        # (every training forward: is the coming backward reduced; without a wrapper yet, look again once)
+        self._watch = unwrap(model).register_forward_pre_hook(self._forward)
+        self._looked = found is not None
 
-        self.replicas = Replicas(grad_sync, self.ddp is not None)  # where the gradients are reduced
-        self.origin = None
-        if self.active and rank_origin and self.ddp is not None:
+    def _forward(self, module, args) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if self.ddp is None and not self._looked:
+            self._looked = True
+            found = ddp_of(module)
+            if found is not None:
+                self._attach(found)
+        if self.ddp is not None:
+            self.forward_synced = bool(self.ddp.require_backward_grad_sync)
+
+    def _attach(self, ddp) -> None:
+        import warnings
+
+        from .errors import GradHealthInternalWarning
+
+        self.ddp = ddp
+        self.watch_steps(self._optimizers)
+        if self._rank_origin:
             try:
-                self.origin = RankOrigin(self.ddp)
+                self.origin = RankOrigin(ddp)
             except Exception as exc:  # e.g. the model already has a comm hook
                 warnings.warn(f"gradhealth: no rank-origin hook on the DDP model ({exc}); NaN is not traced to a rank",
-                              GradHealthInternalWarning, stacklevel=3)
+                              GradHealthInternalWarning, stacklevel=4)
 
     def watch_steps(self, optimizers) -> None:
-        """Note an optimizer step taken while DDP does not reduce (no_sync, require_backward_grad_sync False)."""
+        """Note an optimizer step taken on gradients DDP did not reduce (inside no_sync, with
+        require_backward_grad_sync False, or after a backward that ran so)."""
         if self.ddp is None or not self.active:
             return
         ddp = self.ddp
 
         def before(opt, args, kwargs) -> None:
-            if not ddp.require_backward_grad_sync:
+            if not ddp.require_backward_grad_sync or not self.forward_synced:
                 self.nosync_step = True
 
         self._step_hooks = [opt.register_step_pre_hook(before) for opt in optimizers]
@@ -282,13 +288,18 @@ class Ranks:
         return out
 
     def in_no_sync(self) -> bool:
-        """Inside DDP's ``no_sync()``: gradients are local and partial; the synchronising step is checked."""
-        return self.ddp is not None and not self.ddp.require_backward_grad_sync
+        """The gradients are local and partial: inside DDP's ``no_sync()``, or after a backward that
+        ran so (the check after Fabric's ``no_backward_sync`` block); the synchronising step is
+        checked."""
+        return self.ddp is not None and not (self.ddp.require_backward_grad_sync and self.forward_synced)
 
     def close(self) -> None:
         for h in self._step_hooks:
             h.remove()
         self._step_hooks = []
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
         if self.origin is not None:
             self.origin.enabled = False  # DDP cannot unregister a comm hook: it only forwards now
             self.origin._handle.remove()

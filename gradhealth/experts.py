@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from .naming import module_of, terminal_safe
 from .stats import combine_norms, fetch
 from .status import Status
+from .wrappers import user_modules
 
 __all__ = ["fill", "router_counts", "tokens_by_unit", "Stack", "find_stacks", "check_experts", "slice_norms", "finish_slices", "judge", "unit_name",
            "CONFIG_KEYS", "describe_stacks"]
@@ -106,7 +107,7 @@ def find_stacks(root: nn.Module, entries, declared=None) -> dict[int, Stack]:
                     break
         return out
     config = _config_count(root)
-    modules = dict(root.named_modules())
+    modules = user_modules(root)
     for i, (name, p) in enumerate(entries):
         owner = module_of(name)
         if not owner.rpartition(".")[2].lower().endswith("experts") or p.dim() < 2:

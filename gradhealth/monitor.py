@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from . import clip, crossrank, experts, judges, lockstep, skipping, stats
 from . import state as checked
 from .carry import Carry, Delivery
-from .classify import as_optimizers, classify_selection, unwrap, unwrap_optimizer, wrapper_scaler
+from .classify import as_optimizers, classify_selection, unwrap_optimizer, wrapper_scaler
 from .deltas import UpdateTracker
 from .distributed import Ranks, all_reduce_tensor, ranks_of
 from .errors import GradHealthError, GradHealthInternalWarning
@@ -44,9 +44,11 @@ from .params import ModelChanges, ParamView, Selection
 from .patience import persist
 from .policy import Publisher, alarm, explain
 from .replay import traced
+from .replicas import Replicas
 from .report import Report, frozen_summary
 from .unstepped import Unstepped
 from .status import Status
+from .wrappers import unwrap
 
 __all__ = ["GradHealth"]
 
@@ -76,7 +78,8 @@ class GradHealth:
         self.optimizers = as_optimizers(optimizer)
         self.view = ParamView(model, self.optimizers, o.experts, strict=True)
         self.scaler = check_scaler(scaler)
-        self.ranks = Ranks(model, ddp_model, o.rank_origin, self.optimizers, o.grad_sync)
+        self.ranks = Ranks(model, ddp_model, o.rank_origin, self.optimizers)
+        self.replicas = Replicas(o.grad_sync, self.ranks)  # where the gradients are reduced
         self.carry = Carry(o.history)
         self.carry.patience = o.grad_patience
         self.publisher = Publisher(o.sinks, o.on_problem)
@@ -194,11 +197,8 @@ class GradHealth:
         self._owned.release()
         self.publisher.close()  # (every sink, even when one raises; a second close() retries the rest)
 
-    def __enter__(self) -> GradHealth:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    __enter__ = lambda self: self  # noqa: E731
+    __exit__ = lambda self, *exc: self.close()  # noqa: E731
 
     def state_dict(self) -> dict:
         """The monitor's progress and norm histories (plain Python, for checkpoints)."""
@@ -323,7 +323,7 @@ class GradHealth:
         pre = r.origin.take([self.view.params[i] for i in obs.idx], [obs.norm_of[i] for i in obs.idx]) if r.origin else None
         unsynced = r.origin is not None and r.origin.unsynced() and bool(obs.with_grad)
         self._counts, self._fp, self._shards = ((self.carry.checks, self.tracker.total_steps if self.tracker else 0),
-                                                r.replicas.fingerprints(self.view.params, obs.idx, obs.sharded),
+                                                self.replicas.fingerprints(self.view.params, obs.idx, obs.sharded),
                                                 (obs.sharded, obs.holders))
         vec, lay = crossrank.pack_rank(obs, r.rank, r.world, pre, self._failed is not None, unsynced, self._counts,
                                        self._fp, r.take_nosync_step(), self.tracker is not None,
@@ -372,7 +372,7 @@ class GradHealth:
             found += crossrank.rank_findings(report, across, obs, names, any(
                 f.kind == "AMP_SKIPPED" and f.level == "info" for f in found))  # (the scaler's own overflow)
             found += crossrank.replica_findings(across, obs, names, report.status, step, self.ranks.device,
-                                                self.ranks.replicas, self._counts, self._fp, self._missed)
+                                                self.replicas, self._counts, self._fp, self._missed)
         found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step, obs.loss_ranks)
         if nonfinite and report.expert_status:
             found += judges.nonfinite_experts(report.expert_status, step)

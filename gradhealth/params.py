@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import torch.nn.modules.module as module_hooks
 from torch import nn
 
-from .classify import lazy_names, named_parameters, optimizer_param_ids, unwrap
+from .classify import lazy_names, named_parameters, optimizer_param_ids
 from .experts import find_stacks
 from .naming import module_of
 from .report import ParamMeta
+from .wrappers import unwrap
 
 __all__ = ["ParamView", "Selection", "ModelChanges", "LiveMeta"]
 

@@ -88,6 +88,8 @@ class Persistence:
         #: modules with a unit that went without a gradient at some check (their norms come and go)
         self.skipping: set[str] = set()
         self.blank = 0
+        #: ZERO_GRAD units whose trainable partner weight was exactly zero at the last check
+        self.partnered: set[str] = set()
 
     # ------------------------------------------------------------------ update
     def _judged(self, key) -> int:
@@ -248,9 +250,14 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
         return []
     verdict = persistence.judge(gaps, patience, status)
     report.grad_history = verdict.history
-    mine = Verdict({n: g for n, g in gaps.items() if n not in units}, verdict.errors - set(units), verdict.history)
-    new_zeros = [n for n, c in mine.gaps.items() if c == 1 and status[n] is Status.ZERO_GRAD]
-    partners = zero_partners(new_zeros, names, params) if new_zeros else set()
+    # a zero gradient explained by a trainable partner that is still exactly zero (LoRA's B before
+    # its first real step: a warmup from lr 0 and accumulation make that several checks) is no
+    # persistent fault; the partner is read at the first zero and again while it stays zero
+    zeros = [n for n, c in gaps.items() if n not in units and status[n] is Status.ZERO_GRAD
+             and (c == 1 or n in persistence.partnered)]
+    partners = persistence.partnered = zero_partners(zeros, names, params) if zeros else set()
+    mine = Verdict({n: g for n, g in gaps.items() if n not in units}, verdict.errors - set(units) - partners,
+                   verdict.history)
     report.tolerated, found = transient_grads(report.status, mine, patience, partners, report.step)
     if units:
         found += idle_experts({n: g for n, g in gaps.items() if n in units}, verdict.errors & set(units),

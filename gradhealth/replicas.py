@@ -14,9 +14,11 @@ ranks at the same check.
   leaves out is found by the periodic whole-tensor ``DESYNC`` check, every ``desync_every``);
 * ``"auto"`` (default): with a DDP wrapper known (passed, found by an adapter, or found from the
   module the monitor was given), ``before_check``; without one, ``before_check`` until a check
-  where the replicated gradients differ on *every* replicated parameter: that is a reduction still
-  to come, said once at info (``GRAD_SYNC``), and from then on ``in_optimizer``. A loop that
-  reduced most gradients by hand and missed some keeps ``GRAD_DISAGREE`` naming exactly those.
+  where most of the replicated gradients that are non-zero differ between the ranks: that is a
+  reduction still to come, said once at info (``GRAD_SYNC``), and from then on ``in_optimizer``
+  (zero gradients, e.g. behind nanochat's zero-initialised projections, are no evidence). A loop
+  that reduced most gradients by hand and missed some keeps ``GRAD_DISAGREE`` naming exactly
+  those; a wrong guess is a replica that steps on its own gradients: ``DESYNC`` at the next check.
 
 Whether the ranks are at the same check (the lockstep counts, a rank that skipped ``check()``) is
 :mod:`gradhealth.lockstep`.
@@ -39,14 +41,18 @@ SAMPLE, BLOCK, WHOLE, CHUNK = 64, 16, 256, 1 << 20
 
 
 class Replicas:
-    def __init__(self, mode: str, ddp_known: bool):
+    def __init__(self, mode: str, ranks):
         self.mode = mode
         self.in_optimizer = mode == "in_optimizer"
-        self.ddp_known = ddp_known
+        self._ranks = ranks  # (its DDP wrapper may be found at the first forward)
         self._said = False
         self._views: list | None = None
         self._key: tuple | None = None
         self._n = 0
+
+    @property
+    def ddp_known(self) -> bool:
+        return self._ranks.ddp is not None
 
     @property
     def compare_grads(self) -> bool:
@@ -88,18 +94,25 @@ class Replicas:
             out[pos] = torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), **kw).double().square().cpu()
         return out
 
-    def judge_disagreement(self, disagree: list[int], comparable: int, step: int) -> tuple[bool, list[Finding]]:
-        """(whether the disagreeing gradients are a fault, findings): in ``auto`` without a DDP
-        wrapper, every comparable gradient differing is the optimizer's reduction still to come."""
-        if self.mode != "auto" or self.ddp_known or not disagree or len(disagree) < comparable:
+    def judge_disagreement(self, disagree: list[int], evidence: int, step: int) -> tuple[bool, list[Finding]]:
+        """(whether the disagreeing gradients are a fault, findings). In ``auto`` without a DDP
+        wrapper, the evidence decides: the replicated gradients that are non-zero somewhere (a
+        gradient that is zero on every rank is equal whether reduced or not). Where most of them
+        differ, nothing has reduced them yet: the optimizer's reduction is still to come. Where most
+        agree, the few that differ are a reduction that missed them. (A gradient that agrees
+        without a reduction, one that does not depend on the rank's data, cannot tip it: it is
+        outnumbered. A wrong guess is caught at the next check: the parameters are compared after
+        the step, and a replica that stepped on its own gradients is ``DESYNC``.)"""
+        if self.mode != "auto" or self.ddp_known or not disagree or 2 * len(disagree) <= evidence:
             return True, []
         self.in_optimizer = True
         if self._said:
             return False, []
         self._said = True
         return False, [Finding(
-            FindingKind.GRAD_SYNC, f"at step {step} every replicated gradient differs between the ranks and no DDP "
-            "wrapper is known: the gradients are reduced later, inside optimizer.step() (a ZeRO-style optimizer such as "
-            "nanochat's DistMuonAdamW or modded-nanogpt's DistAdam). The replicas are compared on their parameters "
-            "after each step from now on; pass grad_sync='in_optimizer' to say so (or 'before_check' if your loop "
-            "reduces them before check())", level="info", step=step)]
+            FindingKind.GRAD_SYNC, f"at step {step} the replicated gradients differ between the ranks ({len(disagree)} of "
+            f"the {evidence} that are non-zero) and no DDP wrapper is known: the gradients are reduced later, inside "
+            "optimizer.step() (a ZeRO-style optimizer such as nanochat's DistMuonAdamW or modded-nanogpt's DistAdam). "
+            "The replicas are compared on their parameters after each step from now on; pass grad_sync='in_optimizer' "
+            "to say so (or 'before_check' if your loop reduces them before check())", level="info", step=step,
+            data={"differ": len(disagree), "evidence": evidence})]

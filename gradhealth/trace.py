@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .classify import check_model
+from .wrappers import user_modules
 from .naming import ROOT
 from .opwatch import graph_nodes as _graph_nodes, source_of as _source
 
@@ -167,7 +168,7 @@ class NonFiniteTracer:
             self._ops = OpWatch().start()
         self._events.clear()
         self._inputs.clear()
-        for name, module in self.root.named_modules():
+        for name, module in user_modules(self.root).items():  # (the user's names, under wrappers inside the model)
             name = name or ROOT
             self._handles.append(module.register_forward_hook(self._post(name), with_kwargs=True))
             for p in module.parameters(recurse=False):

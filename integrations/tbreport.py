@@ -182,6 +182,7 @@ class Summary:
         if state not in self.texts:
             return None
         described, _, listed = self.texts[state][1].partition(NAMES)
+        listed = listed.partition("\n\n")[0]  # (then what the state means, in words)
         return described.strip(), [n.strip() for n in listed.split(",") if n.strip()]
 
     def _item(self, kind: str, step: int | None, detail: str, names: list[str] | None = None) -> dict:

@@ -34,7 +34,7 @@ from gradhealth.metrics import PREFIX, clip_metrics, report_metrics, update_metr
 from gradhealth.naming import module_of
 from gradhealth.report import Report, describe_groups, group_by_module
 from gradhealth.stats import combine_norms
-from gradhealth.status import Status
+from gradhealth.status import Status, hint
 
 from .gradient_flow import CODES, WORST, expert_map_image, flow_picture, labelled_experts
 from .tblayout import RunLayout, layout
@@ -48,6 +48,12 @@ AUTO_PARAM_LIMIT = 100
 def _listed(rows, most: int = 256) -> str:
     names = [n for _, ns, _ in rows for n in ns]
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _they(rows) -> str:
+    """The subject of a state's words: ``These 2 parameters`` (the hint's verb agrees with it)."""
+    n = sum(len(ns) for _, ns, _ in rows)
+    return "This parameter" if n == 1 else f"These {n} parameters"
 
 
 def _writable(path: str) -> None:
@@ -181,8 +187,9 @@ class TensorBoardSink:
             by_state: dict[Status, list] = {}
             for row in group_by_module(report.status, lambda n, s: n in errors):
                 by_state.setdefault(row[2], []).append(row)
-            states = [f"**{state.value}** (error, step {{}}): {describe_groups(rows)}{NAMES}{_listed(rows)}"
-                      for state, rows in by_state.items()]
+            # (the names, then what the state means and what to do, as the console warning says it)
+            states = [f"**{state.value}** (error, step {{}}): {describe_groups(rows)}{NAMES}{_listed(rows)}\n\n"
+                      f"{_they(rows)} {hint(state, sum(len(ns) for _, ns, _ in rows))}" for state, rows in by_state.items()]
             if states != self._states:  # written when they change, not at every step of a long problem
                 self._states = states
                 parts += [t.format(report.step) for t in states]

@@ -191,7 +191,87 @@ def huge_finite(rank, world):
     return {"report": report, **premise}
 
 
+def nanochat(rank, world, case="ok"):
+    """nanochat's base_train loop on its GPT (tests/nanochat_port.py): zero-initialised projections,
+    scalar gains, per-group learning rates with a warmdown multiplier, gradient accumulation, the
+    gradients reduced inside the optimizer (no DDP wrapper), ``model.zero_grad(set_to_none=True)``.
+    ``drift``: rank 1's optimizer leaves ``lm_head.weight`` out of its reduction from step 3 on."""
+    from nanochat_port import GPT, Config
+
+    torch.manual_seed(0)
+    config = Config()
+    model = GPT(config)
+    model.init_weights()
+    blocks = [p for p in model.transformer.h.parameters()]
+    embeds = [model.transformer.wte.weight, *model.value_embeds.parameters()]
+    groups = [dict(params=blocks, lr=0.02), dict(params=embeds, lr=0.2), dict(params=[model.lm_head.weight], lr=0.004),
+              dict(params=[model.resid_lambdas], lr=0.005), dict(params=[model.x0_lambdas], lr=0.5),
+              dict(params=[model.smear_gate.weight, model.smear_lambda, model.backout_lambda], lr=0.2)]
+    skip = model.lm_head.weight if case == "drift" and rank == 1 else None
+    optimizer = ReducingAdamW(groups, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, skip=skip, skip_from=3)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = group["lr"]
+    mon = gh.GradHealth(model, optimizer, on_problem="raise" if case == "ok" else "ignore")
+    premise = {"zero_at_0": None}
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+    num_iterations, grad_accum_steps, reports, losses = 20, 2, [], []
+    for step in range(num_iterations):
+        for micro_step in range(grad_accum_steps):
+            x = torch.randint(0, config.vocab_size, (4, config.sequence_len), generator=g)
+            y = (x * 5 + 3) % config.vocab_size  # a bigram language the model can learn
+            loss = model(x, y)
+            loss = loss / grad_accum_steps
+            loss.backward()
+        if step == 0:  # the premise: zero projections leave exactly-zero gradients behind them
+            premise["zero_at_0"] = sorted(n for n, p in model.named_parameters() if p.grad is not None and not p.grad.any())
+        try:
+            reports.append(_report(mon.check(loss)))
+        except gh.GradHealthError as exc:
+            reports.append({"raised_at": step, **_report(exc.report)})
+            break
+        lrm = 1.0 if step < num_iterations // 2 else (num_iterations - step) / (num_iterations - num_iterations // 2)
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * lrm
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.item() * grad_accum_steps)
+    mon.close()
+    return {"reports": reports, "losses": losses, "same": _gather_params(model), **premise}
+
+
+def ddp_bypassed(rank, world, case="module"):
+    """TrainCheck's silent bug: DDP is built, but the loop's forward calls ``ddp.module(x)``, so
+    the wrapper's hooks never fire and every rank steps on its own gradients. ``module``: the
+    monitor is given the module (as with Accelerate's recipe); ``none``: there is no DDP at all
+    (a data-parallel loop that never reduces): the reduction looks still to come, and the
+    parameters' drift after the first step is what names it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    mon = gh.GradHealth(model, opt, on_problem="ignore") if case != "module" else None
+    ddp = nn.parallel.DistributedDataParallel(model) if case != "none" else None
+    mon = mon or gh.GradHealth(model, opt, on_problem="ignore")
+    g = torch.Generator().manual_seed(100 + rank)
+    w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
+    reports = []
+    for _ in range(4):
+        x = torch.randn(16, 8, generator=g)
+        out = ddp.module(x) if ddp is not None else model(x)
+        loss = nn.functional.mse_loss(out, x @ w)
+        loss.backward()
+        reports.append(_report(mon.check(loss)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    mon.close()
+    return {"reports": reports, "same": _gather_params(model)}
+
+
 SCENARIOS = {
+    "nanochat_ok": nanochat,
+    "nanochat_drift": lambda r, w: nanochat(r, w, "drift"),
+    "ddp_bypassed_module": ddp_bypassed,
+    "ddp_bypassed_none": lambda r, w: ddp_bypassed(r, w, "none"),
+    "ddp_bypassed_before": lambda r, w: ddp_bypassed(r, w, "before"),
     **{f"skipped_check_{c}_{i}": (lambda c, i: lambda r, w: skipped_check(r, w, c, i))(c, i)
        for c in ("rank1", "every", "none") for i in ("ddp", "in_optimizer")},
     "skipped_check_rank1_warn": lambda r, w: skipped_check(r, w, "rank1", on_problem="warn"),

@@ -183,3 +183,49 @@ def test_huge_finite_gradients_are_not_a_nonfinite_rank(tmp_path):
         assert r["finite"] and r["norm_overflows"]  # the premise
         assert r["report"]["ok"] and set(r["report"]["status"].values()) == {"OK"}
         assert not [f for f in r["report"]["findings"] if f[0] in ("NONFINITE_RANK", "NONFINITE_COLLECTIVE")]
+
+
+def test_nanochat_zero_projections_and_gains_are_silent_from_check_0(tmp_path):
+    """nanochat's loop on 2 ranks, the gradients reduced inside the optimizer: at check 0 the
+    zero-initialised projections leave exactly-zero gradients behind them (equal on both ranks, no
+    evidence either way); the inference still says 'reduced inside the optimizer', nothing raises."""
+    ranks = spawn("nanochat_ok", tmp_path)
+    for r in ranks:
+        # the premise: check 0 has gradients that are exactly zero on every rank
+        assert "transformer.h.0.attn.c_q.weight" in r["zero_at_0"] and "smear_gate.weight" in r["zero_at_0"]
+        assert r["same"] is True and len(r["reports"]) == 20
+        assert r["losses"][-1] < 0.7 * r["losses"][0]  # and it learns
+        assert all(rep["ok"] and "raised_at" not in rep for rep in r["reports"])
+        assert all(f[0] not in ("GRAD_DISAGREE", "DESYNC") for rep in r["reports"] for f in rep["findings"])
+    [said] = [f for f in ranks[0]["reports"][0]["findings"] if f[0] == "GRAD_SYNC"]
+    assert said[2] == "info"
+    assert ranks[0]["reports"] == ranks[1]["reports"]
+
+
+def test_nanochat_a_rank_whose_optimizer_drifts_is_desync_at_the_next_check(tmp_path):
+    ranks = spawn("nanochat_drift", tmp_path)
+    assert ranks[0]["same"] is False  # the premise: rank 1 stepped lm_head on its own gradient from step 3
+    reps = ranks[0]["reports"]
+    assert all("DESYNC" not in kinds(rep) for rep in reps[:4])
+    [f] = [f for f in reps[4]["findings"] if f[0] == "DESYNC"]
+    assert f[1] == ["lm_head.weight"] and f[3] == {"lm_head.weight": [1]} and f[2] == "error"
+    assert ranks[0]["reports"] == ranks[1]["reports"]
+
+
+@pytest.mark.parametrize("case", ["module", "before", "none"])
+def test_a_forward_that_bypasses_ddp_is_named_within_two_checks(tmp_path, case):
+    """TrainCheck's bug: the loop calls ``ddp.module(x)``; the monitor holds the module (made before
+    or after the wrapper). ``none``: no wrapper at all and no reduction anywhere: check 0 reads as
+    a reduction still to come (GRAD_SYNC), and check 1 names the drift the first step made."""
+    ranks = spawn(f"ddp_bypassed_{case}", tmp_path)
+    assert ranks[0]["same"] is False  # the premise: the replicas drifted apart
+    reps = ranks[0]["reports"]
+    first = next(k for k, rep in enumerate(reps) if any(f[2] == "error" for f in rep["findings"]))
+    assert first <= 1
+    [f] = [f for f in reps[first]["findings"] if f[0] in ("GRAD_DISAGREE", "DESYNC")]
+    assert set(f[1]) == {"0.weight", "0.bias", "2.weight", "2.bias"} and all(v == [1] for v in f[3].values())
+    if case != "none":  # the wrapper is found from the module: named at once, with the lost synchronisation
+        assert first == 0 and f[0] == "GRAD_DISAGREE" and "DDP_NOT_SYNCED" in kinds(reps[0])
+    else:
+        assert f[0] == "DESYNC" and "GRAD_SYNC" in kinds(reps[0])
+    assert ranks[0]["reports"] == ranks[1]["reports"]

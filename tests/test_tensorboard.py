@@ -266,3 +266,24 @@ def test_the_last_picture_is_not_written_twice(tmp_path):
     ea = EventAccumulator(str(tmp_path), size_guidance={"images": 0})
     ea.Reload()
     assert [s.step for s in ea.Images("gradhealth/gradient_flow")] == [49, 99]
+
+
+def test_a_state_in_the_text_tab_says_what_is_wrong_and_what_to_do(tmp_path):
+    """The TEXT entry of a parameter state: the code, the names, and the words the console
+    warning says (what it means, what to do), read back from the event file."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)  # the readout is left out
+    mon = gh.GradHealth(model, opt, sinks=[TensorBoardSink(tmp_path)], on_problem="ignore")
+    model(torch.randn(3, 4)).sum().backward()
+    r = mon.check()
+    mon.close()
+    assert r.status["2.weight"] is gh.Status.NOT_IN_OPTIMIZER  # the premise
+    [text] = read_run(tmp_path, text=True).query("tag == 'gradhealth/findings_text'")["text"]
+    assert text.startswith("**NOT_IN_OPTIMIZER** (error, step 0): ")
+    assert "parameters: 2.weight, 2.bias" in text
+    assert "These 2 parameters get gradients but no optimizer updates them" in text
+    assert "Build the optimizer from model.parameters()" in text
+    from gradhealth.integrations.tbreport import summarize_run
+
+    [item] = [i for i in summarize_run(read_run(tmp_path, text=True)) if i["kind"] == "NOT_IN_OPTIMIZER"]
+    assert item["names"] == ["2.weight", "2.bias"]  # the report still reads the names apart from the words
