@@ -340,14 +340,16 @@ def s_fsdp2_healthy(rank, world):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mon = gh.GradHealth(model, opt, on_problem="raise")
     torch.manual_seed(rank + 1)
-    oks = []
+    oks, names = [], []
     for _ in range(4):
         opt.zero_grad()
         model(torch.randn(5, 4)).square().mean().backward()
-        oks.append(mon.check().ok)
+        r = mon.check()
+        oks.append(r.ok)
+        names = list(r.status)
         opt.step()
     mon.close()
-    return {"ok": oks}
+    return {"ok": oks, "names": names}
 
 
 def s_skip_rank1(rank, world):

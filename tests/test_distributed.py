@@ -152,6 +152,8 @@ def test_healthy_fsdp2_is_silent_its_shards_are_not_compared(tmp_path):
     ranks = spawn("fsdp2_healthy", tmp_path)
     for r in ranks:
         assert r["ok"] == [True] * 4
+        # fully_shard keeps the module's own names (it swaps the class, adds no wrapper module)
+        assert r["names"] == ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"]
 
 
 def test_a_nan_on_one_rank_is_skipped_by_every_rank_together(tmp_path):
