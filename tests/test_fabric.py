@@ -12,21 +12,12 @@ from torch import nn
 
 import gradhealth as gh
 from conftest import CountClips
+from fabric_ddp_script import Net
 from gradhealth.integrations.fabric import share_clip
 from gradhealth.integrations.tbread import read_layout
 from gradhealth.integrations.tensorboard import TensorBoardSink, read_run
 
 NAMES = ["body.0.weight", "body.0.bias", "head.weight", "head.bias"]
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x):
-        return self.head(self.body(x))
 
 
 def _fabric(**kw):
