@@ -72,10 +72,35 @@ def run_case(fabric, case):
             "same": bool(torch.equal(gathered[0], gathered[1])), "ddp_found": mon.ranks.ddp is not None}
 
 
+def head_out(fabric, out):
+    """Fabric's DDP around a compiled model, the head left out of the optimizer: the names in the
+    report, the warning (rank 0 says it) and the TensorBoard tags (rank 0 writes them)."""
+    from gradhealth.integrations.tensorboard import TensorBoardSink, read_run
+
+    torch.manual_seed(0)
+    net = Net()
+    model, optimizer = fabric.setup(torch.compile(net, backend="eager"), torch.optim.SGD(net.body.parameters(), lr=0.1))
+    logdir = os.path.join(out, "tb")
+    mon = gh.GradHealth(model, optimizer, sinks=[TensorBoardSink(logdir)] if fabric.global_rank == 0 else [])
+    fabric.backward(model(torch.randn(8, 4)).square().mean())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = mon.check()
+    mon.close()
+    said = [str(w.message) for w in caught if issubclass(w.category, gh.GradHealthWarning)]
+    tags = sorted(set(read_run(logdir)["tag"])) if fabric.global_rank == 0 else []
+    return {"report": _report(r), "said": said, "tags": tags}
+
+
 def main(fabric, launch, out):
     warnings.simplefilter("ignore")
     cases = ["inside", "after", "before_setup", "compiled", "bug"] if launch == "ddp" else ["inside"]
     result = {}
+    if launch == "ddp":
+        try:
+            result["head_out"] = head_out(fabric, out)
+        except Exception:
+            result["head_out"] = {"error": traceback.format_exc()}
     for case in cases:
         try:
             result[case] = run_case(fabric, case)

@@ -64,3 +64,17 @@ def test_a_replica_bug_under_fabric_ddp_is_named_on_both_ranks(tmp_path_factory)
             [f] = [f for f in rep["findings"] if f[0] == "GRAD_DISAGREE"]
             assert f[1] == ["head.weight"] and f[2] == "error" and f[3] == {"head.weight": [1]}
     assert ranks[0]["bug"]["reports"] == ranks[1]["bug"]["reports"]
+
+
+def test_names_under_fabric_ddp_around_a_compiled_model(tmp_path_factory):
+    """``_forward_module._orig_mod.module...`` on the wire: the report, rank 0's warning and its
+    TensorBoard tags say ``head.weight``; the verdict is the same on both ranks."""
+    ranks = launched("ddp", tmp_path_factory)
+    r0, r1 = ranks[0]["head_out"], ranks[1]["head_out"]
+    assert r0["report"] == r1["report"] and r0["report"]["names"] == NAMES
+    assert [f for f in r0["report"]["findings"] if f[2] == "error"] == []
+    assert len(r0["said"]) == 1 and r1["said"] == []  # rank 0 says it
+    assert "NOT_IN_OPTIMIZER: head.* (2 params)" in r0["said"][0]
+    assert not any(bad in r0["said"][0] for bad in ("_forward_module", "_orig_mod", "module."))
+    assert {f"gradhealth/grad_norm/{n}" for n in NAMES} <= set(r0["tags"])
+    assert not [t for t in r0["tags"] if "_forward_module" in t or "_orig_mod" in t or "module." in t]
