@@ -124,9 +124,13 @@ class Carry:
 
     # -------------------------------------------------------- previous step
     def resolve_step(self, report: Report | None, updates: list[StepStats], steps_ran: int, params: list, names: list[str],
-                     scale: float | None, scaler: bool, amp_alarm: int) -> Delivery | None:
+                     scale: float | None, scaler: bool, amp_alarm: int, after_step: bool = False) -> Delivery | None:
         """What became of the optimizer step after the armed check: its measured updates, or why
-        it did not run. ``report`` is the current check's (None at a flush)."""
+        it did not run. ``report`` is the current check's (None at a flush). ``after_step``: the
+        check came after the step that consumed its gradients (a one-call step: backward, clip and
+        step in one call, timm's ``NativeScaler``): that step's numbers are this report's."""
+        if after_step and report is not None and updates:
+            self.armed = report
         if any(u.skipped or not u.indices for u in updates):  # a fused step its grad scaler skipped did not run
             steps_ran = max(0, steps_ran - sum(u.skips for u in updates))
             updates = [u for u in updates if not u.skipped and u.indices]  # (no indices: unarmed steps' skips)

@@ -59,15 +59,12 @@ class GradHealth:
     """Classify every parameter after each backward pass and report what is wrong.
 
     Args:
-        model: the module being trained (DDP / torch.compile wrappers are unwrapped for names).
+        model: the module being trained, under any wrappers (names are its own: :mod:`.wrappers`).
         optimizer: one optimizer, a list of them, or None (then NOT_IN_OPTIMIZER, deltas and
             STALE_GRAD are not available).
-        scaler: a ``torch.amp.GradScaler``: norms are reported unscaled, and a step the scaler
-            skips is AMP_SKIPPED.
-        ddp_model: the DistributedDataParallel wrapper, when ``model`` is the module inside it
-            (as in Lightning), for the rank-origin hook and ``no_sync`` deferral.
-        options: a :class:`gradhealth.Options`; keyword options (``on_problem="raise"``, ...; the
-            list is in ``Options``) are applied on top of it.
+        scaler: a ``torch.amp.GradScaler``: norms unscaled, a step the scaler skips AMP_SKIPPED.
+        ddp_model: the DistributedDataParallel wrapper, when it cannot be found from ``model``.
+        options: a :class:`gradhealth.Options`; keyword options (``on_problem="raise"``, ...) on top.
     """
 
     def __init__(self, model: nn.Module, optimizer=None, *, scaler=None, ddp_model=None,
@@ -86,7 +83,7 @@ class GradHealth:
         self.publisher.emit_warnings = self.ranks.rank == 0  # the same verdict is on every rank; rank 0 says it
         self.last_report: Report | None = None
         self._closed = False
-        self._plan, self._shards, self._clip_source = None, (set(), {}), False
+        self._plan, self._shards, self._clip_source, self._after_step = None, (set(), {}), False, False
         self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every,
                                       change_every=o.change_every)
                         if self.optimizers else None)
@@ -268,8 +265,8 @@ class GradHealth:
         if self.view.stacks:
             experts.fill(report, self.view.stacks, obs.slices, obs.router)
         if not reeval:
-            delivery = self.carry.resolve_step(report, obs.updates, steps_ran, self.view.params, self.view.names,
-                                               obs.scale, self.scaler is not None, self.options.amp_skip_alarm)
+            delivery = self.carry.resolve_step(report, obs.updates, steps_ran, self.view.params, self.view.names, obs.scale,
+                                               self.scaler is not None, self.options.amp_skip_alarm, self._after_step)
             self._deliver(delivery, report)
         for u in obs.updates:
             self.tracker.settle(u)
@@ -295,16 +292,17 @@ class GradHealth:
     def _observe(self, sel: Selection, loss, reeval: bool = False, judged=()) -> tuple[Observation, int | None]:
         """Gather and read back (one transfer); what this rank saw besides numbers rides along."""
         tracker, carry = self.tracker, self.carry
-        updates, stale, steps_ran = [], set(), None
+        updates, stale, steps_ran, self._after_step = [], set(), None, False
         if tracker is not None and not reeval:
             tracker.witness.clear()
             stale, updates, steps_ran = (tracker.witness.take(self.view.entries, judged, len(judged) == 1),
                                          tracker.pending, tracker.steps_since_check)
+            self._after_step = bool(judged) and set(map(id, tracker.consumed())) >= set(map(id, judged))
             tracker.pending = []
         valid = carry.take_valid()
         try:
-            obs, self._plan = observe(self.view, sel, loss, valid, updates, self.scaler, self._plan,
-                                      self.ranks.active, self.ranks.all_sharded, carry.take_router())
+            obs, self._plan = observe(self.view, sel, loss, valid, updates, self.scaler, self._plan, self.ranks.active,
+                                      self.ranks.all_sharded, carry.take_router(), judged if self._after_step else ())
             obs.loss_cause = diagnose_loss(loss, self.model, carry.forward) if loss is not None else None
             obs.eval_record = carry.take_eval_backward()
             obs.stale = stale
@@ -408,6 +406,8 @@ class GradHealth:
                                               for n in report.not_ok or ())
             self.tracker.arm(report.step, [optimizer] if optimizer is not None else self.optimizers, due)
             self.carry.arm(report, self.view.params, obs.with_grad, obs.scale)
+            if self._after_step:  # (its gradients' step already ran: no step is owed them)
+                self.carry.armed = None
         self.carry.last_scale = obs.scale
 
     def _deliver(self, delivery: Delivery | None, current: Report | None) -> None:

@@ -65,22 +65,27 @@ class Observation:
         self.norms = [norm_of[i] for i in self.with_grad]
 
 
-def unscaled_params(scaler, optimizers) -> set[int]:
-    """ids of the parameters whose gradients the scaler has already unscaled (``unscale_``)."""
+def unscaled_params(scaler, optimizers, consumed=()) -> set[int]:
+    """ids of the parameters whose gradients the scaler has already unscaled: by ``unscale_`` in
+    this step, or for a step that already ran on them (``consumed``: optimizers whose gradients
+    are those their last step used; ``scaler.step`` unscales first, and ``scaler.update`` then
+    forgets it: a one-call step such as timm's ``NativeScaler`` checked after the call)."""
     from torch.amp.grad_scaler import OptState
 
     out: set[int] = set()
     states = scaler._per_optimizer_states
     for opt in optimizers:
         st = states.get(id(opt)) if hasattr(states, "get") else None
-        if st is not None and st.get("stage") in (OptState.UNSCALED, OptState.STEPPED):
+        if (st is not None and st.get("stage") in (OptState.UNSCALED, OptState.STEPPED)) or opt in consumed:
             out |= {id(p) for g in opt.param_groups for p in g["params"]}
     return out
 
 
 def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], updates: list[StepStats], scaler,
-            plan, distributed: bool = False, all_sharded: bool = False, router=None) -> tuple[Observation, object]:
-    """Norms of the selection's gradients and the extras, read back in one transfer.
+            plan, distributed: bool = False, all_sharded: bool = False, router=None,
+            consumed=()) -> tuple[Observation, object]:
+    """Norms of the selection's gradients and the extras, read back in one transfer (``consumed``:
+    :func:`unscaled_params`).
 
     Returns the observation and the grouping plan to pass back next time.
     """
@@ -166,7 +171,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
 
     scale = got["scale"][0] if scale_t is not None else None
     if scale:
-        done = unscaled_params(scaler, view.optimizers)
+        done = unscaled_params(scaler, view.optimizers, consumed)
         pids = view.pids
         norms = [v if pids[i] in done else v / scale for i, v in zip(with_grad, norms)]
         slices = {i: vs if pids[i] in done else [v / scale for v in vs] for i, vs in slices.items()}

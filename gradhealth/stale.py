@@ -13,7 +13,7 @@ import weakref
 
 from .naming import spread
 
-__all__ = ["StaleWatch", "WITNESSES", "witnesses", "discarded"]
+__all__ = ["StaleWatch", "WITNESSES", "witnesses", "discarded", "consumed_now"]
 
 #: gradients watched per optimizer for STALE_GRAD and skipped steps: zero_grad clears all of an
 #: optimizer's gradients together, so a few, spread over the parameter list, tell the same as all
@@ -25,15 +25,22 @@ def witnesses(params, idx) -> list[tuple[weakref.ref, weakref.ref, int]]:
     return [(weakref.ref(params[i]), weakref.ref(params[i].grad), params[i].grad._version) for i in spread(idx, WITNESSES)]
 
 
-def discarded(seen) -> bool:
+def consumed_now(opt) -> list[tuple[weakref.ref, weakref.ref, int]]:
+    """After ``opt``'s step: a few of the gradients it consumed, as they are now."""
+    params = spread([p for g in opt.param_groups for p in g["params"] if p.grad is not None], WITNESSES)
+    return [(weakref.ref(p), weakref.ref(p.grad), p.grad._version) for p in params]
+
+
+def discarded(seen, exact: bool = False) -> bool:
     """Were the gradients ``witnesses`` saw thrown away since (set to None, replaced, or zeroed and
-    written again)? One backward adding onto them (accumulation) is not."""
+    written again)? One backward adding onto them (accumulation) is not, unless ``exact``: then
+    any write counts."""
     for param, ref, version in seen:
         p = param()
         if p is None:
             return True
         g = p.grad
-        if g is None or g is not ref() or g._version > version + 1:
+        if g is None or g is not ref() or g._version > version + (0 if exact else 1):
             return True
     return False
 
