@@ -130,16 +130,21 @@ def test_shared_clip_reads_the_gradients_once_and_returns_fabrics_total(monkeypa
         counter = CountClips(monkeypatch)
         losses, reports, totals = _loop(fabric, model, opt, mon, clip=1.5)
         runs[shared] = (losses, [float(t) for t in totals], counter.calls,
-                        [r.total_grad_norm for r in reports if r is not None][1::2], [p.detach().clone() for p in model.parameters()])
+                        [r.total_grad_norm for r in reports if r is not None][1::2], [p.detach().clone() for p in model.parameters()],
+                        [r.clip_coef for r in reports][1::2])
         monkeypatch.undo()
         mon.close()
     plain, ours = runs[False], runs[True]
     assert plain[2] == len(plain[1]) == 12 and ours[2] == 0  # the premise: Fabric's clip ran 12 times; ours none
     assert ours[1] == pytest.approx(plain[1], rel=1e-6)
     # the check's total (pre-clip, exact) is what Fabric's clip returns (torch's: in the gradients' dtype)
-    assert ours[3] == pytest.approx(ours[1], rel=2**-7 if precision == "bf16-true" else 1e-5)
+    tol = 2**-7 if precision == "bf16-true" else 1e-5
+    assert ours[3] == pytest.approx(ours[1], rel=tol)
     assert all(torch.equal(a, b) for a, b in zip(plain[4], ours[4]))
     assert min(ours[1]) < 1.5 < max(ours[1])  # the clip bites at some steps, not at others
+    # the factor each step was clipped by is in its report (the sinks log it: gradhealth/clip_coef)
+    assert ours[5] == pytest.approx([min(1.0, 1.5 / (t + 1e-6)) for t in ours[1]], rel=tol)
+    assert plain[5] == [None] * 12
     assert sum(ours[0][-3:]) < 0.5 * sum(ours[0][:3])
 
 
