@@ -13,7 +13,7 @@ from . import stats
 from .status import Status
 from .wrappers import unwrap, user_names
 
-__all__ = ["classify", "classify_selection", "is_lazy", "lazy_names", "decide", "named_parameters", "unwrap_optimizer", "wrapper_scaler", "as_optimizers", "optimizer_param_ids"]
+__all__ = ["classify", "classify_selection", "is_lazy", "lazy_names", "decide", "named_parameters", "unwrap_optimizer", "inner_optimizers", "wrapper_scaler", "as_optimizers", "optimizer_param_ids"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -87,13 +87,27 @@ def wrapper_scaler(optimizer):
     return None
 
 
+def inner_optimizers(optimizer) -> list | None:
+    """The optimizers that an optimizer holding others steps in its place (torchtune's
+    ``OptimizerInBackward``: one per parameter, in a dict, stepped inside backward; its own
+    ``param_groups`` show one of them): the first attribute that is a dict or list of two or more
+    objects with ``param_groups``. None for an ordinary optimizer."""
+    for value in vars(optimizer).values():
+        items = list(value.values()) if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else None
+        if items and len(items) > 1 and all(isinstance(getattr(x, "param_groups", None), list) for x in items):
+            return items
+    return None
+
+
 def as_optimizers(optimizer) -> list:
     """Validate ``optimizer`` (None, one optimizer, or a list/tuple of them; wrappers such as
-    Accelerate's ``AcceleratedOptimizer`` are unwrapped) into a list of torch optimizers."""
+    Accelerate's ``AcceleratedOptimizer`` are unwrapped, and an optimizer that steps others in its
+    place stands for them) into a list of torch optimizers."""
     if optimizer is None:
         return []
     items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     items = [unwrap_optimizer(o) for o in items]
+    items = [x for o in items for x in (inner_optimizers(o) if hasattr(o, "__dict__") else None) or [o]]
     for i, opt in enumerate(items):
         groups = getattr(opt, "param_groups", None)
         if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):

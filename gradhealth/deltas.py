@@ -48,7 +48,8 @@ from .distributed import dtensor_type, to_local
 from .errors import GradHealthInternalWarning
 from .compare import Packed, apply, flat, norms, sample_view, versions_tell, water_fill
 from .rules import rule_norms, rule_of
-from .stale import WITNESSES, StaleWatch, consumed_now, discarded
+from .ranon import RanOn
+from .stale import WITNESSES, StaleWatch
 from .stats import plan_groups
 from .steps import StepStats, found_inf
 
@@ -108,7 +109,7 @@ class UpdateTracker:
         self._turn: dict[int, int] = {}  # per optimizer: where the next generic exact copy starts
         self._last_lr: dict[tuple[int, int], float] = {}
         self._inflight: dict[int, tuple] = {}
-        self._consumed: dict[int, tuple] = {}  # per optimizer id: (it, witnesses of what its last step consumed)
+        self.ran = RanOn()  # which gradients a step already ran on (one-call steps, steps inside backward)
         self._plans: dict[int, _OptPlan] = {}
         self.witness = StaleWatch(defer=len(optimizers) > 1)
         self._in_step: dict[int, int] = {}  # optimizers inside their step(): checks made there so far
@@ -253,6 +254,8 @@ class UpdateTracker:
 
     # ----------------------------------------------------------- measurement
     def _pre(self, opt, args, kwargs) -> None:
+        if torch._C._current_graph_task_id() != -1:  # a step inside backward (optimizer in backward)
+            self.ran.capture(opt)
         if self.on_step is not None:  # (before anything here: it may run the check this step lacks)
             self.on_step(opt, args, kwargs)
         self._in_step[id(opt)] = 0
@@ -285,13 +288,7 @@ class UpdateTracker:
         if self.armed_step is not None:
             plan = self._plans.get(id(opt)) or self._plan(opt)
             self.witness.arm(opt, plan.idx if plan else [], self.entries)
-        self._consumed[id(opt)] = (opt, consumed_now(opt))
-
-    def consumed(self) -> list:
-        """The optimizers whose gradients are still the ones their last step consumed (no backward
-        and no zero_grad since): a check after the step (a one-call step such as timm's
-        ``NativeScaler``) sees gradients a grad scaler has already unscaled for that step."""
-        return [opt for opt, seen in self._consumed.values() if seen and not discarded(seen, exact=True)]
+        self.ran.stepped(opt)
 
     @staticmethod
     def _with_found_inf(opt, stats: StepStats) -> StepStats:

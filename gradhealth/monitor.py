@@ -207,10 +207,7 @@ class GradHealth:
 
     parameter_names = property(lambda self: list(self.view.names))
 
-    @property
-    def history(self):
-        """The norm history of checks over every parameter (None when off)."""
-        return self.carry.history
+    history = property(lambda self: self.carry.history, doc="The norm history of checks over every parameter (None when off).")
 
     emit_warnings = property(lambda self: self.publisher.emit_warnings,
                              lambda self, value: setattr(self.publisher, "emit_warnings", bool(value)),
@@ -218,8 +215,7 @@ class GradHealth:
 
     forward_record = property(lambda self: self.carry.forward, doc="What the monitor saw when the model's forward last ran.")
 
-    def diagnose_loss(self, loss) -> str | None:
-        """:func:`gh.guards.diagnose_loss` with what this monitor saw of the forward."""
+    def diagnose_loss(self, loss) -> str | None:  # (gh.guards.diagnose_loss with what this monitor saw of the forward)
         return diagnose_loss(loss, self.model, self.carry.forward)
 
     alarm = staticmethod(alarm)
@@ -292,17 +288,18 @@ class GradHealth:
     def _observe(self, sel: Selection, loss, reeval: bool = False, judged=()) -> tuple[Observation, int | None]:
         """Gather and read back (one transfer); what this rank saw besides numbers rides along."""
         tracker, carry = self.tracker, self.carry
-        updates, stale, steps_ran, self._after_step = [], set(), None, False
+        updates, stale, steps_ran, self._after_step, captured = [], set(), None, False, None
         if tracker is not None and not reeval:
             tracker.witness.clear()
             stale, updates, steps_ran = (tracker.witness.take(self.view.entries, judged, len(judged) == 1),
                                          tracker.pending, tracker.steps_since_check)
-            self._after_step = bool(judged) and set(map(id, tracker.consumed())) >= set(map(id, judged))
+            self._after_step, captured = tracker.ran.take(judged)  # (a one-call step, or steps inside backward)
             tracker.pending = []
         valid = carry.take_valid()
         try:
             obs, self._plan = observe(self.view, sel, loss, valid, updates, self.scaler, self._plan, self.ranks.active,
-                                      self.ranks.all_sharded, carry.take_router(), judged if self._after_step else ())
+                                      self.ranks.all_sharded, carry.take_router(), judged if self._after_step else (),
+                                      captured)
             obs.loss_cause = diagnose_loss(loss, self.model, carry.forward) if loss is not None else None
             obs.eval_record = carry.take_eval_backward()
             obs.stale = stale
@@ -405,9 +402,10 @@ class GradHealth:
             due = self.carry.still > 0 or any(report.status[n] is Status.FROZEN and n in report.grad_norm
                                               for n in report.not_ok or ())
             self.tracker.arm(report.step, [optimizer] if optimizer is not None else self.optimizers, due)
-            self.carry.arm(report, self.view.params, obs.with_grad, obs.scale)
-            if self._after_step:  # (its gradients' step already ran: no step is owed them)
+            if self._after_step:  # its gradients' step already ran: no step is owed them
                 self.carry.armed = None
+            else:
+                self.carry.arm(report, self.view.params, obs.with_grad, obs.scale)
         self.carry.last_scale = obs.scale
 
     def _deliver(self, delivery: Delivery | None, current: Report | None) -> None:

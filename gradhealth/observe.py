@@ -83,9 +83,10 @@ def unscaled_params(scaler, optimizers, consumed=()) -> set[int]:
 
 def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], updates: list[StepStats], scaler,
             plan, distributed: bool = False, all_sharded: bool = False, router=None,
-            consumed=()) -> tuple[Observation, object]:
+            consumed=(), captured=None) -> tuple[Observation, object]:
     """Norms of the selection's gradients and the extras, read back in one transfer (``consumed``:
-    :func:`unscaled_params`).
+    :func:`unscaled_params`; ``captured``: norms of gradients a step inside backward freed, by
+    parameter id, judged as this backward's).
 
     Returns the observation and the grouping plan to pass back next time.
     """
@@ -132,6 +133,11 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     if scale_t is not None:
         lay.add("scale")
         parts["scale"] = scale_t
+    # gradients an optimizer step inside backward freed: their norms, taken then (see UpdateTracker)
+    freed = [i for i in sel.idx if params[i].grad is None and view.pids[i] in captured] if captured else []
+    if freed:
+        lay.add("freed", len(freed))
+        parts["freed"] = torch.stack([captured[view.pids[i]] for i in freed])
     if router:
         lay.add("router", sum(c.numel() for c in router))
         parts["router"] = torch.cat([c.reshape(-1).to(router[0].device) for c in router])
@@ -178,6 +184,9 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         ex_parts = {i: vs if pids[i] in done else [v / scale**2 for v in vs] for i, vs in ex_parts.items()}
     for j, u in enumerate(updates):
         u.fetched(got[f"update{j}"])
+    if freed:  # (in entry order, with the others)
+        pairs = sorted([*zip(with_grad, norms), *zip(freed, got["freed"])])
+        with_grad, norms = [i for i, _ in pairs], [v for _, v in pairs]
     if len(norms) == len(view):  # every entry has a gradient
         norm_of: list[float | None] = list(norms)
     else:

@@ -110,3 +110,106 @@ def test_timm_one_call_step_with_lr_zero_is_named(use_scaler, one_thread):
     with pytest.raises(gh.GradHealthError, match="NOT_UPDATED") as caught:
         train_one_epoch(use_scaler, lr=0.0)
     assert caught.value.report.step == 3  # the second update: lr 0 at the first alone is a warmup's start
+
+
+# ------------------------------------------------------------------ optimizer in backward
+class OptimizerInBackward(torch.optim.Optimizer):
+    """torchtune's ``OptimizerInBackward`` (torchtune/modules/optim.py), ported: one optimizer per
+    parameter, stepped by a post-accumulate-grad hook that then zeroes (frees) its gradient; the
+    wrapper's own ``param_groups`` hold every parameter and its ``step()`` does nothing."""
+
+    def __init__(self, params, optimizer_cls, **optimizer_kwargs):
+        params = list(params)  # Make a copy of params
+        self._optimizers = {}
+        self._param_to_index = {}
+        for idx, p in enumerate(params):
+            self._param_to_index[p] = idx
+            if p.requires_grad:
+                self._optimizers[idx] = optimizer_cls([p], **optimizer_kwargs)
+                p.register_post_accumulate_grad_hook(lambda param=p: self._step_and_clear(param))
+        super().__init__(params, optimizer_kwargs)
+
+    def _step_and_clear(self, param):
+        idx = self._param_to_index[param]
+        self._optimizers[idx].step()
+        self._optimizers[idx].zero_grad()
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise RuntimeError("OptimizerInBackward does not support closures.")
+
+    def zero_grad(self, set_to_none=True):
+        for opt in self._optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def in_backward(kind, bug=None, lr=1e-2, steps=8, batches=None):
+    """torch's tutorial ("How to save memory by fusing the optimizer step into the backward pass")
+    or torchtune's wrapper, the check after each ``loss.backward()``. ``bug``: ``frozen`` (layer 0),
+    ``no_optimizer`` (the last bias gets no in-backward optimizer), ``nan`` (a NaN batch at step 4).
+    ``kind="plain"``: the twin with an ordinary Adam step after the check."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    if bug == "frozen":
+        model[0].requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    plain = None
+    if kind == "tutorial":
+        optimizer_dict = {p: torch.optim.Adam([p], lr=lr, foreach=False)
+                          for p in trainable if not (bug == "no_optimizer" and p is model[2].bias)}
+
+        def optimizer_hook(parameter) -> None:
+            optimizer_dict[parameter].step()
+            optimizer_dict[parameter].zero_grad()
+
+        for p in optimizer_dict:
+            p.register_post_accumulate_grad_hook(optimizer_hook)
+        given = list(optimizer_dict.values())
+    elif kind == "torchtune":
+        given = OptimizerInBackward(model.parameters(), torch.optim.Adam, lr=lr, foreach=False)
+    else:
+        given = plain = torch.optim.Adam(trainable, lr=lr, foreach=False)
+    monitor = gh.GradHealth(model, given, on_problem="ignore" if bug else "raise", expect_frozen=["0.*"] if bug == "frozen" else None)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
+    reports, losses = [], []
+    for step in range(steps):
+        x = torch.randn(16, 8, generator=g)
+        if bug == "nan" and step == 4:
+            x[0, 0] = float("nan")
+        loss = nn.functional.mse_loss(model(x), x @ w)
+        loss.backward()  # (the in-backward steps run here)
+        reports.append(monitor.check(loss))
+        if plain is not None:
+            plain.step()
+            plain.zero_grad()
+        losses.append(loss.item())
+    monitor.close()
+    return reports, losses, model
+
+
+@pytest.mark.parametrize("kind", ["tutorial", "torchtune"])
+def test_optimizer_in_backward_is_silent_with_the_norms_of_a_plain_twin(kind, one_thread):
+    reports, losses, model = in_backward(kind)
+    assert all(p.grad is None for p in model.parameters())  # the premise: nothing is left in .grad
+    twin, twin_losses, _ = in_backward("plain")
+    assert losses == pytest.approx(twin_losses, rel=1e-5) and losses[-1] < 0.5 * losses[0]  # the same run, learning
+    for r, t in zip(reports, twin):
+        assert r.ok and list(r.status.values()) == [gh.Status.OK] * 4
+        assert r.grad_norm == pytest.approx(t.grad_norm, rel=1e-5)
+        assert not [f for f in r.findings if f.level != "info"]
+    assert reports[1].update_norm  # the steps inside the backward are measured, in the check that follows them
+
+
+def test_optimizer_in_backward_bugs_are_named_as_in_a_plain_loop(one_thread):
+    reports, _, _ = in_backward("tutorial", bug="no_optimizer")
+    assert reports[0].problems == {"2.bias": gh.Status.NOT_IN_OPTIMIZER}
+    reports, _, model = in_backward("tutorial", bug="frozen")
+    assert not model[0].weight.requires_grad  # the premise
+    assert [f.params for f in reports[0].findings if f.kind == "UNEXPECTED_FROZEN"] == []  # (expected: 0.*)
+    assert reports[0].status["0.weight"] is gh.Status.FROZEN and reports[0].status["2.weight"] is gh.Status.OK
+    reports, _, _ = in_backward("torchtune", bug="nan")
+    assert reports[3].ok and reports[4].problems and set(reports[4].problems.values()) == {gh.Status.NON_FINITE_GRAD}
+    reports, _, _ = in_backward("tutorial", lr=0.0, bug="lr0")
+    kinds = [[(f.kind, f.level) for f in r.findings if f.kind == "NOT_UPDATED"] for r in reports]
+    assert ("NOT_UPDATED", "error") in kinds[2] or ("NOT_UPDATED", "error") in kinds[3]
