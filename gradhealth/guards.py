@@ -168,15 +168,17 @@ class ForwardWatch:
             self._hooked.append({})
             self.handles.append(m.register_forward_pre_hook(functools.partial(
                 self._before, i, under, [(n, w) for n, w in under if n in children])))
-        #: look for a reentrant checkpoint at the next forwards (set by the monitor after NO_GRAD)
-        self.probe = False
+        #: look for a reentrant checkpoint at the next forwards, in these modules (the monitor sets
+        #: the modules of the NO_GRAD parameters; their forward runs inside the checkpoint, however deep)
+        self.probe: set[str] = set()
+        self._probed: tuple = (frozenset(), [])
 
     def _before(self, i: int, watched: list, children: list, module, args) -> None:
         if not torch.is_grad_enabled():
             return
         want = {id(m): (n, m) for n, m in watched if not m.training}
         if self.probe and self.root.training:
-            want.update({id(m): (n, m) for n, m in children})
+            want.update({id(m): (n, m) for n, m in children + self._probe_modules()})
         hooked = self._hooked[i]
         if want.keys() != hooked.keys():  # modes changed (rare): hook exactly the modules that need it
             for key in [k for k in hooked if k not in want]:
@@ -184,6 +186,15 @@ class ForwardWatch:
             for key, (name, m) in want.items():
                 if key not in hooked:
                     hooked[key] = m.register_forward_hook(functools.partial(self._on_module, name))
+
+    def _probe_modules(self) -> list:
+        key = frozenset(self.probe)
+        if key != self._probed[0]:
+            from .wrappers import user_modules
+
+            modules = user_modules(self.root)
+            self._probed = (key, [(n, modules[n]) for n in sorted(key) if n in modules])
+        return self._probed[1]
 
     def _on_model(self, module, args, output) -> None:
         self.carry.forward = ForwardRecord(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.root.training)

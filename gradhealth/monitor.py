@@ -37,6 +37,7 @@ from .deltas import UpdateTracker
 from .distributed import Ranks, all_reduce_tensor, ranks_of
 from .errors import GradHealthError, GradHealthInternalWarning
 from .hooks import Owned
+from .naming import module_of
 from .guards import ForwardWatch, diagnose_loss, uses_checkpointing
 from .observe import Observation, failed_observation, observe
 from .options import Options, check_scaler, check_step, check_tensor
@@ -373,7 +374,7 @@ class GradHealth:
             found += judges.nonfinite_experts(report.expert_status, step)
         no_grad = [n for n, s in report.errors.items() if s is Status.NO_GRAD]
         if self._watch is not None:  # NO_GRAD now: the next forwards look for a reentrant checkpoint
-            self._watch.probe = any(s is Status.NO_GRAD for s in report.problems.values())
+            self._watch.probe = {module_of(n) for n, s in report.problems.items() if s is Status.NO_GRAD}
         if no_grad:  # only then: is the model checkpointing its layers?
             found += judges.checkpoint_no_grad(no_grad, uses_checkpointing(unwrap(self.model)), report.status, step,
                                                carry.reentrant)

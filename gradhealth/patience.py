@@ -131,6 +131,19 @@ class Persistence:
         self.blank = self.blank + 1 if missing and len(missing) == trainable else 0
         return gaps
 
+    def forgive(self, names) -> None:
+        """Take back the misses of units whose zero gradient a zero partner explains (LoRA's start):
+        they are not skipping, so they make no other unit's gap look like chance."""
+        for n in names:
+            r = self.rec.get(n)
+            if r is None:
+                continue
+            if r[1] == 0:  # every miss it had is this explained gap: no record, as if it never missed
+                del self.rec[n]
+                self.open.discard(n)
+                if not any(_module(m) == _module(n) for m in self.rec):
+                    self.skipping.discard(_module(n))
+
     # ------------------------------------------------------------------- judge
     def judge(self, gaps: dict, patience: int, status: dict | None = None) -> Verdict:
         """Which of the gaps the rule counts as persistent now (see the module docstring).
@@ -256,6 +269,7 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
     zeros = [n for n, c in gaps.items() if n not in units and status[n] is Status.ZERO_GRAD
              and (c == 1 or n in persistence.partnered)]
     partners = persistence.partnered = zero_partners(zeros, names, params) if zeros else set()
+    persistence.forgive(partners)
     mine = Verdict({n: g for n, g in gaps.items() if n not in units}, verdict.errors - set(units) - partners,
                    verdict.history)
     report.tolerated, found = transient_grads(report.status, mine, patience, partners, report.step)

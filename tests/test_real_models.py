@@ -107,3 +107,46 @@ def test_reentrant_checkpointing_after_frozen_embeddings_names_the_cause():
     [hint] = last.findings_of("CHECKPOINT_NO_GRAD")
     assert "enable_input_require_grads" in hint.message and "use_reentrant=False" in hint.message
     assert "blocks.*" in hint.message
+
+
+def test_lora_under_a_reentrant_checkpoint_of_one_layer_is_named_within_patience():
+    """peft#1142 / transformers#26221: LoRA on two layers after a frozen embedding, layer 0 under a
+    reentrant checkpoint (no input requires grad: its adapters never get a gradient), layer 1 plain.
+    Layer 1's lora_A starts with an exactly zero gradient (its lora_B is zero): LoRA's start, not a
+    part of the model that skips, so it does not stretch the patience of layer 0's adapters."""
+    import peft
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+            self.head = nn.Linear(16, 2)
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            h = checkpoint(self.blocks[0], h, use_reentrant=True)  # (only this layer is checkpointed)
+            return self.head(self.blocks[1](h)).mean(1)
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(Net(), peft.LoraConfig(r=4, target_modules=["blocks.0", "blocks.1"]))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    reports = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randint(0, 50, (4, 6))).square().mean().backward()
+            reports.append(mon.check())
+            opt.step()
+    a0, a1 = "base_model.model.blocks.0.lora_A.default.weight", "base_model.model.blocks.1.lora_A.default.weight"
+    assert reports[0].status[a1] is gh.Status.ZERO_GRAD and reports[1].status[a1] is gh.Status.OK  # the premises
+    assert all(r.status[a0] is gh.Status.NO_GRAD for r in reports)
+    first = next(k for k, r in enumerate(reports) if a0 in r.errors)
+    assert first == 2  # grad_patience: 3 checks
+    [hint] = reports[first].findings_of("CHECKPOINT_NO_GRAD")
+    assert "enable_input_require_grads" in hint.message and "use_reentrant=False" in hint.message
+    assert a1 not in reports[0].errors  # LoRA's start stays tolerated
