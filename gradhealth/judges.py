@@ -44,6 +44,13 @@ def empty_valid_set(valid_counts: Mapping[str, int], loss: float | None, norms: 
     every gradient exactly zero); NON_FINITE_LOSS for any other non-finite loss (``ranks``: under
     torch.distributed, the ranks whose own loss was non-finite)."""
     empty = [n for n, c in valid_counts.items() if c == 0]
+    if empty and norms and all(v == 0.0 for v in norms) and (loss is None or math.isfinite(loss)):
+        # made harmless (a guarded mean, TRL's clamped token count): no NaN, yet the step is not a no-op
+        return [Finding(K.EMPTY_VALID_SET, f"the valid mask {', '.join(repr(n) for n in empty)} selected nothing at step "
+                        f"{step}: the loss is {loss if loss is not None else 'guarded'} and every gradient is exactly zero, "
+                        "but optimizer.step() still moves the weights (weight decay, and the momentum of earlier steps in "
+                        "Adam's moments); skip such batches in the data (or the step: no optimizer.step() when the count "
+                        "is 0)", level="warning", step=step, data={"counts": dict(valid_counts)})]
     if empty:
         return [Finding(K.EMPTY_VALID_SET, f"the valid mask {', '.join(repr(n) for n in empty)} selected nothing at step "
                         f"{step}: a mean over it is NaN (or 0 with a guarded mean) and the step still moves the weights "

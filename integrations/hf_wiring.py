@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from transformers.trainer_callback import CallbackHandler
 
-__all__ = ["callback_list", "trainer_of", "share_trainer_clip", "move_before_reporters", "tensorboard_writer"]
+__all__ = ["callback_list", "trainer_of", "share_trainer_clip", "watch_backward", "move_before_reporters", "tensorboard_writer"]
 
 
 def callback_list(callback) -> list | None:
@@ -47,6 +47,29 @@ def share_trainer_clip(callbacks: list | None, monitor) -> Callable[[], None] | 
     from .accelerate import share_clip
 
     return share_clip(accelerator, monitor)
+
+
+def watch_backward(callbacks: list | None, on_loss: Callable) -> Callable[[], None] | None:
+    """``on_loss(loss)`` with the loss Trainer backpropagates, whatever ``compute_loss`` made it from
+    (``outputs.loss``, TRL's own loss from the logits, a custom one), before its backward runs:
+    ``accelerator.backward`` is where every training step's loss goes. Returns the undo, or None."""
+    accelerator = getattr(trainer_of(callbacks), "accelerator", None)
+    original = getattr(accelerator, "backward", None)
+    if original is None:
+        return None
+
+    def backward(loss, **kwargs):
+        on_loss(loss)
+        return original(loss, **kwargs)
+
+    backward.__wrapped__ = original
+    accelerator.backward = backward
+
+    def undo() -> None:
+        if accelerator.__dict__.get("backward") is backward:
+            del accelerator.backward
+
+    return undo
 
 
 def move_before_reporters(callbacks: list | None, callback) -> None:

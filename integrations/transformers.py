@@ -76,7 +76,7 @@ from gradhealth.report import Report
 from gradhealth.skipping import defused
 from gradhealth.snapshot import rng_state
 
-from .hf_wiring import callback_list, move_before_reporters, share_trainer_clip, tensorboard_writer
+from .hf_wiring import callback_list, move_before_reporters, share_trainer_clip, tensorboard_writer, watch_backward
 
 __all__ = ["GradHealthCallback", "NORM"]
 
@@ -206,6 +206,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self._queued = False
         self._report: Report | None = None
         self._unshare = None  # undoes the shared clip on Trainer's accelerator
+        self._unwatch = None  # undoes the watch on Trainer's accelerator.backward
 
     # ---------------------------------------------------------- checkpoints
     def state(self) -> dict:
@@ -249,6 +250,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             self._pre_hook = model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True)
         self._callbacks = callback_list(self)
         self._unshare = share_trainer_clip(self._callbacks, self.monitor)
+        self._unwatch = watch_backward(self._callbacks, self._on_loss)
         if self.log:
             move_before_reporters(self._callbacks, self)
         self._tb_sink = None
@@ -357,6 +359,27 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             return
         tensor.register_hook(self._on_backward)
 
+    def _on_loss(self, loss) -> None:
+        """The loss Trainer backpropagates (``accelerator.backward``), whatever ``compute_loss`` made it
+        from: the loss the check judges, a clear error when it cannot produce gradients, and the check
+        queued at the end of its backward (TRL's trainers build their own loss from the logits: the
+        model's ``outputs.loss`` is never backpropagated there)."""
+        if self._replaying or not self._in_step or self.monitor is None or not isinstance(loss, torch.Tensor):
+            return
+        if loss.dim() == 0:
+            self._loss = loss
+        if not loss.requires_grad:
+            if self.check_loss:
+                cause = self.monitor.diagnose_loss(loss) or "it does not require grad"
+                message = (f"gradhealth: the loss Trainer backpropagates (what compute_loss returned) cannot produce "
+                           f"gradients: {cause}. Build it with grad enabled: a custom compute_loss must not run under "
+                           "torch.no_grad() or inference_mode() (a no-grad reference forward beside it is fine)")
+                self.monitor.publisher.write_stop(self._step, f"GradModeError: {message}")
+                raise GradModeError(message)
+            return
+        if _sync_gradients():
+            loss.register_hook(self._on_backward)
+
     def _on_backward(self, grad):
         if not self._queued:
             self._queued = True
@@ -396,9 +419,10 @@ class GradHealthCallback(TrainerCallback, ExportableState):
 
     def _close(self) -> None:
         self._window = []
-        if getattr(self, "_unshare", None) is not None:
-            self._unshare()
-            self._unshare = None
+        for undo in ("_unshare", "_unwatch"):
+            if getattr(self, undo, None) is not None:
+                getattr(self, undo)()
+                setattr(self, undo, None)
         for hook in (self._hook, self._pre_hook):
             if hook is not None:
                 hook.remove()

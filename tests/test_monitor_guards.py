@@ -190,3 +190,26 @@ def test_tracer_option_off_installs_nothing():
     model(torch.randn(4, 8)).square().mean().backward()
     mon.check()
     assert hook_state(model, opt) == baseline
+
+
+def test_an_empty_batch_made_harmless_is_a_warning_that_says_what_still_moves():
+    """The count is known to be 0 and the loss was guarded (0, no NaN: gh.masked_mean(empty="zero"),
+    TRL's clamped token count): every gradient is exactly zero, yet AdamW's step still moves the
+    weights. A warning, not an error (nothing is poisoned), not silence."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    before = [p.detach().clone() for p in model.parameters()]
+    mask = torch.zeros(4, dtype=torch.bool)
+    mon.track_valid(mask, name="tokens")
+    out = model(torch.randn(4, 8))
+    loss = gh.masked_mean(out.square().mean(1), mask, empty="zero")
+    loss.backward()
+    r = mon.check(loss=loss)
+    opt.step()
+    assert loss.item() == 0.0 and all(not p.grad.any() for p in model.parameters())  # the premise: harmless so far
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # ... yet the step moved them
+    [f] = r.findings_of("EMPTY_VALID_SET")
+    assert f.level == "warning" and r.ok
+    assert "still moves the weights" in f.message and "weight decay" in f.message and "skip" in f.message

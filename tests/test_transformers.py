@@ -567,3 +567,61 @@ def test_trainers_max_grad_norm_clips_with_the_checks_norms(tmp_path, monkeypatc
     for h in steps:
         assert h["gradhealth/grad_norm_preclip/total"] == pytest.approx(h["grad_norm"], rel=1e-5)
         assert h["gradhealth/clip_coef"] == pytest.approx(min(1.0, 0.5 / (h["grad_norm"] + 1e-6)), rel=1e-5)
+
+
+class OwnLoss(Trainer):
+    """A custom ``compute_loss`` that backpropagates its own loss from the logits (what TRL's
+    trainers do), never the model's ``outputs.loss``; ``no_grad``: the whole of it under
+    ``torch.no_grad()`` (the mistake); ``reference``: a no-grad reference forward beside the loss
+    (a DPO-style reference model, legitimate)."""
+
+    def __init__(self, *a, mode="own", **kw):
+        super().__init__(*a, **kw)
+        self.mode = mode
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.mode == "no_grad":
+            with torch.no_grad():
+                out = model(x=inputs["x"])
+                return torch.nn.functional.l1_loss(out["logits"].squeeze(-1), inputs["labels"])
+        if self.mode == "reference":
+            with torch.no_grad():
+                model(x=inputs["x"])  # (the reference forward: no gradient, on purpose)
+        out = model(x=inputs["x"])  # no labels: the model's own loss is not made, this one is
+        return torch.nn.functional.l1_loss(out["logits"].squeeze(-1), inputs["labels"])
+
+
+class _NoLabelRegressor(_Regressor):
+    def forward(self, x, labels=None):
+        out = self.body(x)
+        return {"logits": out} if labels is None else super().forward(x, labels)
+
+
+@pytest.mark.parametrize("mode", ["own", "reference"])
+def test_trainer_judges_the_loss_it_backpropagates_pre_clip(tmp_path, mode):
+    """Checked at the end of the backward of the loss compute_loss returned (not outputs.loss):
+    pre-clip (no POSTCLIP), its norms equal the pre-clip reference, the loss judged is the one
+    backpropagated; silent under raise, learning."""
+    torch.manual_seed(0)
+    model = _NoLabelRegressor()
+    kept, ref = Kept(), PreClipReference(model)
+    trainer = OwnLoss(model=model, args=arguments(tmp_path, max_steps=12, max_grad_norm=0.5, learning_rate=3e-2,
+                                                  logging_steps=1, warmup_steps=0),
+                      train_dataset=_Rows(), callbacks=[GradHealthCallback(on_problem="raise", sinks=[kept]), ref],
+                      mode=mode)
+    train_strict(trainer)
+    assert len(kept.reports) == 12 and all(r.ok and not r.findings_of("POSTCLIP") for r in kept.reports)
+    for r, norms in zip(kept.reports, ref.steps):
+        assert r.total_grad_norm == pytest.approx(math.sqrt(sum(v * v for v in norms.values())), rel=1e-5)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert kept.reports[0].loss == pytest.approx(losses[0], rel=1e-5)  # the l1 loss, not an MSE the model never made
+    assert sum(losses[-3:]) < sum(losses[:3])
+
+
+def test_compute_loss_under_no_grad_is_a_grad_mode_error_naming_it(tmp_path):
+    model = _NoLabelRegressor()
+    trainer = OwnLoss(model=model, args=arguments(tmp_path, max_steps=2), train_dataset=_Rows(),
+                      callbacks=[GradHealthCallback()], mode="no_grad")
+    with pytest.raises(gh.GradModeError, match="compute_loss") as caught:
+        trainer.train()
+    assert "no_grad" in str(caught.value)
