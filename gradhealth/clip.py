@@ -28,11 +28,12 @@ from torch import Tensor
 
 from . import distributed as dist
 from .errors import GradHealthInternalWarning
+from .gradients import grad_of, grads_of
 from .report import Report
 
 __all__ = ["ClipSource", "clip_grad_norm_", "arm", "keep"]
 
-_GRAD, _VERSION = operator.attrgetter("grad"), operator.attrgetter("_version")
+_VERSION = operator.attrgetter("_version")
 _DTYPE, _DEVICE, _LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("device"), operator.attrgetter("layout")
 _CALL = weakref.ref.__call__
 
@@ -69,7 +70,7 @@ class ClipSource:
     @classmethod
     def of(cls, report: Report, entries: list[int], norms: list[float], whole: bool, params: list,
            plan=None) -> ClipSource:
-        grads = list(map(_GRAD, map(params.__getitem__, entries)))
+        grads = grads_of([params[i] for i in entries])
         single = None
         if plan is not None and plan.plain and len(plan.groups) == 1 and len(plan.perm) == len(grads):
             device, dtype, _ = plan.groups[0]
@@ -79,7 +80,7 @@ class ClipSource:
     def current(self, params: list) -> list | None:
         """The gradients the check measured, if they still are the parameters' (no backward,
         zero_grad or clip since); else None."""
-        grads = list(map(_GRAD, map(params.__getitem__, self.entries)))
+        grads = grads_of([params[i] for i in self.entries])
         if any(map(operator.is_, grads, repeat(None))):
             return None
         if not all(map(operator.is_, grads, map(_CALL, self.grads))) or list(map(_VERSION, grads)) != self.versions:
@@ -116,11 +117,11 @@ def _pairs(monitor, source: ClipSource, parameters) -> tuple[list, list] | None:
         return None
     if parameters is None:
         return (grads, source.norms) if source.whole else None
-    wanted = [p for p in ([parameters] if isinstance(parameters, Tensor) else parameters) if p.grad is not None]
+    wanted = [p for p in ([parameters] if isinstance(parameters, Tensor) else parameters) if grad_of(p) is not None]
     norm_of = {id(params[i]): v for i, v in zip(source.entries, source.norms)}
     if any(id(p) not in norm_of for p in wanted):
         return None
-    return [p.grad for p in wanted], [norm_of[id(p)] for p in wanted]
+    return [grad_of(p) for p in wanted], [norm_of[id(p)] for p in wanted]
 
 
 def _groups(grads: list) -> dict[tuple, list[int]]:

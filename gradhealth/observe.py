@@ -20,13 +20,13 @@ from torch import Tensor
 from . import distributed as dist
 from . import experts, stats
 from .steps import StepStats
+from .gradients import grad_of, grads_of
 from .guards import ForwardRecord
 from .layout import Layout
 from .params import ParamView, Selection
 
 __all__ = ["Observation", "observe", "unscaled_params"]
 
-_GRAD = operator.attrgetter("grad")
 
 
 @dataclass
@@ -92,7 +92,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     """
     params = view.params
     everything = len(sel.idx) == len(params)  # (idx: sorted, distinct)
-    grads: list[Tensor] = list(map(_GRAD, params)) if everything else [params[i].grad for i in sel.idx]
+    grads: list[Tensor] = grads_of(params if everything else [params[i] for i in sel.idx])  # (.grad, or main_grad)
     with_grad: list[int] = list(sel.idx)
     if any(map(operator.is_, grads, repeat(None))):
         with_grad = [i for i, g in zip(sel.idx, grads) if g is not None]
@@ -134,7 +134,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         lay.add("scale")
         parts["scale"] = scale_t
     # gradients an optimizer step inside backward freed: their norms, taken then (see UpdateTracker)
-    freed = [i for i in sel.idx if params[i].grad is None and view.pids[i] in captured] if captured else []
+    freed = [i for i in sel.idx if grad_of(params[i]) is None and view.pids[i] in captured] if captured else []
     if freed:
         lay.add("freed", len(freed))
         parts["freed"] = torch.stack([captured[view.pids[i]] for i in freed])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 
+from .gradients import grad_of
 from .naming import spread
 
 __all__ = ["StaleWatch", "WITNESSES", "witnesses", "discarded", "consumed_now"]
@@ -22,7 +23,8 @@ WITNESSES = 8
 
 def witnesses(params, idx) -> list[tuple[weakref.ref, weakref.ref, int]]:
     """A few of these parameters' gradients as they are now: (parameter, gradient, version)."""
-    return [(weakref.ref(params[i]), weakref.ref(params[i].grad), params[i].grad._version) for i in spread(idx, WITNESSES)]
+    grads = [(params[i], grad_of(params[i])) for i in spread(idx, WITNESSES)]
+    return [(weakref.ref(p), weakref.ref(g), g._version) for p, g in grads if g is not None]
 
 
 def consumed_now(opt) -> list[tuple[weakref.ref, weakref.ref, int]]:
@@ -39,7 +41,7 @@ def discarded(seen, exact: bool = False) -> bool:
         p = param()
         if p is None:
             return True
-        g = p.grad
+        g = grad_of(p)
         if g is None or g is not ref() or g._version > version + (0 if exact else 1):
             return True
     return False

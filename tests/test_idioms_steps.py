@@ -213,3 +213,111 @@ def test_optimizer_in_backward_bugs_are_named_as_in_a_plain_loop(one_thread):
     reports, _, _ = in_backward("tutorial", lr=0.0, bug="lr0")
     kinds = [[(f.kind, f.level) for f in r.findings if f.kind == "NOT_UPDATED"] for r in reports]
     assert ("NOT_UPDATED", "error") in kinds[2] or ("NOT_UPDATED", "error") in kinds[3]
+
+
+# ------------------------------------------------------------------ gradients in main_grad
+class MegatronDDP(nn.Module):
+    """Megatron-Core's ``DistributedDataParallel`` as far as the monitor sees it, ported (one
+    process): a contiguous fp32 gradient buffer, each trainable parameter's ``main_grad`` a view of
+    it, a hook on the parameter's gradient accumulator that adds ``param.grad`` into it and frees
+    ``param.grad``, and ``zero_grad_buffer()`` at the start of each iteration."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.grad_data = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
+        self.grad_accs = []
+        offset = 0
+        for param in params:
+            param.main_grad = self.grad_data[offset:offset + param.numel()].view(param.shape)
+            offset += param.numel()
+            param_tmp = param.expand_as(param)  # (Megatron's way to the gradient accumulator)
+            grad_acc = param_tmp.grad_fn.next_functions[0][0]
+            grad_acc.register_hook(self._make_param_hook(param))
+            self.grad_accs.append(grad_acc)
+
+    def _make_param_hook(self, param):
+        def param_hook(*unused):
+            if param.grad is not None:
+                param.main_grad.add_(param.grad.data)
+            param.grad = None
+
+        return param_hook
+
+    def zero_grad_buffer(self):
+        self.grad_data.zero_()
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+class FP32Optimizer:
+    """Megatron-Core's ``FP32Optimizer`` in short: the gradients it applies are ``main_grad``."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none=True):
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+    def step(self):
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if hasattr(param, "main_grad"):
+                    param.grad = param.main_grad
+        self.optimizer.step()
+
+
+def megatron_run(bug=None, steps=8):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    if bug == "frozen":
+        net[0].requires_grad_(False)
+    model = MegatronDDP(net)
+    params = [p for p in net.parameters() if p.requires_grad and not (bug == "out" and p is net[2].bias)]
+    optimizer = FP32Optimizer(torch.optim.Adam(params, lr=1e-2))
+    monitor = gh.GradHealth(model, optimizer, on_problem="ignore" if bug else "raise",
+                            expect_frozen=[] if bug == "frozen" else None)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
+    reports, losses, oracle = [], [], []
+    for _ in range(steps):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        x = torch.randn(16, 8, generator=g)
+        loss = nn.functional.mse_loss(model(x), x @ w)
+        loss.backward()
+        oracle.append({n: p.main_grad.double().norm().item() for n, p in net.named_parameters() if p.requires_grad})
+        reports.append(monitor.check(loss))
+        optimizer.step()
+        losses.append(loss.item())
+    monitor.close()
+    return reports, losses, oracle, net
+
+
+def test_gradients_in_main_grad_are_judged_there():
+    reports, losses, oracle, net = megatron_run()
+    assert all(p.grad is None or p.grad is p.main_grad for p in net.parameters())  # the premise: .grad freed
+    assert losses[-1] < 0.5 * losses[0]
+    for r, o in zip(reports, oracle):
+        assert r.ok and not [f for f in r.findings if f.level != "info"]
+        assert list(r.grad_norm) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        assert r.grad_norm == pytest.approx(o, rel=1e-6)
+    assert reports[0].update_norm  # the step that applied main_grad is measured (into the report of its check)
+
+
+def test_main_grad_bugs_are_named():
+    reports, _, _, _ = megatron_run("out")
+    assert reports[0].problems == {"2.bias": gh.Status.NOT_IN_OPTIMIZER}
+    reports, _, _, net = megatron_run("frozen")
+    assert not hasattr(net[0].weight, "main_grad")  # the premise: Megatron's buffer skips frozen parameters
+    [f] = reports[0].findings_of("UNEXPECTED_FROZEN")
+    assert f.params == ("0.weight", "0.bias")
+    assert reports[0].status["2.weight"] is gh.Status.OK
