@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from transformers.trainer_callback import CallbackHandler
 
-__all__ = ["callback_list", "trainer_of", "share_trainer_clip", "watch_backward", "move_before_reporters", "tensorboard_writer"]
+__all__ = ["callback_list", "trainer_of", "share_trainer_clip", "around", "move_before_reporters", "tensorboard_writer"]
 
 
 def callback_list(callback) -> list | None:
@@ -38,10 +38,10 @@ def trainer_of(callbacks: list | None):
     return None
 
 
-def share_trainer_clip(callbacks: list | None, monitor) -> Callable[[], None] | None:
+def share_trainer_clip(trainer, monitor) -> Callable[[], None] | None:
     """Trainer's ``max_grad_norm`` clip (``accelerator.clip_grad_norm_``) with the norms of the check
     made at the end of the step's last backward (:mod:`.accelerate`); returns the undo, or None."""
-    accelerator = getattr(trainer_of(callbacks), "accelerator", None)
+    accelerator = getattr(trainer, "accelerator", None)
     if accelerator is None or not hasattr(accelerator, "clip_grad_norm_"):
         return None
     from .accelerate import share_clip
@@ -49,25 +49,30 @@ def share_trainer_clip(callbacks: list | None, monitor) -> Callable[[], None] | 
     return share_clip(accelerator, monitor)
 
 
-def watch_backward(callbacks: list | None, on_loss: Callable) -> Callable[[], None] | None:
-    """``on_loss(loss)`` with the loss Trainer backpropagates, whatever ``compute_loss`` made it from
-    (``outputs.loss``, TRL's own loss from the logits, a custom one), before its backward runs:
-    ``accelerator.backward`` is where every training step's loss goes. Returns the undo, or None."""
-    accelerator = getattr(trainer_of(callbacks), "accelerator", None)
-    original = getattr(accelerator, "backward", None)
-    if original is None:
+def around(obj, name: str, before: Callable, after: Callable | None = None) -> Callable[[], None] | None:
+    """For the run: ``obj.name(*args, **kwargs)`` calls ``before(*args, **kwargs)`` first (and
+    ``after()`` when it returns or raises). Where the callback watches Trainer's own calls:
+    ``accelerator.backward`` (the loss every training step backpropagates, whatever ``compute_loss``
+    built it from) and ``compute_loss`` (a micro-batch's inputs, to replay it). Returns the undo, or
+    None when ``obj`` has no such method."""
+    original = getattr(obj, name, None) if obj is not None else None
+    if not callable(original):
         return None
 
-    def backward(loss, **kwargs):
-        on_loss(loss)
-        return original(loss, **kwargs)
+    def wrapped(*args, **kwargs):
+        before(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if after is not None:
+                after()
 
-    backward.__wrapped__ = original
-    accelerator.backward = backward
+    wrapped.__wrapped__ = original
+    setattr(obj, name, wrapped)
 
     def undo() -> None:
-        if accelerator.__dict__.get("backward") is backward:
-            del accelerator.backward
+        if obj.__dict__.get(name) is wrapped:
+            delattr(obj, name)
 
     return undo
 

@@ -10,7 +10,9 @@ dashboards agree).
 Where each check runs (once per optimizer step, after gradient accumulation):
 
 * at the end of the backward pass of the last micro-batch of the step (an autograd engine
-  callback queued from the model's output, after DDP's own gradient reduction): the gradients
+  callback queued from the loss Trainer backpropagates, whatever ``compute_loss`` built it from:
+  ``outputs.loss``, TRL's loss from the logits, a custom one; after DDP's own gradient
+  reduction): the loss judged is that one, and the gradients
   are complete and not clipped yet. Every number is **pre-clip**, and under fp16 **unscaled**
   (the scaler Accelerate's optimizer wrapper carries). Clipping first would hide the answer:
   ``clip_grad_norm_`` multiplies every gradient by ``max_norm / total``, so one inf gradient
@@ -58,6 +60,7 @@ from its saved options, which cannot include ``sinks``: pass sinks through ``rep
 from __future__ import annotations
 
 import dataclasses
+import weakref
 import warnings
 from typing import Any
 
@@ -71,12 +74,12 @@ from gradhealth.findings import Finding
 from gradhealth.metrics import PREFIX, clip_metrics, report_metrics, update_metrics
 from gradhealth.monitor import GradHealth
 from gradhealth.options import ON_PROBLEM, Options, check_choice
-from gradhealth.replay import producers, replay_nonfinite, shared_origin
+from gradhealth.replay import producers, shared_origin
 from gradhealth.report import Report
 from gradhealth.skipping import defused
-from gradhealth.snapshot import rng_state
 
-from .hf_wiring import callback_list, move_before_reporters, share_trainer_clip, tensorboard_writer, watch_backward
+from .hf_replay import MicroBatches
+from .hf_wiring import around, callback_list, move_before_reporters, share_trainer_clip, tensorboard_writer, trainer_of
 
 __all__ = ["GradHealthCallback", "NORM"]
 
@@ -169,9 +172,8 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         replay_on_nonfinite: replay the failing step's micro-batches under the NaN tracer (the
             module docstring). The callback keeps references to the inputs of the current step's
             ``gradient_accumulation_steps`` micro-batches (no copies; released at the next step)
-            and their random states (a few KiB each). Replaying needs the model to return its
-            loss (``outputs.loss``); with a custom ``compute_loss`` that computes it outside the
-            model, the replay is skipped and the monitor traces the next failing step instead.
+            and their random states (a few KiB each). Each is replayed through Trainer's own
+            ``compute_loss`` (TRL's and custom ones too: :mod:`.hf_replay`).
     """
 
     def __init__(self, *, log: bool = True, granularity: str = "total", check_loss: bool = True,
@@ -189,9 +191,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self.tensorboard = bool(tensorboard)
         self.replay_on_nonfinite = bool(replay_on_nonfinite)
         #: this step's micro-batches: [args, kwargs, random state, autocast dtype or None, has a loss]
-        self._window: list[tuple] = []
-        self._replaying = False
-        self._device = "cpu"
+        self._batches = MicroBatches()  # this step's micro-batches, for the replay
         self._pre_hook = None
         self._callbacks: list | None = None  # Trainer's callback list (found at on_train_begin)
         self._tb_sink = None
@@ -205,8 +205,8 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self._loss: torch.Tensor | None = None
         self._queued = False
         self._report: Report | None = None
-        self._unshare = None  # undoes the shared clip on Trainer's accelerator
-        self._unwatch = None  # undoes the watch on Trainer's accelerator.backward
+        self._undo: list = []  # undoes the shared clip and the watches on Trainer's calls
+        self._trainer = None  # (a weak reference)
 
     # ---------------------------------------------------------- checkpoints
     def state(self) -> dict:
@@ -246,11 +246,14 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self._pending_state = None
         self._hook = model.register_forward_hook(self._on_forward)
         if self.replay_on_nonfinite:
-            self._device = next(iter(model.parameters()), torch.empty(0)).device.type  # (autocast's device type)
+            self._batches.device = next(iter(model.parameters()), torch.empty(0)).device.type  # (autocast's device type)
             self._pre_hook = model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True)
         self._callbacks = callback_list(self)
-        self._unshare = share_trainer_clip(self._callbacks, self.monitor)
-        self._unwatch = watch_backward(self._callbacks, self._on_loss)
+        trainer = trainer_of(self._callbacks)
+        self._undo = [u for u in (share_trainer_clip(trainer, self.monitor),
+                                  around(getattr(trainer, "accelerator", None), "backward", self._on_loss),
+                                  around(trainer, "compute_loss", self._enter_loss, self._leave_loss)) if u is not None]
+        self._trainer = weakref.ref(trainer) if trainer is not None else None
         if self.log:
             move_before_reporters(self._callbacks, self)
         self._tb_sink = None
@@ -260,7 +263,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             self._add_tensorboard_sink(args)
         self._in_step, self._step = True, state.global_step + 1
         self._report, self._queued, self._loss = None, False, None
-        self._window = []
+        self._batches.window = []
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         mon = self.monitor
@@ -276,12 +279,13 @@ class GradHealthCallback(TrainerCallback, ExportableState):
                     "norms are post-clip, and a clipped non-finite gradient hides which parameter it came from"))
         if report is None:
             return
-        window, self._window = self._window, []
+        window, self._batches.window = self._batches.window, []
         # (under a grad scaler an overflow is the scaler's to skip, not a NaN to trace)
         if self.replay_on_nonfinite and not report.grads_finite and mon.scaler is None:
             r = mon.ranks  # under torch.distributed the producing ranks replay, and every rank says their verdict
             mine = window and all(w[4] for w in window) and producers(report, r.rank)
-            finding = self._replay(mon, report, window) if mine else None
+            trainer = self._trainer() if self._trainer is not None else None
+            finding = self._batches.replay(mon.model, trainer, window, report.step) if mine else None
             if r.active:
                 finding = shared_origin(finding, r.rank, r.world)
             if finding is not None:  # (a warning when the step guard dropped the step)
@@ -311,43 +315,23 @@ class GradHealthCallback(TrainerCallback, ExportableState):
 
     # ------------------------------------------------------------ internals
     def _on_forward_pre(self, module, args, kwargs) -> None:
-        if self._replaying or not (self._in_step and module.training and torch.is_grad_enabled()):
-            return
-        device = self._device
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        self._window.append([args, kwargs, rng_state(), dtype, False])  # (has a loss: set by the forward hook)
+        if not self._batches.replaying and self._in_step and module.training and torch.is_grad_enabled():
+            self._batches.forward(args, kwargs)
 
-    def _replayable(self) -> bool:
-        return bool(self._window) and all(w[4] for w in self._window)
+    def _enter_loss(self, model, inputs, *args, **kwargs) -> None:
+        """Trainer's ``compute_loss``: the micro-batch, replayable whatever its loss is built from."""
+        training = self._in_step and model.training and torch.is_grad_enabled()
+        self._batches.enter_loss(model, inputs, args, kwargs, training)
 
-    def _replay(self, mon: GradHealth, report: Report, window: list):
-        """The step's micro-batches once more under the tracer, each alone, until one makes the NaN."""
-        model = mon.model
-        device = self._device
-
-        def runner(args, kwargs, dtype):
-            def run() -> None:
-                with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
-                    loss, _ = _first_tensor(model(*args, **kwargs))
-                if loss is None or loss.dim() != 0:
-                    raise RuntimeError("the model returned no loss (a custom compute_loss computes it outside the model)")
-                loss.backward()
-            return run
-
-        self._replaying = True
-        try:
-            return replay_nonfinite(model, [runner(w[0], w[1], w[3]) for w in window], rng=[w[2] for w in window],
-                                    step=report.step)
-        finally:
-            self._replaying = False
+    def _leave_loss(self) -> None:
+        self._batches.leave_loss()
 
     def _on_forward(self, module, inputs, output) -> None:
-        if self._replaying or not (self._in_step and module.training and torch.is_grad_enabled()):
+        if self._batches.replaying or not (self._in_step and module.training and torch.is_grad_enabled()):
             return  # evaluation, generation, or a forward outside an optimizer step
         loss, tensor = _first_tensor(output)
         if loss is not None and loss.dim() == 0:
-            if self._window:
-                self._window[-1][4] = True  # the replay can compute this micro-batch's loss from the model alone
+            self._batches.has_loss()  # the replay can compute this micro-batch's loss from the model alone
             self._loss = loss
             if self.check_loss and self.monitor is not None and not loss.requires_grad:
                 cause = self.monitor.diagnose_loss(loss)
@@ -364,7 +348,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         from: the loss the check judges, a clear error when it cannot produce gradients, and the check
         queued at the end of its backward (TRL's trainers build their own loss from the logits: the
         model's ``outputs.loss`` is never backpropagated there)."""
-        if self._replaying or not self._in_step or self.monitor is None or not isinstance(loss, torch.Tensor):
+        if self._batches.replaying or not self._in_step or self.monitor is None or not isinstance(loss, torch.Tensor):
             return
         if loss.dim() == 0:
             self._loss = loss
@@ -394,7 +378,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         if mon is not None and self.replay_on_nonfinite:
             # the failing step itself is replayed when the model returns its loss: then no tracer is
             # armed for the next step; with a custom compute_loss, the monitor traces the next one
-            trace = self.options.trace_on_nonfinite and not self._replayable()
+            trace = self.options.trace_on_nonfinite and not self._batches.replayable()
             if mon.options.trace_on_nonfinite != trace:
                 mon.options = dataclasses.replace(mon.options, trace_on_nonfinite=trace)
         if self.monitor is not None and self._report is None:
@@ -418,11 +402,10 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self.monitor.publisher.sinks = self.monitor.publisher.sinks + (self._tb_sink,)
 
     def _close(self) -> None:
-        self._window = []
-        for undo in ("_unshare", "_unwatch"):
-            if getattr(self, undo, None) is not None:
-                getattr(self, undo)()
-                setattr(self, undo, None)
+        self._batches.window = []
+        for undo in getattr(self, "_undo", ()):
+            undo()
+        self._undo = []
         for hook in (self._hook, self._pre_hook):
             if hook is not None:
                 hook.remove()

@@ -378,9 +378,11 @@ def test_demo_transformers_names_both_bugs_and_is_silent_when_healthy(tmp_path):
     blocks = out.split("\n[")
     assert "NOT_IN_OPTIMIZER in cls.predictions.transform.* (4 params)" in blocks[1]
     assert "create_optimizer" in blocks[1]
-    # the 0/0 at step 8 named at that step: made in the loss, not in the model
+    # the 0/0 at step 8 named at that step: the replay runs the custom compute_loss itself, so the
+    # tracer names the division in it, outside the model
     assert "step 8: NON_FINITE_GRAD in all 42 parameters" in blocks[2]
-    assert "origin: in the loss" in blocks[2] and "0/0" in blocks[2] and "masked_mean" in blocks[2]
+    assert "origin: outside the modules, div at hf_trainer.py:" in blocks[2] and "0/0" in blocks[2]
+    assert "gh.safe_div" in blocks[2]
     assert "Trainer's own log at step 8: loss 0" in blocks[2]
     assert "silent: every parameter trains" in blocks[3]
     assert f"gradhealth report {tmp_path}" in out and f"tensorboard --logdir {tmp_path}" in out
@@ -531,7 +533,7 @@ def test_healthy_accumulation_with_the_replay_on_is_silent_and_learns(tmp_path):
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(kept.reports) == 16 and all(r.ok for r in kept.reports)
     assert sum(losses[-4:]) < sum(losses[:4])
-    assert cb._window == []  # nothing kept once training ended
+    assert cb._batches.window == []  # nothing kept once training ended
 
 
 def test_accelerates_clip_shares_the_checks_norms(monkeypatch):
@@ -625,3 +627,20 @@ def test_compute_loss_under_no_grad_is_a_grad_mode_error_naming_it(tmp_path):
     with pytest.raises(gh.GradModeError, match="compute_loss") as caught:
         trainer.train()
     assert "no_grad" in str(caught.value)
+
+
+def test_a_nan_through_a_custom_compute_loss_is_replayed_to_its_micro_batch(tmp_path):
+    """The replay runs Trainer's own compute_loss again (the loss the step backpropagated, not the
+    model's): a custom loss from the logits with an inf input in one micro-batch of four."""
+    model = _NoLabelRegressor()
+    kept = Kept()
+    trainer = OwnLoss(model=model, args=arguments(tmp_path, max_steps=4, gradient_accumulation_steps=4, max_grad_norm=1.0,
+                                                  warmup_steps=0),
+                      train_dataset=_Rows(poison=37), callbacks=[GradHealthCallback(on_problem="ignore", skip_nonfinite=True,
+                                                                                    sinks=[kept])])
+    trainer.train()
+    bad = [r for r in kept.reports if not r.grads_finite]
+    assert len(bad) == 1  # the premise: one step held the inf
+    [f] = [f for f in bad[0].findings_of("NONFINITE_ORIGIN") if "reproduced" in f.data]
+    assert f.data["reproduced"] is True and f.data["input_nonfinite"] is True
+    assert f.data["forward_origin"] == "body.0" and 0 <= f.data["micro_batch"] < 4

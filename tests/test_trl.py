@@ -1,0 +1,104 @@
+"""TRL's trainers with the Trainer callback (trl 1.x, CPU, a tiny Llama with random weights and a word-level
+tokenizer built here: no downloads). TRL backpropagates a loss it builds itself from the model's logits:
+the callback judges that loss, before Trainer's clip."""
+
+import warnings
+
+import pytest
+import torch
+
+import gradhealth as gh
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from gradhealth.integrations.transformers import GradHealthCallback  # noqa: E402
+
+WORDS = "the a cat dog sat ran on under mat rug and then quickly slowly big small red blue".split()
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<s>", "</s>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def tiny_llama(vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=2, eos_token_id=3)
+    return LlamaForCausalLM(cfg)
+
+
+def sentences(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    subjects, verbs, places = ["the cat", "a dog", "the big cat", "a small dog"], ["sat", "ran"], ["on the mat", "under the rug"]
+    out = []
+    for _ in range(n):
+        s, v, p = (x[int(torch.randint(len(x), (1,), generator=g))] for x in (subjects, verbs, places))
+        out.append((f"{s} {v}", f" {p}"))  # the completion follows from the verb: learnable
+    return out
+
+
+class Kept:
+    def __init__(self):
+        self.reports = []
+
+    def write(self, report):
+        self.reports.append(report)
+
+
+def common(tmp_path, **kw):
+    return dict(output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=4, learning_rate=5e-3,
+                logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0,
+                max_grad_norm=0.5, **kw)
+
+
+def test_sft_trainer_completion_only_is_silent_under_raise_and_pre_clip(tmp_path):
+    from trl import SFTConfig, SFTTrainer
+
+    tok = tokenizer()
+    rows = sentences(64)
+    ds = datasets.Dataset.from_dict({"prompt": [p for p, _ in rows], "completion": [c for _, c in rows]})
+    kept = Kept()
+    trainer = SFTTrainer(model=tiny_llama(len(tok)), args=SFTConfig(**common(tmp_path), completion_only_loss=True,
+                                                                     max_length=16),
+                         train_dataset=ds, processing_class=tok,
+                         callbacks=[GradHealthCallback(on_problem="raise", sinks=[kept])])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthWarning)
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert sum(losses[-3:]) < 0.8 * sum(losses[:3])  # the healthy control learns
+    assert len(kept.reports) == 12 and all(r.ok for r in kept.reports)
+    assert not [r for r in kept.reports if r.findings_of("POSTCLIP")]  # checked before Trainer's clip
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert [r.total_grad_norm for r in kept.reports] == pytest.approx(norms, rel=1e-4)  # Trainer's own pre-clip norm
+
+
+def test_dpo_trainer_is_silent_under_raise(tmp_path):
+    from trl import DPOConfig, DPOTrainer
+
+    tok = tokenizer()
+    rows = sentences(64)
+    ds = datasets.Dataset.from_dict({"prompt": [p for p, _ in rows], "chosen": [c for _, c in rows],
+                                     "rejected": [" on the rug" if "mat" in c else " under the mat" for _, c in rows]})
+    kept = Kept()
+    trainer = DPOTrainer(model=tiny_llama(len(tok)), ref_model=tiny_llama(len(tok)),  # (the same weights: seeded)
+                         args=DPOConfig(**common(tmp_path), max_length=16, beta=0.5),
+                         train_dataset=ds, processing_class=tok,
+                         callbacks=[GradHealthCallback(on_problem="raise", sinks=[kept])])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthWarning)
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0]  # the policy moves away from the reference, towards the chosen
+    assert len(kept.reports) == 12 and all(r.ok and not r.findings_of("POSTCLIP") for r in kept.reports)
