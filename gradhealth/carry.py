@@ -86,6 +86,12 @@ class Carry:
         prev = self.valid.get(name)
         self.valid[name] = count if prev is None else prev + count.to(prev.device)
 
+    def add_count(self, count, name: str) -> None:
+        """A count already made (the Trainer's ``num_items_in_batch``), kept as ``track_valid`` keeps one."""
+        count = torch.as_tensor(count).detach().reshape(-1).sum()
+        prev = self.valid.get(name)
+        self.valid[name] = count if prev is None else prev + count.to(prev.device)
+
     def take_valid(self) -> dict[str, Tensor]:
         valid, self.valid = self.valid, {}
         return valid

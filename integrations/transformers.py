@@ -319,9 +319,17 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             self._batches.forward(args, kwargs)
 
     def _enter_loss(self, model, inputs, *args, **kwargs) -> None:
-        """Trainer's ``compute_loss``: the micro-batch, replayable whatever its loss is built from."""
+        """Trainer's ``compute_loss``: the micro-batch, replayable whatever its loss is built from; and
+        this rank's count of its label tokens (what Trainer counts for ``num_items_in_batch`` before
+        gathering it) as the valid count ``tokens``: 0 for a whole step is EMPTY_VALID_SET."""
         training = self._in_step and model.training and torch.is_grad_enabled()
         self._batches.enter_loss(model, inputs, args, kwargs, training)
+        labels = inputs.get("shift_labels", inputs.get("labels")) if isinstance(inputs, dict) else None
+        if training and self._batches.in_loss == 1 and isinstance(labels, torch.Tensor) and self.monitor is not None:
+            trainer = self._trainer() if self._trainer is not None else None
+            if "shift_labels" not in inputs and getattr(trainer, "_loss_shifts_labels", False):
+                labels = labels[..., 1:]  # (a causal LM's loss skips each row's first label)
+            self.monitor.carry.add_count(labels.ne(-100).sum(), "tokens")
 
     def _leave_loss(self) -> None:
         self._batches.leave_loss()

@@ -644,3 +644,50 @@ def test_a_nan_through_a_custom_compute_loss_is_replayed_to_its_micro_batch(tmp_
     [f] = [f for f in bad[0].findings_of("NONFINITE_ORIGIN") if "reproduced" in f.data]
     assert f.data["reproduced"] is True and f.data["input_nonfinite"] is True
     assert f.data["forward_origin"] == "body.0" and 0 <= f.data["micro_batch"] < 4
+
+
+class ClampedTokenMean(Trainer):
+    """TRL's loss in short: a token sum divided by Trainer's count of label tokens, the count
+    clamped to 1, so a batch with no label token gives a loss of exactly 0 (no NaN)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs["labels"]
+        logits = model(input_ids=inputs["input_ids"]).logits
+        per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
+        return per_token.sum() / torch.clamp(torch.as_tensor(num_items_in_batch), min=1)
+
+
+class MaskedAfter(torch.utils.data.Dataset):
+    """Token rows whose labels are all -100 (nothing to learn) from row ``start`` on."""
+
+    def __init__(self, start):
+        from gradhealth.demos.hf_trainer import Tokens
+
+        self.rows, self.start = Tokens(n=16), start
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        row = dict(self.rows[i])
+        row["labels"] = torch.full_like(row["labels"], -100) if i >= self.start else row["labels"]
+        return row
+
+
+def test_a_batch_with_no_label_token_is_empty_valid_set_from_trainers_count(tmp_path):
+    """Trainer's num_items_in_batch is the valid count 'tokens': the second step's batch has no label
+    token, the clamped loss is exactly 0 and every gradient zero (harmless, no NaN), and it is an
+    EMPTY_VALID_SET warning at that step, saying what still moves the weights."""
+    model = tiny_bert()
+    kept = Kept()
+    trainer = ClampedTokenMean(model=model, args=arguments(tmp_path, max_steps=2, per_device_train_batch_size=8,
+                                                           warmup_steps=0),
+                               train_dataset=MaskedAfter(8), callbacks=[GradHealthCallback(on_problem="ignore", sinks=[kept])])
+    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)  # (in order)
+    trainer.train()
+    first, second = kept.reports
+    assert first.valid_counts["tokens"] == 8 * 16 and not first.findings_of("EMPTY_VALID_SET")
+    assert second.valid_counts["tokens"] == 0 and second.loss == 0.0  # the premise: nothing to learn, no NaN
+    assert set(second.status.values()) <= {gh.Status.ZERO_GRAD, gh.Status.NO_GRAD}
+    [f] = second.findings_of("EMPTY_VALID_SET")
+    assert f.level == "warning" and "still moves the weights" in f.message
