@@ -321,3 +321,65 @@ def test_main_grad_bugs_are_named():
     [f] = reports[0].findings_of("UNEXPECTED_FROZEN")
     assert f.params == ("0.weight", "0.bias")
     assert reports[0].status["2.weight"] is gh.Status.OK
+
+
+# ------------------------------------------------------------------ the README's blocks, as written
+def _readme_blocks():
+    import os
+    import re
+
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    part = text.split("**One call does backward, clip and step**", 1)[1].split("## Recipes for the loops people copy", 1)[0]
+    return re.findall(r"```python\n(.*?)```", part, re.S)
+
+
+def _namespace(model, **kw):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
+    xs = [torch.randn(16, 8, generator=g) for _ in range(12)]
+    return {"gh": gh, "torch": torch, "model": model, "loader": [(x, x @ w) for x in xs],
+            "loss_fn": lambda out, target: nn.functional.mse_loss(out.float(), target), **kw}
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _loss_on(model, ns):
+    with torch.no_grad():
+        return sum(ns["loss_fn"](model(x), y).item() for x, y in ns["loader"])
+
+
+def test_the_readme_blocks_for_steps_that_are_not_backward_check_step_run_as_written(one_thread):
+    one_call, pre_hook, in_backward, main_grad = _readme_blocks()
+    # timm's loop, checked after the call
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ns = _namespace(model, optimizer=optimizer, loss_scaler=NativeScaler(), accum_steps=2)
+    before = _loss_on(model, ns)
+    exec(one_call, ns)
+    assert ns["monitor"].carry.checks == 12 and _loss_on(model, ns) < before
+    # the one line: the check inside the step, the loop without its own check
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ns = _namespace(model, optimizer=optimizer, loss_scaler=NativeScaler(), accum_steps=2)
+    ns["monitor"] = gh.GradHealth(model, optimizer, scaler=ns["loss_scaler"]._scaler, on_problem="raise")
+    exec(pre_hook, ns)
+    exec(one_call.replace("    monitor.check(loss)  # right after the call, accumulating or not\n", "")
+         .replace('monitor = gh.GradHealth(model, optimizer, scaler=loss_scaler._scaler, on_problem="raise")\n', ""), ns)
+    r = ns["monitor"].last_report
+    assert ns["monitor"].carry.checks == 6 and r.ok and r.total_grad_norm <= 1.0 + 1e-6  # unscaled and clipped
+    # the optimizer stepped inside backward
+    model = _mlp()
+    ns = _namespace(model)
+    before = _loss_on(model, ns)
+    exec(in_backward, ns)
+    assert ns["monitor"].carry.checks == 12 and ns["monitor"].last_report.ok and _loss_on(model, ns) < before
+    # Megatron's main_grad
+    net = _mlp()
+    model = MegatronDDP(net)
+    ns = _namespace(model, optimizer=FP32Optimizer(torch.optim.Adam(net.parameters(), lr=1e-2)))
+    before = _loss_on(model, ns)
+    exec(main_grad, ns)
+    assert ns["monitor"].carry.checks == 12 and ns["monitor"].last_report.ok and _loss_on(model, ns) < before
