@@ -71,28 +71,34 @@ def test_healthy_run_of_a_public_architecture_is_silent(name, precision):
     assert report.loss is not None and report.total_grad_norm > 0
 
 
+class Checkpointed(torch.nn.Module):
+    """An embedding, two blocks under reentrant torch.utils.checkpoint (``first``: only the first one,
+    with no ``gradient_checkpointing`` flag: a hand-written checkpoint), a head."""
+
+    def __init__(self, first=False):
+        super().__init__()
+        nn = torch.nn
+        self.embed = nn.Embedding(50, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(16, 2)
+        self.first = first
+        if not first:
+            self.gradient_checkpointing = True  # (the Hugging Face convention)
+
+    def forward(self, ids):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(ids)
+        for i, block in enumerate(self.blocks):
+            h = checkpoint(block, h, use_reentrant=True) if i == 0 or not self.first else block(h)
+        return self.head(h).mean(1)
+
+
 def test_reentrant_checkpointing_after_frozen_embeddings_names_the_cause():
     """The classic: frozen embeddings, then layers under reentrant torch.utils.checkpoint (the
     Hugging Face convention: a ``gradient_checkpointing`` flag on the model)."""
-    from torch import nn
-    from torch.utils.checkpoint import checkpoint
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(50, 16)
-            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
-            self.head = nn.Linear(16, 2)
-            self.gradient_checkpointing = True
-
-        def forward(self, ids):
-            h = self.embed(ids)
-            for block in self.blocks:
-                h = checkpoint(block, h, use_reentrant=True)
-            return self.head(h).mean(1)
-
     torch.manual_seed(0)
-    model = Net()
+    model = Checkpointed()
     model.embed.requires_grad_(False)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     mon = gh.GradHealth(model, opt, on_problem="ignore")
@@ -115,23 +121,9 @@ def test_lora_under_a_reentrant_checkpoint_of_one_layer_is_named_within_patience
     Layer 1's lora_A starts with an exactly zero gradient (its lora_B is zero): LoRA's start, not a
     part of the model that skips, so it does not stretch the patience of layer 0's adapters."""
     import peft
-    from torch import nn
-    from torch.utils.checkpoint import checkpoint
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(50, 16)
-            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
-            self.head = nn.Linear(16, 2)
-
-        def forward(self, ids):
-            h = self.embed(ids)
-            h = checkpoint(self.blocks[0], h, use_reentrant=True)  # (only this layer is checkpointed)
-            return self.head(self.blocks[1](h)).mean(1)
 
     torch.manual_seed(0)
-    model = peft.get_peft_model(Net(), peft.LoraConfig(r=4, target_modules=["blocks.0", "blocks.1"]))
+    model = peft.get_peft_model(Checkpointed(first=True), peft.LoraConfig(r=4, target_modules=["blocks.0", "blocks.1"]))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     mon = gh.GradHealth(model, opt, on_problem="ignore")
     reports = []

@@ -4,16 +4,14 @@ the callback judges that loss, before Trainer's clip."""
 
 import warnings
 
+import datasets
 import pytest
 import torch
 
 import gradhealth as gh
+from gradhealth.integrations.transformers import GradHealthCallback
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
-
-from gradhealth.integrations.transformers import GradHealthCallback  # noqa: E402
 
 WORDS = "the a cat dog sat ran on under mat rug and then quickly slowly big small red blue".split()
 
@@ -48,6 +46,16 @@ def sentences(n, seed=0):
     return out
 
 
+def train_strict(trainer, kept):
+    """Train with gradhealth's warnings as errors; (Trainer's logged losses)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthWarning)
+        trainer.train()
+    assert len(kept.reports) == 12 and all(r.ok for r in kept.reports)
+    assert not [r for r in kept.reports if r.findings_of("POSTCLIP")]  # checked before Trainer's clip
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
 class Kept:
     def __init__(self):
         self.reports = []
@@ -73,13 +81,8 @@ def test_sft_trainer_completion_only_is_silent_under_raise_and_pre_clip(tmp_path
                                                                      max_length=16),
                          train_dataset=ds, processing_class=tok,
                          callbacks=[GradHealthCallback(on_problem="raise", sinks=[kept])])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", gh.GradHealthWarning)
-        trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = train_strict(trainer, kept)
     assert sum(losses[-3:]) < 0.8 * sum(losses[:3])  # the healthy control learns
-    assert len(kept.reports) == 12 and all(r.ok for r in kept.reports)
-    assert not [r for r in kept.reports if r.findings_of("POSTCLIP")]  # checked before Trainer's clip
     norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
     assert [r.total_grad_norm for r in kept.reports] == pytest.approx(norms, rel=1e-4)  # Trainer's own pre-clip norm
 
@@ -96,9 +99,5 @@ def test_dpo_trainer_is_silent_under_raise(tmp_path):
                          args=DPOConfig(**common(tmp_path), max_length=16, beta=0.5),
                          train_dataset=ds, processing_class=tok,
                          callbacks=[GradHealthCallback(on_problem="raise", sinks=[kept])])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", gh.GradHealthWarning)
-        trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = train_strict(trainer, kept)
     assert losses[-1] < losses[0]  # the policy moves away from the reference, towards the chosen
-    assert len(kept.reports) == 12 and all(r.ok and not r.findings_of("POSTCLIP") for r in kept.reports)
