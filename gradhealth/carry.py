@@ -82,12 +82,10 @@ class Carry:
             raise TypeError(f"track_valid: mask must be a torch.Tensor; got {type(mask).__name__}")
         if not isinstance(name, str) or not name:
             raise TypeError(f"track_valid: name must be a non-empty str (the key in report.valid_counts); got {name!r}")
-        count = (mask if mask.dtype == torch.bool else mask != 0).sum()
-        prev = self.valid.get(name)
-        self.valid[name] = count if prev is None else prev + count.to(prev.device)
+        self.add_count((mask if mask.dtype == torch.bool else mask != 0).sum(), name)
 
     def add_count(self, count, name: str) -> None:
-        """A count already made (the Trainer's ``num_items_in_batch``), kept as ``track_valid`` keeps one."""
+        """A count already made (the Trainer adapter's label tokens), added to this step's ``name``."""
         count = torch.as_tensor(count).detach().reshape(-1).sum()
         prev = self.valid.get(name)
         self.valid[name] = count if prev is None else prev + count.to(prev.device)
