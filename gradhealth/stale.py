@@ -29,8 +29,9 @@ def witnesses(params, idx) -> list[tuple[weakref.ref, weakref.ref, int]]:
 
 def consumed_now(opt) -> list[tuple[weakref.ref, weakref.ref, int]]:
     """After ``opt``'s step: a few of the gradients it consumed, as they are now."""
-    params = spread([p for g in opt.param_groups for p in g["params"] if p.grad is not None], WITNESSES)
-    return [(weakref.ref(p), weakref.ref(p.grad), p.grad._version) for p in params]
+    groups = opt.param_groups  # (a few spread over the list, not a pass over it: this runs at every step)
+    params = groups[0]["params"] if len(groups) == 1 else [p for g in groups for p in g["params"]]
+    return [(weakref.ref(p), weakref.ref(p.grad), p.grad._version) for p in spread(params, WITNESSES) if p.grad is not None]
 
 
 def discarded(seen, exact: bool = False) -> bool:
