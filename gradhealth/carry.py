@@ -135,6 +135,7 @@ class Carry:
         step in one call, timm's ``NativeScaler``): that step's numbers are this report's."""
         if after_step and report is not None and updates:
             self.armed = report
+        own = [u.cause for u in updates if u.skipped and u.cause]  # steps the optimizer itself skipped (:mod:`.masters`)
         if any(u.skipped or not u.indices for u in updates):  # a fused step its grad scaler skipped did not run
             steps_ran = max(0, steps_ran - sum(u.skips for u in updates))
             updates = [u for u in updates if not u.skipped and u.indices]  # (no indices: unarmed steps' skips)
@@ -145,6 +146,9 @@ class Carry:
             return self._measured(updates, names)
         if self.armed is None or steps_ran != 0:
             return None
+        if own and not scaler:
+            prev, self.armed = self.armed, None
+            return Delivery(prev, judges.optimizer_skip(own[-1], prev.status, prev.step, amp_alarm))
         if not self._discarded():
             return None  # gradient accumulation: several backwards, then one step
         prev, self.armed = self.armed, None

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import stats
+from .masters import view_for
 from .status import Status
 from .wrappers import unwrap, user_names
 
@@ -66,8 +67,12 @@ def lazy_names(model: nn.Module) -> list[str]:
 def unwrap_optimizer(optimizer):
     """The torch optimizer inside a wrapper that holds it: Accelerate's ``AcceleratedOptimizer``
     (``.optimizer``), Lightning's ``LightningOptimizer`` (``._optimizer``). Anything else is
-    returned as given."""
+    returned as given. A wrapper that trains the model through masters (:mod:`.masters`) is
+    returned as its :class:`~gradhealth.masters.MasterView`."""
     for _ in range(8):
+        view = view_for(optimizer)
+        if view is not None:
+            return view
         inner = getattr(optimizer, "optimizer", None)
         if inner is None or inner is optimizer:
             inner = getattr(optimizer, "_optimizer", None)

@@ -87,12 +87,14 @@ class UpdateTracker:
     """Installs a step post-hook on each optimizer; measures the steps that follow a check."""
 
     def __init__(self, entries, optimizers, mode: str = "auto", update_every: int = UPDATE_EVERY,
-                 budget: float = 0.02, seed: int = 0, change_every: int = CHANGE_EVERY):
+                 budget: float = 0.02, seed: int = 0, change_every: int = CHANGE_EVERY, held=None):
         self.entries = entries
+        #: the tensor a step writes for a parameter: its local shard, or its master (:mod:`.masters`)
+        self.held = held or (lambda p: to_local(p.detach()))
         self.mode = mode
         self.update_every = update_every
         self.change_every = change_every
-        sizes = [to_local(p.detach()).numel() for _, p in entries]
+        sizes = [self.held(p).numel() for _, p in entries]
         self.budget = max(_MIN_BUDGET, int(budget / 2 * sum(sizes)))  # elements of rule temporaries
         self.sample = water_fill(sizes, int(budget / 2 * sum(sizes)), SAMPLE)
         self.index = {id(p): i for i, (_, p) in enumerate(entries)}
@@ -140,7 +142,7 @@ class UpdateTracker:
 
     def extra_elements(self) -> int:
         """Elements held across a step in this mode at most (what the memory bound counts)."""
-        sizes = [to_local(p.detach()).numel() for _, p in self.entries]
+        sizes = [self.held(p).numel() for _, p in self.entries]
         if self.mode == "exact":
             return sum(sizes)
         return sum(min(n, self.sample) for n in sizes) + self.budget
@@ -163,7 +165,7 @@ class UpdateTracker:
         if not idx:
             return None
         # local shards of DTensor parameters (FSDP2): a DTensor op here would hide a collective
-        params = [to_local(self.entries[i][1].detach()) for i in idx]
+        params = [self.held(self.entries[i][1]) for i in idx]
         windows, whole = [], [False] * len(params)
         if self.mode == "auto":
             views = [sample_view(p, self.sample, self._seed + i) for p, i in zip(params, idx)]
@@ -285,6 +287,8 @@ class UpdateTracker:
             flag = found_inf(opt)
             if flag is not None:
                 self._count_unarmed(flag)
+                if getattr(opt, "skips_in_a_row", 0):
+                    self._unarmed.cause = opt.skip_info()
         if self.armed_step is not None:
             plan = self._plans.get(id(opt)) or self._plan(opt)
             self.witness.arm(opt, plan.idx if plan else [], self.entries)
@@ -299,6 +303,8 @@ class UpdateTracker:
         if flag is not None:
             stats.packed = torch.cat([stats.packed, flag.to(stats.packed.device)])
             stats.scaler_flag = True
+            if getattr(opt, "skips_in_a_row", 0):  # (a MasterView whose wrapper skipped this step)
+                stats.cause = opt.skip_info()
         return stats
 
     def _count_unarmed(self, flag: Tensor) -> None:

@@ -6,6 +6,13 @@ the parameter's slice of it as ``param.main_grad`` and sets ``param.grad = None`
 read ``main_grad``. A parameter with no ``.grad`` but a ``main_grad`` tensor has its gradient there,
 and every verdict, norm and clip reads it from there (the buffer is zeroed, not freed, between
 steps: a parameter the loss does not reach shows a zero gradient, ``ZERO_GRAD``).
+
+DeepSpeed's ZeRO optimizers (and its bf16 optimizer) move each gradient into their own flat
+buffers at the end of backward and keep ``.grad`` None: from backward until ``engine.step()`` a
+parameter's gradient is its fragment of this rank's partition (ZeRO-1/2: ``_hp_mapping``; an empty
+tensor on a rank whose partition holds none of it) or its ZeRO-3 partition. Such a gradient is a
+*shard* (:func:`is_fragment`): across ranks the norms are summed as squares, like FSDP's. ZeRO
+reduces a gradient for every parameter it trains, so one the loss does not reach is ``ZERO_GRAD``.
 """
 
 from __future__ import annotations
@@ -13,9 +20,10 @@ from __future__ import annotations
 import operator
 from itertools import repeat
 
+import torch
 from torch import Tensor
 
-__all__ = ["grad_of", "grads_of"]
+__all__ = ["grad_of", "grads_of", "is_fragment"]
 
 _GRAD = operator.attrgetter("grad")
 
@@ -24,8 +32,39 @@ def grad_of(p) -> Tensor | None:
     g = p.grad
     if g is None:
         g = getattr(p, "main_grad", None)
-        return g if isinstance(g, Tensor) else None
+        if isinstance(g, Tensor):
+            return g
+        return _fragment(p) if is_fragment(p) else None
     return g
+
+
+def is_fragment(p) -> bool:
+    """Is ``p``'s gradient kept as a ZeRO fragment or partition (see the module's docstring)?"""
+    return hasattr(p, "_hp_mapping") or (hasattr(p, "ds_id") and hasattr(p, "_z3_optimizer"))
+
+
+def _fragment(p) -> Tensor | None:
+    mapping = getattr(p, "_hp_mapping", _MISSING)
+    if mapping is not _MISSING:
+        if mapping is None:  # this rank's partition holds none of it
+            return torch.empty(0, dtype=torch.float32, device=p.device)
+        try:
+            g = mapping.get_lp_grad_fragment(p._index_in_param_group)
+        except (ValueError, KeyError, IndexError, TypeError):  # (between engine.step() and the next backward)
+            return None
+        if g is None:
+            return None
+        address = mapping.lp_fragment_address
+        if g.numel() == p.numel() and address.numel != p.numel():  # (a bf16 optimizer's whole buffer: its slice)
+            g = g.reshape(-1).narrow(0, address.start, address.numel)
+        return g
+    try:
+        return p._z3_optimizer.get_local_fp32_grad_for_param(p)
+    except (KeyError, AttributeError, ValueError):
+        return None
+
+
+_MISSING = object()
 
 
 def grads_of(params) -> list:

@@ -20,6 +20,7 @@ class Owned:
 
     def __init__(self, owner, watch, changes, tracker, carry, ranks):
         self.watch, self.changes, self.tracker, self.carry, self.ranks = watch, changes, tracker, carry, ranks
+        self.views: list = []  # the optimizers' MasterViews (:mod:`.masters`): their wrapper's step restored
         self._finalizer = weakref.finalize(owner, self.release)  # (self holds no reference to the owner)
 
     def release(self) -> None:
@@ -37,6 +38,9 @@ class Owned:
         if self.carry is not None and self.carry.tracer is not None:
             self.carry.tracer.disarm()
         self.carry = None
+        for view in self.views:
+            view.close()
+        self.views = []
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None

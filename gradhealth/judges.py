@@ -20,7 +20,7 @@ from .report import describe_names
 from .status import Status
 
 __all__ = ["loss_cause", "empty_valid_set", "eval_mode", "stale_grad", "expect_frozen", "not_updated",
-           "frozen_but_changed", "skipped_step", "amp_skip", "amp_floor", "transient_grads", "frozen_norms",
+           "frozen_but_changed", "skipped_step", "optimizer_skip", "amp_skip", "amp_floor", "transient_grads", "frozen_norms",
            "checkpoint_no_grad", "norm_eval", "norm_idioms", "nan_from_loss", "idle_experts", "nonfinite_experts", "meta_params"]
 
 K = FindingKind
@@ -244,6 +244,33 @@ def skipped_step(status: Mapping[str, Status], in_optimizer: Mapping[str, bool] 
     return [Finding(K.NOT_UPDATED, f"{describe_names(status, chosen)} had {agree(chosen, 'gradients', 'a gradient')} at step {step} but "
                     f"no optimizer.step() ran before {agree(chosen, 'they were', 'it was')} zeroed: the step was skipped (a condition around "
                     "optimizer.step(), or an exception swallowed)", params=_ordered(status, chosen), step=step)]
+
+
+def optimizer_skip(info: dict, status: Mapping[str, Status], step: int, alarm_after: int) -> list[Finding]:
+    """A step the optimizer skipped by itself (a mixed-precision or ZeRO wrapper whose overflow check
+    found inf/NaN: :mod:`.masters`). With a dynamic loss scale it is that scale settling
+    (``AMP_SKIPPED``, info, an error after ``alarm_after`` in a row); without one nothing will change
+    while the gradients stay non-finite: ``OPTIMIZER_SKIPPED``, an error once every step so far, or
+    ``alarm_after`` in a row, was skipped."""
+    name, steps, skips, row = info["optimizer"], info["steps"], info["skips"], info["in_a_row"]
+    bad = _ordered(status, {n for n, s in status.items() if s is Status.NON_FINITE_GRAD})
+    counts = f"{skips} of its {steps} steps skipped so far" + (", so the weights have never changed" if skips == steps else "")
+    if info["dynamic"]:
+        alarm = row >= alarm_after and skips < steps
+        at = f" at {info['scale']:g}" if info["scale"] else ""
+        return [Finding(K.AMP_SKIPPED, f"{name} skipped the optimizer step after step {step}: its dynamic loss scale "
+                        f"overflowed{at} and was lowered ({counts}); " + ("it keeps overflowing: the model itself produces non-finite gradients "
+                                                      "(trace them with gh.trace_nonfinite)" if alarm else "expected now and then "
+                                                      "while the scale settles"), step=step, level="error" if alarm else "info",
+                        params=bad, data=info)]
+    cause = (f"inf/NaN in the gradients of {describe_names(status, set(bad))}" if bad
+             else "its overflow check found inf/NaN in the gradients")
+    alarm = skips == steps or row >= alarm_after
+    return [Finding(K.OPTIMIZER_SKIPPED, f"{name} skipped the optimizer step after step {step}: {cause}, "
+                    f"and with no dynamic loss scale to lower it skips every step while they stay non-finite ({counts}). "
+                    "Find where they come from (gh.trace_nonfinite around forward and backward), or mask before the "
+                    "operation that produces them (gh.safe_div, gh.masked_mean)", step=step,
+                    level="error" if alarm else "warning", params=bad, data=info)]
 
 
 def amp_skip(scale: float, consecutive: int, alarm_after: int, step: int, settling: bool = False) -> list[Finding]:

@@ -37,6 +37,7 @@ from .deltas import UpdateTracker
 from .distributed import Ranks, all_reduce_tensor, ranks_of
 from .errors import GradHealthError, GradHealthInternalWarning
 from .hooks import Owned
+from .masters import MasterView, held_by
 from .naming import module_of
 from .guards import ForwardWatch, diagnose_loss, uses_checkpointing
 from .observe import Observation, failed_observation, observe
@@ -85,8 +86,9 @@ class GradHealth:
         self.last_report: Report | None = None
         self._closed = False
         self._plan, self._shards, self._clip_source, self._after_step = None, (set(), {}), False, False
+        views = [x for x in self.optimizers if isinstance(x, MasterView)]  # (optimizers that step masters)
         self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every,
-                                      change_every=o.change_every)
+                                      change_every=o.change_every, held=held_by(views))
                         if self.optimizers else None)
         if self.tracker is not None:  # (to name a zero_grad() between backward() and step())
             self.tracker.before_step = self.carry.note_step_start
@@ -94,6 +96,9 @@ class GradHealth:
         self._watch = ForwardWatch(model, unwrap(model), self.carry, bool(self.view.stacks)) if o.watch_forward else None
         self._changes = ModelChanges(model)
         self._owned = Owned(self, self._watch, self._changes, self.tracker, self.carry, self.ranks)
+        self._owned.views = views
+        for v in views:  # (a step no check read first: its gradients' norms, for the check after it)
+            v.unread_step = self.tracker.ran.capture
         self._missed = lockstep.MissedChecks.attach(self)  # (a rank whose loop skips a check() joins it from its step)
         self._changes.note_lazy()
 
@@ -295,6 +300,8 @@ class GradHealth:
             stale, updates, steps_ran = (tracker.witness.take(self.view.entries, judged, len(judged) == 1),
                                          tracker.pending, tracker.steps_since_check)
             self._after_step, captured = tracker.ran.take(judged)  # (a one-call step, or steps inside backward)
+            for v in self._owned.views:
+                v.read = not self._after_step
             tracker.pending = []
         valid = carry.take_valid()
         try:

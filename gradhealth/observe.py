@@ -20,7 +20,7 @@ from torch import Tensor
 from . import distributed as dist
 from . import experts, stats
 from .steps import StepStats
-from .gradients import grad_of, grads_of
+from .gradients import grad_of, grads_of, is_fragment
 from .guards import ForwardRecord
 from .layout import Layout
 from .params import ParamView, Selection
@@ -105,7 +105,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     if distributed:
         for k, i in enumerate(with_grad):
             grads[k] = dist.settle_partial(grads[k])
-            if all_sharded:
+            if all_sharded or (is_fragment(params[i]) and params[i].grad is None):  # (ZeRO: this rank's fragment)
                 sharded.add(i)
             elif dist.is_sharded(grads[k]):
                 shards, held, shard = dist.placement_counts(grads[k])
@@ -136,6 +136,8 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     # gradients an optimizer step inside backward freed: their norms, taken then (see UpdateTracker)
     freed = [i for i in sel.idx if grad_of(params[i]) is None and view.pids[i] in captured] if captured else []
     if freed:
+        if distributed:  # (a ZeRO fragment's norm, taken before the step freed it, is a shard's too)
+            sharded.update(i for i in freed if is_fragment(params[i]))
         lay.add("freed", len(freed))
         parts["freed"] = torch.stack([captured[view.pids[i]] for i in freed])
     if router:

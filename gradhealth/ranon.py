@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .gradients import grads_of
 from .stale import consumed_now, discarded
 
 __all__ = ["RanOn"]
@@ -31,15 +32,13 @@ class RanOn:
         self.captured: dict[int, Tensor] = {}  # parameter id -> its gradient's norm, taken by a step inside backward
 
     def capture(self, opt) -> None:
-        """At a step inside backward: the norms of the gradients it is about to free."""
-        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            return
-        norms = iter([torch.linalg.vector_norm(x.detach(), dtype=torch.float64) for x in grads])
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self.captured[id(p)] = next(norms)
+        """At a step inside backward (or a wrapper's step no check read first: :mod:`.masters`):
+        the norms of the gradients it is about to free."""
+        params = [p for g in opt.param_groups for p in g["params"]]
+        grads = grads_of(params)
+        for p, g in zip(params, grads):
+            if g is not None:
+                self.captured[id(p)] = torch.linalg.vector_norm(g.detach(), dtype=torch.float64)
 
     def stepped(self, opt) -> None:
         """After ``opt``'s step: a few of the gradients it consumed, as they are now."""

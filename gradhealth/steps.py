@@ -36,6 +36,7 @@ class StepStats:
     decided: bool = False  # (after fetched) some parameter was decided, changed or not
     skipped: bool = False  # (after fetched) that flag was set: the step skipped itself
     skips: int = 0  # (after fetched) how many steps skipped themselves (several for unarmed steps)
+    cause: dict | None = None  # what an optimizer that skipped the step itself said (:mod:`.masters`)
 
     def fetched(self, values: list[float]) -> None:
         if self.scaler_flag:

@@ -351,7 +351,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             return
         tensor.register_hook(self._on_backward)
 
-    def _on_loss(self, loss) -> None:
+    def _on_loss(self, loss, *_args, **_kwargs) -> None:  # (under DeepSpeed Trainer passes scale_wrt_gas=...)
         """The loss Trainer backpropagates (``accelerator.backward``), whatever ``compute_loss`` made it
         from: the loss the check judges, a clear error when it cannot produce gradients, and the check
         queued at the end of its backward (TRL's trainers build their own loss from the logits: the

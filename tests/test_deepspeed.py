@@ -1,0 +1,202 @@
+"""DeepSpeed on the CPU (gloo), as its users write the loop: ``deepspeed.initialize``, then
+``engine.backward(loss)``, ``monitor.check(loss=loss)``, ``engine.step()``, at ZeRO stages 0-3 in
+fp32 and bf16, on one process and on two. The runs are tests/deepspeed_cases.py in processes of
+their own (DeepSpeed initialises torch.distributed); each case's premise is asserted before the
+verdict: the healthy loss falls on a held-out batch, the planted bug is there (the engine's own
+skipped-step count, masters that never move, a learning rate of 0, a frozen layer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).parent
+NAMES = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "head.weight", "head.bias"]
+CONFIGS = [(s, p) for s in (0, 1, 2, 3) for p in ("fp32", "bf16")]
+ONE = ([f"{s}-{p}-healthy" for s, p in CONFIGS] + ["1-bf16-frozen", "3-fp32-frozen", "1-fp32-lr0", "2-bf16-lr0", "3-bf16-lr0"]
+       + ["0-fp32-inf", "0-bf16-inf", "1-bf16-inf", "2-fp32-inf", "3-bf16-inf", "2-bf16-engine"])
+TWO = ["2-bf16-healthy", "3-bf16-healthy", "1-fp32-frozen", "2-fp32-lr0", "3-bf16-inf"]
+HF = ["trainer-2", "trainer-3", "accelerate-3", "accelerate-2-bug"]
+HF_NAMES = ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"]
+
+
+def _env() -> dict:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _run(cmd: list[str], out: Path, ranks: int) -> list[dict]:
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    paths = [out] + [Path(f"{out}.rank{r}") for r in range(1, ranks)]
+    return [json.loads(p.read_text()) for p in paths]
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ds") / "one.json"
+    env_port = {"MASTER_PORT": "29581"}
+    os.environ.update(env_port)
+    try:
+        return _run([sys.executable, str(HERE / "deepspeed_cases.py"), str(out), *ONE], out, 1)[0]
+    finally:
+        os.environ.pop("MASTER_PORT", None)
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ds2") / "two.json"
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29583",
+                 str(HERE / "deepspeed_cases.py"), str(out), *TWO], out, 2)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """One process per case (Accelerate allows one DeepSpeed Accelerator a process), two at a time."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    root, results = tmp_path_factory.mktemp("dshf"), {}
+    for pair in (HF[:2], HF[2:]):
+        procs = []
+        for k, case in enumerate(pair):
+            out = root / f"{case}.json"
+            env = dict(_env(), MASTER_PORT=str(29591 + 2 * k))
+            procs.append((out, subprocess.Popen([sys.executable, str(HERE / "deepspeed_hf.py"), str(out), case], env=env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        for out, proc in procs:
+            log = proc.communicate(timeout=600)[0]
+            assert proc.returncode == 0, log[-6000:]
+            results.update(json.loads(out.read_text()))
+    return results
+
+
+def _kinds(case: dict, kind: str) -> list[tuple]:
+    return sorted({(k, level, step, msg) for k, level, step, msg in case["findings"] if k == kind}, key=lambda f: f[2])
+
+
+def _close(a: float, b: float, rel: float = 1e-5) -> bool:
+    return abs(a - b) <= rel * max(abs(b), 1e-12)
+
+
+def _healthy(case: dict) -> None:
+    assert case["error"] is None, case["error"]
+    assert case["eval_after"] < 0.9 * case["eval_before"], (case["eval_before"], case["eval_after"])  # premise: it trains
+    assert all(p == {} for p in case["problems"])
+    assert not [f for f in case["findings"] if f[1] == "error"], case["findings"]
+    assert case["names"] == NAMES
+    for step, (total, oracle) in enumerate(zip(case["norms"], case["oracle"])):
+        # the oracle: DeepSpeed's own accessor, parameter by parameter; and the engine's own norm (its clip's)
+        assert _close(total, math.sqrt(sum(v * v for v in oracle))), (step, total, oracle)
+        assert all(_close(case["grad_norms"][step][n], v) for n, v in zip(NAMES, oracle)), step
+        if case["engine_norms"][step] is not None:
+            assert _close(total, case["engine_norms"][step]), (step, total, case["engine_norms"][step])
+    for step, (ours, truth) in enumerate(zip(case["updates"], case["true_updates"])):
+        # the update of the fp32 masters DeepSpeed stepped, every step (update_every=1)
+        assert sorted(ours) == sorted(NAMES), step
+        assert all(_close(ours[n], t, 1e-4) for n, t in zip(NAMES, truth)), (step, ours, truth)
+
+
+@pytest.mark.parametrize("stage,precision", CONFIGS, ids=[f"zero{s}-{p}" for s, p in CONFIGS])
+def test_a_healthy_run_is_silent_under_raise_with_the_engines_norms(one, stage, precision):
+    _healthy(one[f"{stage}-{precision}-healthy"])
+
+
+def test_every_stage_said_its_step_was_checked_on_zero_gradients_too(one):
+    # ZeRO-3 keeps the model's parameters partitioned (empty on the module between forwards): judged all the same
+    case = one["3-bf16-healthy"]
+    assert case["status"] == dict.fromkeys(NAMES, "OK")
+
+
+@pytest.mark.parametrize("case_id", ["1-bf16-frozen", "3-fp32-frozen"])
+def test_a_frozen_layer_is_frozen_and_the_rest_train(one, case_id):
+    case = one[case_id]
+    assert case["status"]["fc1.weight"] == "FROZEN" and case["status"]["fc1.bias"] == "FROZEN"  # premise and verdict
+    assert {n: s for n, s in case["status"].items() if not n.startswith("fc1.")} == dict.fromkeys(NAMES[2:], "OK")
+    assert all(set(p) == set() for p in case["problems"])  # no NO_GRAD, no NOT_IN_OPTIMIZER for the others
+    assert not [f for f in case["findings"] if f[1] == "error"]
+
+
+@pytest.mark.parametrize("case_id", ["1-fp32-lr0", "2-bf16-lr0", "3-bf16-lr0"])
+def test_a_learning_rate_of_zero_is_not_updated(one, case_id):
+    case = one[case_id]
+    assert case["moved"] is False and case["skipped_steps"] == 0  # premise: steps ran, the masters never moved
+    found = [f for f in _kinds(case, "NOT_UPDATED") if f[1] == "error"]
+    assert found and found[0][2] <= 2, case["findings"]
+    assert all(n in found[0][3] or "all 6" in found[0][3] for n in ("fc1.weight",)), found[0][3]
+
+
+@pytest.mark.parametrize("case_id", ["0-bf16-inf", "1-bf16-inf", "2-fp32-inf", "3-bf16-inf"])
+def test_steps_the_engine_skips_in_silence_are_named_at_once(one, case_id):
+    case = one[case_id]
+    # premise: a finite loss, every step skipped by DeepSpeed, the weights never moved
+    assert all(math.isfinite(v) for v in case["losses"])
+    assert case["skipped_steps"] == 8 and case["moved"] is False
+    assert all(set(s.values()) == {"NON_FINITE_GRAD"} for s in case["problems"])
+    skipped = _kinds(case, "OPTIMIZER_SKIPPED")
+    assert [f[2] for f in skipped] == list(range(8)), skipped
+    assert all(level == "error" for _, level, _, _ in skipped)
+    first = skipped[0][3]
+    assert "skipped the optimizer step after step 0" in first and "1 of its 1 steps" in first
+    assert "weights have never changed" in first and "all 6 parameters" in first
+    assert "8 of its 8 steps" in skipped[-1][3]
+
+
+def test_a_stage_0_fp32_step_is_not_skipped_and_not_called_skipped(one):
+    case = one["0-fp32-inf"]  # the control: torch's own AdamW steps into NaN, as it does without DeepSpeed
+    assert case["skipped_steps"] == 0 and case["moved"] is True
+    assert not _kinds(case, "OPTIMIZER_SKIPPED")
+    assert set(case["problems"][0].values()) == {"NON_FINITE_GRAD"}
+
+
+def test_a_monitor_on_the_engine_itself_names_the_models_parameters(one):
+    case = one["2-bf16-engine"]
+    assert case["names"] == NAMES  # not module.fc1.weight
+    _healthy(case)
+
+
+def test_two_ranks_reach_one_verdict_on_partitioned_gradients(two):
+    r0, r1 = two
+    for case_id in TWO:
+        a, b = r0[case_id], r1[case_id]
+        assert a["status"] == b["status"] and a["problems"] == b["problems"], case_id
+        assert a["norms"] == b["norms"] or all(_close(x, y) for x, y in zip(a["norms"], b["norms"])), case_id
+    for case_id in ("2-bf16-healthy", "3-bf16-healthy"):
+        _healthy(r0[case_id])  # (the oracle and the engine's norm are the whole gradients': every shard counted once)
+        _healthy(r1[case_id])
+    frozen = r0["1-fp32-frozen"]["status"]
+    assert frozen["fc1.weight"] == "FROZEN" and frozen["head.weight"] == "OK"
+    for r in two:
+        assert [f[2] for f in _kinds(r["2-fp32-lr0"], "NOT_UPDATED") if f[1] == "error"][:1] in ([1], [2])
+        assert r["3-bf16-inf"]["skipped_steps"] == 8 and r["3-bf16-inf"]["moved"] is False
+        assert [f[2] for f in _kinds(r["3-bf16-inf"], "OPTIMIZER_SKIPPED")] == list(range(8))
+
+
+@pytest.mark.parametrize("case_id", ["trainer-2", "trainer-3", "accelerate-3"])
+def test_the_hf_trainer_and_accelerates_deepspeed_plugin_are_silent_and_exact(hf, case_id):
+    case = hf[case_id]
+    assert case["error"] is None, case["error"]
+    assert case["eval_after"] < 0.8 * case["eval_before"], (case["eval_before"], case["eval_after"])  # premise: it trains
+    assert case["names"] == HF_NAMES
+    assert all(p == {} for p in case["problems"]) and not case["findings"], case["findings"][:3]
+    # every check, and the norm DeepSpeed computed for its own clip of that step (Accelerate: the check comes
+    # after accelerator.backward, which ran engine.step too: the norms were taken before that step freed them)
+    assert len(case["norms"]) == len(case["engine_norms"]) == 12
+    assert all(_close(a, b) for a, b in zip(case["norms"], case["engine_norms"])), (case["norms"], case["engine_norms"])
+
+
+def test_accelerates_deepspeed_plugin_names_a_head_left_out_of_the_optimizer(hf):
+    case = hf["accelerate-2-bug"]
+    assert case["problems"][0] == {"body.2.weight": "NOT_IN_OPTIMIZER", "body.2.bias": "NOT_IN_OPTIMIZER"}
+    assert case["steps"] == [0] and "NOT_IN_OPTIMIZER" in case["error"] and "body.2" in case["error"]
