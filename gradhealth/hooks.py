@@ -18,9 +18,9 @@ __all__ = ["Owned"]
 class Owned:
     """What one monitor registered; ``release()`` removes all of it, once."""
 
-    def __init__(self, owner, watch, changes, tracker, carry, ranks):
+    def __init__(self, owner, watch, changes, tracker, carry, ranks, masters=None):
         self.watch, self.changes, self.tracker, self.carry, self.ranks = watch, changes, tracker, carry, ranks
-        self.views: list = []  # the optimizers' MasterViews (:mod:`.masters`): their wrapper's step restored
+        self.masters = masters  # (:mod:`.masters`: each wrapper's own step put back)
         self._finalizer = weakref.finalize(owner, self.release)  # (self holds no reference to the owner)
 
     def release(self) -> None:
@@ -38,9 +38,9 @@ class Owned:
         if self.carry is not None and self.carry.tracer is not None:
             self.carry.tracer.disarm()
         self.carry = None
-        for view in self.views:
-            view.close()
-        self.views = []
+        if self.masters is not None:
+            self.masters.close()
+            self.masters = None
         if self.ranks is not None:
             self.ranks.close()
             self.ranks = None

@@ -247,22 +247,13 @@ def skipped_step(status: Mapping[str, Status], in_optimizer: Mapping[str, bool] 
 
 
 def optimizer_skip(info: dict, status: Mapping[str, Status], step: int, alarm_after: int) -> list[Finding]:
-    """A step the optimizer skipped by itself (a mixed-precision or ZeRO wrapper whose overflow check
-    found inf/NaN: :mod:`.masters`). With a dynamic loss scale it is that scale settling
-    (``AMP_SKIPPED``, info, an error after ``alarm_after`` in a row); without one nothing will change
-    while the gradients stay non-finite: ``OPTIMIZER_SKIPPED``, an error once every step so far, or
-    ``alarm_after`` in a row, was skipped."""
+    """OPTIMIZER_SKIPPED: a step the optimizer skipped by itself (a mixed-precision or ZeRO wrapper
+    whose overflow check found inf/NaN: :mod:`.masters`) with no dynamic loss scale to lower (that
+    one is a grad scaler's skip, AMP_SKIPPED): nothing changes while the gradients stay non-finite.
+    An error once every step so far, or ``alarm_after`` in a row, was skipped; else a warning."""
     name, steps, skips, row = info["optimizer"], info["steps"], info["skips"], info["in_a_row"]
     bad = _ordered(status, {n for n, s in status.items() if s is Status.NON_FINITE_GRAD})
     counts = f"{skips} of its {steps} steps skipped so far" + (", so the weights have never changed" if skips == steps else "")
-    if info["dynamic"]:
-        alarm = row >= alarm_after and skips < steps
-        at = f" at {info['scale']:g}" if info["scale"] else ""
-        return [Finding(K.AMP_SKIPPED, f"{name} skipped the optimizer step after step {step}: its dynamic loss scale "
-                        f"overflowed{at} and was lowered ({counts}); " + ("it keeps overflowing: the model itself produces non-finite gradients "
-                                                      "(trace them with gh.trace_nonfinite)" if alarm else "expected now and then "
-                                                      "while the scale settles"), step=step, level="error" if alarm else "info",
-                        params=bad, data=info)]
     cause = (f"inf/NaN in the gradients of {describe_names(status, set(bad))}" if bad
              else "its overflow check found inf/NaN in the gradients")
     alarm = skips == steps or row >= alarm_after

@@ -31,7 +31,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MasterView", "find_view", "view_for", "master_of", "held_by"]
+__all__ = ["MasterView", "Masters", "LossScale", "find_view", "view_for", "master_of"]
 
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # wrapper -> its view (one per wrapper)
 
@@ -120,21 +120,75 @@ def master_of(p: Tensor, parallel: dict[int, Tensor] | None = None) -> Tensor:
 _MISSING = object()
 
 
-def held_by(views: list[MasterView]):
-    """For the update tracker: parameter -> the tensor its optimizer's step writes (None: every
-    parameter is its own, the default)."""
-    if not views:
+class LossScale:
+    """A wrapper's own loss scale (DeepSpeed's fp16 optimizers: dynamic, or static but not 1), read
+    as the monitor reads a torch GradScaler's: the gradients a check reads are still multiplied by
+    it (the wrapper unscales inside its step), a check that finds them non-finite under a dynamic
+    scale is the scale settling (AMP_SKIPPED, info), and the steps it skips are the scaler's."""
+
+    _per_optimizer_states: dict = {}  # (nothing is unscaled before the wrapper's own step)
+
+    def __init__(self, view: MasterView):
+        self.view = view
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def get_scale(self) -> float:
+        return self.view.loss_scale() or 1.0
+
+    @property
+    def _scale(self) -> Tensor:
+        return torch.tensor([self.get_scale()], dtype=torch.float32)
+
+
+class Masters:
+    """A monitor's optimizers that train through masters (their :class:`MasterView` s), and what the
+    monitor asks of them together."""
+
+    def __init__(self, optimizers: list):
+        self.views = [x for x in optimizers if isinstance(x, MasterView)]
+
+    def loss_scale(self) -> LossScale | None:
+        """The first view's own loss scale, when it scales (dynamic, or static but not 1)."""
+        for v in self.views:
+            scale = v.loss_scale()
+            if scale is not None and (v.skip_info()["dynamic"] or scale != 1.0):
+                return LossScale(v)
         return None
-    from .distributed import to_local
 
-    def held(p: Tensor) -> Tensor:
-        for v in views:
-            got = v.masters().get(id(p))
-            if got is not None:
-                return got.detach()
-        return to_local(p.detach())
+    def held(self):
+        """For the update tracker: parameter -> the tensor its optimizer's step writes (None: every
+        parameter is its own, the default)."""
+        if not self.views:
+            return None
+        from .distributed import to_local
 
-    return held
+        views = self.views
+
+        def held(p: Tensor) -> Tensor:
+            for v in views:
+                got = v.masters().get(id(p))
+                if got is not None:
+                    return got.detach()
+            return to_local(p.detach())
+
+        return held
+
+    def attach(self, tracker) -> None:
+        """A wrapper's step no check read first: its gradients' norms, for the check after it."""
+        for v in self.views:
+            v.unread_step = tracker.ran.capture
+
+    def checked(self, after_step: bool) -> None:
+        """A check read the gradients (``after_step``: those of a step that already ran)."""
+        for v in self.views:
+            v.read = not after_step
+
+    def close(self) -> None:
+        for v in self.views:
+            v.close()
+        self.views = []
 
 
 class _Handle:
@@ -223,10 +277,19 @@ class MasterView:
             dynamic = getattr(getattr(w, "loss_scale_config", None), "dynamic_loss_scale", None)
         if dynamic is None:
             dynamic = getattr(getattr(w, "loss_scaler", None), "dynamic", False)
-        scale = getattr(w, "loss_scale", None)
-        scale = float(scale) if isinstance(scale, (int, float)) or (isinstance(scale, Tensor) and scale.numel() == 1) else None
-        return {"optimizer": type(w).__name__, "dynamic": bool(dynamic), "scale": scale, "steps": self.steps,
+        return {"optimizer": type(w).__name__, "dynamic": bool(dynamic), "scale": self.loss_scale(), "steps": self.steps,
                 "skips": self.skips, "in_a_row": self.skips_in_a_row}
+
+    def loss_scale(self) -> float | None:
+        """The scale the wrapper multiplies the loss by (None: it has none)."""
+        w = self.wrapper
+        for value in (getattr(getattr(w, "loss_scale_config", None), "cur_scale", None), getattr(w, "cur_scale", None),
+                      getattr(w, "loss_scale", None)):
+            if isinstance(value, Tensor) and value.numel() == 1:
+                value = float(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+        return None
 
     def register_step_pre_hook(self, hook) -> _Handle:
         self._next += 1

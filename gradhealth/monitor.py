@@ -31,13 +31,13 @@ from torch import Tensor, nn
 
 from . import clip, crossrank, experts, judges, lockstep, skipping, stats
 from . import state as checked
-from .carry import Carry, Delivery
+from .carry import Carry
 from .classify import as_optimizers, classify_selection, unwrap_optimizer, wrapper_scaler
 from .deltas import UpdateTracker
 from .distributed import Ranks, all_reduce_tensor, ranks_of
 from .errors import GradHealthError, GradHealthInternalWarning
 from .hooks import Owned
-from .masters import MasterView, held_by
+from .masters import Masters
 from .naming import module_of
 from .guards import ForwardWatch, diagnose_loss, uses_checkpointing
 from .observe import Observation, failed_observation, observe
@@ -75,6 +75,8 @@ class GradHealth:
         self.model = model
         scaler = wrapper_scaler(optimizer) if scaler is None else scaler  # Accelerate's wrapper carries one
         self.optimizers = as_optimizers(optimizer)
+        self.masters = Masters(self.optimizers)  # (optimizers that train through masters: DeepSpeed, fp16 wrappers)
+        scaler = self.masters.loss_scale() if scaler is None else scaler  # (an fp16 wrapper's own loss scale)
         self.view = ParamView(model, self.optimizers, o.experts, strict=True)
         self.scaler = check_scaler(scaler)
         self.ranks = Ranks(model, ddp_model, o.rank_origin, self.optimizers)
@@ -86,19 +88,17 @@ class GradHealth:
         self.last_report: Report | None = None
         self._closed = False
         self._plan, self._shards, self._clip_source, self._after_step = None, (set(), {}), False, False
-        views = [x for x in self.optimizers if isinstance(x, MasterView)]  # (optimizers that step masters)
         self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every,
-                                      change_every=o.change_every, held=held_by(views))
+                                      change_every=o.change_every, held=self.masters.held())
                         if self.optimizers else None)
         if self.tracker is not None:  # (to name a zero_grad() between backward() and step())
             self.tracker.before_step = self.carry.note_step_start
         self.unstepped = Unstepped() if len(self.optimizers) > 1 else None  # (one optimizer: a skipped step)
         self._watch = ForwardWatch(model, unwrap(model), self.carry, bool(self.view.stacks)) if o.watch_forward else None
         self._changes = ModelChanges(model)
-        self._owned = Owned(self, self._watch, self._changes, self.tracker, self.carry, self.ranks)
-        self._owned.views = views
-        for v in views:  # (a step no check read first: its gradients' norms, for the check after it)
-            v.unread_step = self.tracker.ran.capture
+        self._owned = Owned(self, self._watch, self._changes, self.tracker, self.carry, self.ranks, self.masters)
+        if self.tracker is not None:
+            self.masters.attach(self.tracker)
         self._missed = lockstep.MissedChecks.attach(self)  # (a rank whose loop skips a check() joins it from its step)
         self._changes.note_lazy()
 
@@ -185,7 +185,7 @@ class GradHealth:
             tracker.settle(u)
         if self.ranks.active:  # (every rank flushes together, at close() or Trainer's logging: shards summed)
             crossrank.reduce_updates(updates, len(self.view), self._shards, self.ranks)
-        self._deliver(self.carry.resolve_step(None, updates, 0, self.view.params, self.view.names, None, False,
+        self.publisher.deliver(self.carry.resolve_step(None, updates, 0, self.view.params, self.view.names, None, False,
                                               self.options.amp_skip_alarm), None)
 
     def close(self) -> None:
@@ -269,7 +269,7 @@ class GradHealth:
         if not reeval:
             delivery = self.carry.resolve_step(report, obs.updates, steps_ran, self.view.params, self.view.names, obs.scale,
                                                self.scaler is not None, self.options.amp_skip_alarm, self._after_step)
-            self._deliver(delivery, report)
+            self.publisher.deliver(delivery, report)
         for u in obs.updates:
             self.tracker.settle(u)
         if self.unstepped is not None and not reeval:
@@ -300,8 +300,7 @@ class GradHealth:
             stale, updates, steps_ran = (tracker.witness.take(self.view.entries, judged, len(judged) == 1),
                                          tracker.pending, tracker.steps_since_check)
             self._after_step, captured = tracker.ran.take(judged)  # (a one-call step, or steps inside backward)
-            for v in self._owned.views:
-                v.read = not self._after_step
+            self.masters.checked(self._after_step)
             tracker.pending = []
         valid = carry.take_valid()
         try:
@@ -415,12 +414,3 @@ class GradHealth:
             else:
                 self.carry.arm(report, self.view.params, obs.with_grad, obs.scale)
         self.carry.last_scale = obs.scale
-
-    def _deliver(self, delivery: Delivery | None, current: Report | None) -> None:
-        """Findings about an earlier step go into its report (and the current one); sinks get it again."""
-        if delivery is None:
-            return
-        delivery.target.findings.extend(delivery.findings)
-        if current is not None and current is not delivery.target:
-            current.findings.extend(delivery.findings)
-        self.publisher.publish_update(delivery.target)

@@ -148,6 +148,16 @@ class Publisher:
         for i, sink in enumerate(self.sinks):
             self._call(i, sink, "write_clip", report, 5)
 
+    def deliver(self, delivery, current) -> None:
+        """Findings about an earlier step (a :class:`~gradhealth.carry.Delivery`, or None) go into its
+        report and the current one (``current``, or None); the sinks get that report again."""
+        if delivery is None:
+            return
+        delivery.target.findings.extend(delivery.findings)
+        if current is not None and current is not delivery.target:
+            current.findings.extend(delivery.findings)
+        self.publish_update(delivery.target)
+
     def publish_update(self, report: Report) -> None:
         """A report again, once its step's update norms (and findings) are known."""
         for i, sink in enumerate(self.sinks):

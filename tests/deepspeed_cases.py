@@ -10,6 +10,7 @@ monitor's verdict.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import warnings
@@ -163,6 +164,46 @@ class Keep:
         self.reports.append(report)
 
 
+def unfused() -> dict:
+    """DeepSpeed's fp16 optimizer with a dynamic loss scale, driven as Megatron-DeepSpeed drives it
+    (``optimizer.backward(loss)``, ``optimizer.step()``; the engine refuses fp16 on the CPU, the
+    optimizer itself runs): the scale starts at 2**24 and settles by skipping the steps that overflow."""
+    import deepspeed
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = Net().half()
+    optimizer = FP16_UnfusedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), dynamic_loss_scale=True,
+                                      dynamic_loss_args={"init_scale": 2**24, "scale_window": 1000, "min_scale": 1,
+                                                         "delayed_shift": 1}, clip_grad=1.0)
+    keep = Keep()
+    monitor = gh.GradHealth(model, optimizer, on_problem="raise", sinks=[keep])
+    out = {"scales": [], "overflow": [], "losses": [], "norms": [], "oracle": [], "ok": [], "problems": [], "error": None}
+    x, y = batch(0, "fp32")
+    try:
+        for _ in range(14):
+            loss = ((model(x.half()).float() - y) ** 2).mean()
+            optimizer.backward(loss)
+            report = monitor.check(loss=loss)
+            scale = optimizer.loss_scale_config.cur_scale  # the oracle: the scaled fp16 gradients, unscaled by hand
+            out["oracle"].append(math.sqrt(sum(float(p.grad.double().norm()) ** 2 for p in model.parameters())) / scale)
+            out["scales"].append(scale)
+            optimizer.step()
+            optimizer.zero_grad()
+            out["overflow"].append(bool(optimizer.overflow))
+            out["losses"].append(float(loss))
+            out["norms"].append(report.total_grad_norm)
+            out["ok"].append(report.ok)
+            out["problems"].append(sorted({v.value for v in report.problems.values()}))
+    except gh.GradHealthError as exc:
+        out["error"] = str(exc)
+    finally:
+        monitor.close()
+    out["findings"] = sorted({(f.kind, f.level, f.step) for r in keep.reports for f in r.findings}, key=lambda f: f[2])
+    return out
+
+
 CASES = [f"{s}-{p}-{k}" for s in (0, 1, 2, 3) for p in ("fp32", "bf16") for k in ("healthy", "frozen", "lr0", "inf")]
 CASES += ["2-bf16-engine"]
 
@@ -173,6 +214,9 @@ def main(argv: list[str]) -> None:
     path, cases = argv[0], argv[1:] or CASES
     results = {}
     for case in cases:
+        if case == "fp16-unfused":
+            results[case] = unfused()
+            continue
         s, p, k = case.split("-")
         results[case] = run(int(s), p, k)
     rank = int(os.environ.get("RANK", "0"))
