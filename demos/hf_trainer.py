@@ -12,6 +12,11 @@ import os
 import warnings
 
 import torch
+
+# The demo trains on the CPU: say so to DeepSpeed, which transformers imports when it is installed
+# (else it logs a warning line about the accelerator it could not find, in the middle of the output)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
 from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 

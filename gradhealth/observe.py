@@ -25,7 +25,7 @@ from .guards import ForwardRecord
 from .layout import Layout
 from .params import ParamView, Selection
 
-__all__ = ["Observation", "observe", "unscaled_params"]
+__all__ = ["Observation", "Pending", "observe", "unscaled_params"]
 
 
 
@@ -83,12 +83,13 @@ def unscaled_params(scaler, optimizers, consumed=()) -> set[int]:
 
 def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], updates: list[StepStats], scaler,
             plan, distributed: bool = False, all_sharded: bool = False, router=None,
-            consumed=(), captured=None) -> tuple[Observation, object]:
+            consumed=(), captured=None, deferred: bool = False) -> tuple[Observation, object]:
     """Norms of the selection's gradients and the extras, read back in one transfer (``consumed``:
     :func:`unscaled_params`; ``captured``: norms of gradients a step inside backward freed, by
     parameter id, judged as this backward's).
 
-    Returns the observation and the grouping plan to pass back next time.
+    Returns the observation and the grouping plan to pass back next time; ``deferred``: a
+    :class:`Pending` in its place, whose numbers are read later.
     """
     params = view.params
     everything = len(sel.idx) == len(params)  # (idx: sorted, distinct)
@@ -156,55 +157,74 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     else:
         plain = grads
     extras = [lay.pack(**parts)] if parts else []
-    norms, flat, plan = stats.grad_norms(plain, extras, plan)
-    got = lay.unpack(flat)
-    slices: dict[int, list[float]] = {}
-    if stacked:
-        counts = [local[k][0].count for k in stacked]
-        flat_slices, values, pos = got["slices"], [], 0
-        for c in counts:
-            values.append(list(flat_slices[pos:pos + c]))
-            pos += c
-        values = experts.finish_slices([grads[k] for k in stacked], [local[k][0] for k in stacked], values)
-        for j, k in enumerate(stacked):  # a shard's slices: its squares at their experts, reduced across ranks
-            if with_grad[k] in cut:
-                ex_parts[with_grad[k]] = experts.spread_squares(values[j], local[k][1], view.stacks[with_grad[k]].count,
-                                                                holders.get(with_grad[k], 1))
-        it = iter(norms)
-        merged, at = [], dict(zip(stacked, values))
-        for k in range(len(grads)):
-            merged.append(stats.combine_norms(at[k]) if k in at else next(it))  # a stack's norm: its slices'
-        norms = merged
-        slices = {with_grad[k]: v for k, v in at.items() if with_grad[k] not in cut}
+    launched = stats.Launched(plain, extras, plan, maxima=deferred)
+    plan = launched.plan
 
-    scale = got["scale"][0] if scale_t is not None else None
-    if scale:
-        done = unscaled_params(scaler, view.optimizers, consumed)
-        pids = view.pids
-        norms = [v if pids[i] in done else v / scale for i, v in zip(with_grad, norms)]
-        slices = {i: vs if pids[i] in done else [v / scale for v in vs] for i, vs in slices.items()}
-        ex_parts = {i: vs if pids[i] in done else [v / scale**2 for v in vs] for i, vs in ex_parts.items()}
-    for j, u in enumerate(updates):
-        u.fetched(got[f"update{j}"])
-    if freed:  # (in entry order, with the others)
-        pairs = sorted([*zip(with_grad, norms), *zip(freed, got["freed"])])
-        with_grad, norms = [i for i, _ in pairs], [v for _, v in pairs]
-    if len(norms) == len(view):  # every entry has a gradient
-        norm_of: list[float | None] = list(norms)
-    else:
-        norm_of = [None] * len(view)
-        for i, v in zip(with_grad, norms):
-            norm_of[i] = v
-    obs = Observation(sel.idx, norm_of, loss=got["loss"][0] if loss_t is not None else None,
-                      valid={name: int(got[f"valid{j}"][0]) for j, name in enumerate(valid)},
-                      updates=updates, scale=scale, sharded=sharded, with_grad=with_grad, norms=norms, slices=slices,
-                      holders=holders, pieces=pieces, ex_parts=ex_parts)
-    if router:
-        flat_r, obs.router, pos = got["router"], [], 0
-        for c in router:
-            obs.router.append(list(flat_r[pos:pos + c.numel()]))
-            pos += c.numel()
-    return obs, plan
+    def finish(norms: list[float], flat: list[float]) -> Observation:
+        nonlocal with_grad, ex_parts
+        got = lay.unpack(flat)
+        slices: dict[int, list[float]] = {}
+        if stacked:
+            counts = [local[k][0].count for k in stacked]
+            flat_slices, values, pos = got["slices"], [], 0
+            for c in counts:
+                values.append(list(flat_slices[pos:pos + c]))
+                pos += c
+            values = experts.finish_slices([grads[k] for k in stacked], [local[k][0] for k in stacked], values)
+            for j, k in enumerate(stacked):  # a shard's slices: its squares at their experts, reduced across ranks
+                if with_grad[k] in cut:
+                    ex_parts[with_grad[k]] = experts.spread_squares(values[j], local[k][1], view.stacks[with_grad[k]].count,
+                                                                    holders.get(with_grad[k], 1))
+            it = iter(norms)
+            merged, at = [], dict(zip(stacked, values))
+            for k in range(len(grads)):
+                merged.append(stats.combine_norms(at[k]) if k in at else next(it))  # a stack's norm: its slices'
+            norms = merged
+            slices = {with_grad[k]: v for k, v in at.items() if with_grad[k] not in cut}
+
+        scale = got["scale"][0] if scale_t is not None else None
+        if scale:
+            done = unscaled_params(scaler, view.optimizers, consumed)
+            pids = view.pids
+            norms = [v if pids[i] in done else v / scale for i, v in zip(with_grad, norms)]
+            slices = {i: vs if pids[i] in done else [v / scale for v in vs] for i, vs in slices.items()}
+            ex_parts = {i: vs if pids[i] in done else [v / scale**2 for v in vs] for i, vs in ex_parts.items()}
+        for j, u in enumerate(updates):
+            u.fetched(got[f"update{j}"])
+        if freed:  # (in entry order, with the others)
+            pairs = sorted([*zip(with_grad, norms), *zip(freed, got["freed"])])
+            with_grad, norms = [i for i, _ in pairs], [v for _, v in pairs]
+        if len(norms) == len(view):  # every entry has a gradient
+            norm_of: list[float | None] = list(norms)
+        else:
+            norm_of = [None] * len(view)
+            for i, v in zip(with_grad, norms):
+                norm_of[i] = v
+        obs = Observation(sel.idx, norm_of, loss=got["loss"][0] if loss_t is not None else None,
+                          valid={name: int(got[f"valid{j}"][0]) for j, name in enumerate(valid)},
+                          updates=updates, scale=scale, sharded=sharded, with_grad=with_grad, norms=norms, slices=slices,
+                          holders=holders, pieces=pieces, ex_parts=ex_parts)
+        if router:
+            flat_r, obs.router, pos = got["router"], [], 0
+            for c in router:
+                obs.router.append(list(flat_r[pos:pos + c.numel()]))
+                pos += c.numel()
+        return obs
+
+    if deferred:  # read later: :mod:`.deferred`
+        return Pending(launched, finish), plan
+    return finish(*launched.read()), plan
+
+
+@dataclass
+class Pending:
+    """An observation whose numbers are on their way to the host (:mod:`.deferred`)."""
+
+    launched: stats.Launched
+    finish: object  # (norms, extras) -> Observation
+
+    def complete(self, values: list[float]) -> Observation:
+        return self.finish(*self.launched.resolve(values))
 
 
 def failed_observation(view: ParamView, sel: Selection, valid: dict, updates: list[StepStats]) -> Observation:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["dense_view", "plan_groups", "foreach_norms", "pack_norms", "fetch", "exact_norms", "grad_norms",
+__all__ = ["dense_view", "plan_groups", "foreach_norms", "pack_norms", "fetch", "exact_norms", "grad_norms", "Launched",
            "combine_norms", "module_norms", "SMALLEST_SUBNORMAL"]
 
 #: the smallest positive float64: a norm that is not zero is at least this (sqrt of a tiny sum of
@@ -246,32 +246,88 @@ def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None
     holds a NaN, inf if it holds an inf and no NaN), ``extra_values`` the flattened ``extras``,
     ``plan`` the grouping to pass back next time.
     """
-    views = grads  # the common case: every gradient dense and real, no new list
-    packed = None
-    if grads:
-        key = plan_key(grads)  # the plan is kept for the gradients, built over their views
-        if plan is None or key != plan.key:
-            plain = all(lay is torch.strided for lay in key[2]) and not any(d.is_complex for d in key[0])
-            views = grads if plain else list(map(dense_view, grads))
-            plan = NormPlan(views, key)
-            plan.plain = plain
-        elif not plan.plain:
-            views = list(map(dense_view, grads))
-        packed, plan = _pack_fitted(views, plan)
-    perm = plan.perm if grads else []
-    values = fetch([packed, *extras] if packed is not None else list(extras))
-    n = len(perm)
-    if n and plan.identity:
-        norms = values[:n]
-    else:
+    launched = Launched(grads, extras, plan)
+    norms, values = launched.read()
+    return norms, values, launched.plan
+
+
+class Launched:
+    """The norms of ``grads`` and the ``extras``, packed on the device, not read yet (no host
+    synchronisation here). :meth:`read` reads them now (ONE transfer, then the exact re-check of
+    the norms that came back 0 or inf). With ``maxima`` each gradient's max |g| is packed too, so
+    that the values can be read later, when the gradients may be gone (:mod:`.deferred`):
+    :meth:`resolve` then decides a 0 or inf norm from max |g| alone."""
+
+    def __init__(self, grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None, maxima: bool = False):
+        views = grads  # the common case: every gradient dense and real, no new list
+        packed = None
+        if grads:
+            key = plan_key(grads)  # the plan is kept for the gradients, built over their views
+            if plan is None or key != plan.key:
+                plain = all(lay is torch.strided for lay in key[2]) and not any(d.is_complex for d in key[0])
+                views = grads if plain else list(map(dense_view, grads))
+                plan = NormPlan(views, key)
+                plan.plain = plain
+            elif not plan.plain:
+                views = list(map(dense_view, grads))
+            packed, plan = _pack_fitted(views, plan)
+        self.views, self.plan, self.n = views, plan, len(plan.perm) if grads else 0
+        self.maxima = bool(maxima and grads)
+        parts = [packed] if packed is not None else []
+        if self.maxima:
+            parts.append(_maxima(views, plan))
+        self.parts = parts + [e for e in extras if e is not None]
+
+    def read(self) -> tuple[list[float], list[float]]:
+        values = fetch(self.parts)
+        norms = self._order(values)
+        if 0.0 in norms or math.inf in norms:
+            suspects = [i for i, v in enumerate(norms) if v == 0.0 or v == math.inf]
+            for i, v in zip(suspects, exact_norms([self.views[i] for i in suspects])):
+                norms[i] = v
+        return norms, values[self.n * (2 if self.maxima else 1):]
+
+    def resolve(self, values: list[float]) -> tuple[list[float], list[float]]:
+        """The norms and extras from ``values`` read later (``maxima``): a 0 with max |g| = 0 is 0, an
+        inf or nan is what max |g| says; a 0 or inf over finite, non-zero values (fp32 squares that
+        underflowed or overflowed) is max |g|, the largest element (the exact scaled norm needs the
+        gradient again)."""
+        n = self.n
+        norms = self._order(values)
+        if n and (0.0 in norms or math.inf in norms):
+            maxima = self._order(values[n:])
+            for i, (v, m) in enumerate(zip(norms, maxima)):
+                if v == 0.0 or v == math.inf:
+                    norms[i] = m if (m == 0.0 or m != m or m == math.inf) else max(m, SMALLEST_SUBNORMAL)
+        return norms, values[n * (2 if self.maxima else 1):]
+
+    def _order(self, values: list[float]) -> list[float]:
+        n, perm = self.n, self.plan.perm if self.n else []
+        if n and self.plan.identity:
+            return values[:n]
         norms = [0.0] * n
         for k, i in enumerate(perm):
             norms[i] = values[k]
-    if 0.0 in norms or math.inf in norms:
-        suspects = [i for i, v in enumerate(norms) if v == 0.0 or v == math.inf]
-        for i, v in zip(suspects, exact_norms([views[i] for i in suspects])):
-            norms[i] = v
-    return norms, values[n:], plan
+        return norms
+
+
+def _maxima(views: Sequence[Tensor], plan: NormPlan) -> Tensor:
+    """max |g| of each view, in the plan's order (float64, on the first group's device)."""
+    pieces, target = [], None
+    for (device, dtype, _), (_, batches) in zip(plan.groups, plan.batches):
+        for _, _, idx in batches:
+            members = [views[i] for i in idx]
+            if members[0].is_complex():
+                members = [torch.view_as_real(m) for m in members]
+            piece = torch.stack([m.abs().amax() if m.numel() else m.new_zeros(()) for m in members]) \
+                if any(m.numel() == 0 for m in members) else torch.stack(torch._foreach_norm(members, math.inf))
+            piece = piece.to(torch.float64)
+            if target is None:
+                target = device
+            elif device != target:
+                piece = piece.to(target, non_blocking=True)
+            pieces.append(piece)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def module_norms(with_grad: Sequence[int], norms: Sequence[float], module_of: Sequence[int],
