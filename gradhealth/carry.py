@@ -72,7 +72,8 @@ class Carry:
         self.still = 0  # consecutive steps that changed no OK parameter (with lr > 0) that was decided
         self.skips = 0  # optimizer steps the step guard dropped (skip_nonfinite / skip_spikes)
         self.skips_in_a_row = 0
-        self.gone: int | None = None  # the armed check whose gradients were gone when its step began
+        self.gone: set[int] = set()  # the checks whose gradients were gone when their step began
+        self.witness_step: int | None = None  # the check the witnesses are of
         self.patience = 3
 
     # ---------------------------------------------------------------- between
@@ -114,21 +115,28 @@ class Carry:
             h = self.histories[optimizer_index] = copy.deepcopy(self._template)
         return h
 
-    def arm(self, report: Report, params: list, with_grad: list[int], scale: float | None) -> None:
-        """Remember ``report`` until its optimizer step is measured, and a few of its gradients."""
+    def arm(self, report: Report, params: list, with_grad: list[int] | None, scale: float | None) -> None:
+        """Remember ``report`` until its optimizer step is measured, and a few of its gradients
+        (``with_grad`` None: the witnesses a deferred check staged when it was launched)."""
         self.armed = report
-        self.witnesses = witnesses(params, with_grad)
+        if with_grad is not None:
+            self.stage(report.step, witnesses(params, with_grad))
         self.last_scale = scale
+
+    def stage(self, step: int, seen: list) -> None:
+        """The witnesses of check ``step``'s gradients, for the step that follows it."""
+        self.witnesses, self.witness_step = seen, step
 
     def note_step_start(self, _opt) -> None:
         """Before the step that follows the armed check: are that check's gradients still there?
         (``zero_grad()`` between ``backward()`` and ``step()`` leaves the step nothing to apply.)"""
-        if self.armed is not None and self.witnesses and self._discarded():
-            self.gone = self.armed.step
+        if self.witness_step is not None and self.witnesses and self._discarded():
+            self.gone.add(self.witness_step)
 
     # -------------------------------------------------------- previous step
     def resolve_step(self, report: Report | None, updates: list[StepStats], steps_ran: int, params: list, names: list[str],
-                     scale: float | None, scaler: bool, amp_alarm: int, after_step: bool = False) -> Delivery | None:
+                     scale: float | None, scaler: bool, amp_alarm: int, after_step: bool = False,
+                     discarded: bool | None = None) -> Delivery | None:
         """What became of the optimizer step after the armed check: its measured updates, or why
         it did not run. ``report`` is the current check's (None at a flush). ``after_step``: the
         check came after the step that consumed its gradients (a one-call step: backward, clip and
@@ -149,7 +157,7 @@ class Carry:
         if own and not scaler:
             prev, self.armed = self.armed, None
             return Delivery(prev, judges.optimizer_skip(own[-1], prev.status, prev.step, amp_alarm))
-        if not self._discarded():
+        if not (self._discarded() if discarded is None else discarded):  # (a deferred check's: when it was launched)
             return None  # gradient accumulation: several backwards, then one step
         prev, self.armed = self.armed, None
         if scaler:
@@ -201,7 +209,7 @@ class Carry:
             self.still += 1  # a step that moved nothing it was seen to move
         elif changed_any:
             self.still = 0
-        gone, self.gone = self.gone == target.step, None
+        gone, self.gone = target.step in self.gone, {s for s in self.gone if s > target.step}
         found = judges.not_updated(target.status, unchanged, target.step, self.still, self.patience, gone)
         found += judges.frozen_but_changed(target.status, moved, target.step)
         return Delivery(target, found)

@@ -21,6 +21,7 @@ class Owned:
     def __init__(self, owner, watch, changes, tracker, carry, ranks, masters=None):
         self.watch, self.changes, self.tracker, self.carry, self.ranks = watch, changes, tracker, carry, ranks
         self.masters = masters  # (:mod:`.masters`: each wrapper's own step put back)
+        self.deferred = None  # (:mod:`.deferred`: the guard's step hooks)
         self._finalizer = weakref.finalize(owner, self.release)  # (self holds no reference to the owner)
 
     def release(self) -> None:
@@ -38,6 +39,9 @@ class Owned:
         if self.carry is not None and self.carry.tracer is not None:
             self.carry.tracer.disarm()
         self.carry = None
+        if self.deferred is not None:
+            self.deferred.close()
+            self.deferred = None
         if self.masters is not None:
             self.masters.close()
             self.masters = None

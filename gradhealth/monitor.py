@@ -29,7 +29,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from . import clip, crossrank, experts, judges, lockstep, skipping, stats
+from . import clip, crossrank, experts, lockstep, skipping, stats
 from . import state as checked
 from .carry import Carry
 from .classify import as_optimizers, classify_selection, unwrap_optimizer, wrapper_scaler
@@ -37,19 +37,18 @@ from .deltas import UpdateTracker
 from .distributed import Ranks, all_reduce_tensor, ranks_of
 from .errors import GradHealthError, GradHealthInternalWarning
 from .hooks import Owned
+from . import verdict
 from .masters import Masters
-from .naming import module_of
-from .guards import ForwardWatch, diagnose_loss, uses_checkpointing
+from .deferred import Deferred, Launch, due_test
+from .guards import ForwardWatch, diagnose_loss
 from .observe import Observation, failed_observation, observe
 from .options import Options, check_scaler, check_step, check_tensor
 from .params import ModelChanges, ParamView, Selection
 from .patience import persist
 from .policy import Publisher, alarm, explain
-from .replay import traced
 from .replicas import Replicas
-from .report import Report, frozen_summary
+from .report import Report
 from .unstepped import Unstepped
-from .status import Status
 from .wrappers import unwrap
 
 __all__ = ["GradHealth"]
@@ -100,6 +99,8 @@ class GradHealth:
         if self.tracker is not None:
             self.masters.attach(self.tracker)
         self._missed = lockstep.MissedChecks.attach(self)  # (a rank whose loop skips a check() joins it from its step)
+        self._deferred = Deferred(self) if o.lag else None
+        self._owned.deferred = self._deferred
         self._changes.note_lazy()
 
     # ------------------------------------------------------------------ public
@@ -138,6 +139,8 @@ class GradHealth:
             return None
         try:  # (inside inference_mode, the check's own tensors must be ordinary ones: they are updated later)
             with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+                if self._deferred is not None:  # (lag=1: this check launched, the previous one's report)
+                    return self._deferred.check(s, loss, optimizer)
                 report = self._build(s, loss, optimizer)
         except GradHealthError:  # said on purpose: a verdict, or the user's own mistake named
             raise
@@ -173,7 +176,10 @@ class GradHealth:
         self.carry.add_valid(mask, name)
 
     def flush(self) -> None:
-        """Fetch the last measured optimizer step now (one transfer) instead of at the next check."""
+        """Fetch the last measured optimizer step now (one transfer) instead of at the next check;
+        with ``lag=1``, first deliver the check in flight (its report reaches the sinks and the policy)."""
+        if self._deferred is not None and self._deferred.inflight is not None:
+            self.publish(self._deferred.complete())
         tracker = self.tracker
         if tracker is None or not tracker.pending:
             return
@@ -258,27 +264,41 @@ class GradHealth:
         return s
 
     def _build(self, step: int, loss, optimizer) -> Report:
+        return self._complete(self._launch(step, loss, optimizer))
+
+    def _launch(self, step: int, loss, optimizer, deferred: bool = False) -> Launch:
+        """Everything a check takes from this moment: the device numbers (read now, or later when
+        ``deferred``: :mod:`.deferred`) and what the rank saw besides them."""
         sel = self.view.selection(optimizer)
         # a closure's later evaluation inside one step (LBFGS): judged, but it neither resolves nor arms a step
         reeval = self.tracker is not None and self.tracker.reevaluation()
-        obs, steps_ran = self._observe(sel, loss, reeval, [optimizer] if optimizer is not None else self.optimizers)
+        judged = [optimizer] if optimizer is not None else self.optimizers
+        discarded = self.carry._discarded() if deferred else None  # (the armed check's, as of now)
+        obs, steps_ran = self._observe(sel, loss, reeval, judged, deferred)
+        t = self.tracker
+        return Launch(step, sel, optimizer, reeval, obs, steps_ran, self._after_step, self.carry.take_output_grad(),
+                      discarded, (dict(t.stepped), t.total_steps) if t is not None else None)
+
+    def _complete(self, launch: Launch) -> Report:
+        """The report of a launched check, from its numbers on the host."""
+        step, sel, optimizer, reeval, obs = launch.step, launch.sel, launch.optimizer, launch.reeval, launch.obs
         across = self._reduce(obs) if self.ranks.active else None
         report = self._classify(step, sel, obs, optimizer)
         if self.view.stacks:
             experts.fill(report, self.view.stacks, obs.slices, obs.router)
         if not reeval:
-            delivery = self.carry.resolve_step(report, obs.updates, steps_ran, self.view.params, self.view.names, obs.scale,
-                                               self.scaler is not None, self.options.amp_skip_alarm, self._after_step)
+            delivery = self.carry.resolve_step(report, obs.updates, launch.steps_ran, self.view.params, self.view.names,
+                                               obs.scale, self.scaler is not None, self.options.amp_skip_alarm,
+                                               launch.after_step, launch.discarded)
             self.publisher.deliver(delivery, report)
         for u in obs.updates:
             self.tracker.settle(u)
         if self.unstepped is not None and not reeval:
-            t = self.tracker
-            report.findings += self.unstepped.update(self.view, report.optimizer_index, t.stepped, t.total_steps,
+            report.findings += self.unstepped.update(self.view, report.optimizer_index, *launch.counts,
                                                      report.status, step, self.options.grad_patience)
         report.findings += persist(  # transient or persistent NO_GRAD / ZERO_GRAD: which ones are tolerated now
             report, self.carry.streaks, self.options.grad_patience, self.view.names, self.view.params)
-        report.findings += self._judge(report, obs, across, sel)
+        report.findings += verdict.judge(self, report, obs, across, sel, launch.output_grad)
         v = self.view
         report.module_grad_norm = stats.module_norms(obs.with_grad, obs.norms, v.module_index, v.modules,
                                                       v.module_runs)
@@ -287,11 +307,12 @@ class GradHealth:
             report.findings += history.update(step, report.total_grad_norm, report.module_grad_norm,
                                               self.carry.streaks.skipping)
         if not reeval:
-            self._arm_next(report, obs, optimizer)
-        clip.keep(self, report, obs.with_grad, obs.norms, optimizer is None)  # (for a clip_grad_norm_ that follows)
+            self._arm_next(report, obs, optimizer, launch)
+        if launch.transfer is None:  # (for a clip_grad_norm_ that follows; a deferred check's norms come too late)
+            clip.keep(self, report, obs.with_grad, obs.norms, optimizer is None)
         return report
 
-    def _observe(self, sel: Selection, loss, reeval: bool = False, judged=()) -> tuple[Observation, int | None]:
+    def _observe(self, sel: Selection, loss, reeval: bool = False, judged=(), deferred: bool = False):
         """Gather and read back (one transfer); what this rank saw besides numbers rides along."""
         tracker, carry = self.tracker, self.carry
         updates, stale, steps_ran, self._after_step, captured = [], set(), None, False, None
@@ -306,7 +327,7 @@ class GradHealth:
         try:
             obs, self._plan = observe(self.view, sel, loss, valid, updates, self.scaler, self._plan, self.ranks.active,
                                       self.ranks.all_sharded, carry.take_router(), judged if self._after_step else (),
-                                      captured)
+                                      captured, deferred)
             obs.loss_cause = diagnose_loss(loss, self.model, carry.forward) if loss is not None else None
             obs.eval_record = carry.take_eval_backward()
             obs.stale = stale
@@ -347,70 +368,14 @@ class GradHealth:
                       in_optimizer=in_opt, loss=obs.loss, valid_counts=obs.valid, not_ok=not_ok,
                       optimizer_index=v.optimizer_index(optimizer) if optimizer is not None else None)
 
-    def _judge(self, report: Report, obs: Observation, across, sel: Selection) -> list:
-        step, o, carry, names = report.step, self.options, self.carry, self.view.names
-        nonfinite = not report.grads_finite
-        found = []
-        if self.scaler is not None and obs.scale is not None:
-            if nonfinite:
-                skip = judges.amp_skip(obs.scale, carry.amp_skips + 1, o.amp_skip_alarm, step, not carry.amp_settled)
-                if skip[0].level == "info":  # the scaler skips this step: nothing for the user to do
-                    report.tolerated = report.tolerated | {n for n, s in report.problems.items() if s is Status.NON_FINITE_GRAD}
-                found += skip
-            found += judges.amp_floor(obs.scale, o.amp_scale_floor, step)
-        stale = {names[i] for i in obs.stale}
-        if across is None:
-            found += judges.loss_cause(obs.loss_cause, step)
-            found += judges.eval_mode(obs.eval_record, step)
-            found += judges.stale_grad(report.status, stale, step)
-        else:  # what single ranks saw, said the same way on every rank
-            where = lambda mask: crossrank.where(mask, across.world)  # noqa: E731
-            if across.cause_mask:
-                found += judges.loss_cause(obs.loss_cause or "see that rank's warning", step, where(across.cause_mask))
-            if across.eval_mask:
-                found += judges.eval_mode(crossrank.remote_record(obs.eval_record), step, where(across.eval_mask))
-            if across.stale_mask:
-                found += judges.stale_grad(report.status, stale or set(report.status), step, where(across.stale_mask))
-            found += crossrank.rank_findings(report, across, obs, names, any(
-                f.kind == "AMP_SKIPPED" and f.level == "info" for f in found))  # (the scaler's own overflow)
-            found += crossrank.replica_findings(across, obs, names, report.status, step, self.ranks.device,
-                                                self.replicas, self._counts, self._fp, self._missed)
-        found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step, obs.loss_ranks)
-        if nonfinite and report.expert_status:
-            found += judges.nonfinite_experts(report.expert_status, step)
-        no_grad = [n for n, s in report.errors.items() if s is Status.NO_GRAD]
-        if self._watch is not None:  # NO_GRAD now: the next forwards look for a reentrant checkpoint
-            self._watch.probe = {module_of(n) for n, s in report.problems.items() if s is Status.NO_GRAD}
-        if no_grad:  # only then: is the model checkpointing its layers?
-            found += judges.checkpoint_no_grad(no_grad, uses_checkpointing(unwrap(self.model)), report.status, step,
-                                               carry.reentrant)
-        if obs.eval_record is None:  # said once, at the first check after they ran (not beside an eval() mistake)
-            found += judges.norm_idioms(carry, step)
-        if carry.checks == 0:  # at the first check: what is frozen, what trains beside it, which stacks
-            for line in (frozen_summary(report.status), experts.describe_stacks(self.view.stacks)):
-                if line:
-                    log.info("%s", line)
-        found += judges.expect_frozen(report.status, o.expect_frozen, step)
-        found += judges.meta_params(self.view.meta_names, step)
-        found += traced(  # resolve the tracer armed after the last NaN; arm it after this one
-            carry, self.model, report, nonfinite and o.trace_on_nonfinite and self.scaler is None)
-        seen = carry.take_output_grad()
-        if nonfinite and across is None and self.scaler is None:  # one process's output; under a scaler, the scale
-            found += judges.nan_from_loss(seen, step, any(f.kind == "NONFINITE_ORIGIN" and f.level == "error" for f in found))
-        checks, every = carry.checks, o.desync_every
-        if across is not None and (checks == 0 or nonfinite or (every > 0 and checks % every == 0)):
-            params = [self.view.params[i] for i in sel.idx]
-            found += crossrank.desync_findings(params, sel.names, report.status, step, self.ranks.device)
-        return found
-
-    def _arm_next(self, report: Report, obs: Observation, optimizer) -> None:
+    def _arm_next(self, report: Report, obs: Observation, optimizer, launch: Launch) -> None:
         if self.tracker is not None:  # the change test runs now after a step that changed nothing, or
             # while a frozen parameter holds a gradient (momentum or weight decay may move it)
-            due = self.carry.still > 0 or any(report.status[n] is Status.FROZEN and n in report.grad_norm
-                                              for n in report.not_ok or ())
-            self.tracker.arm(report.step, [optimizer] if optimizer is not None else self.optimizers, due)
-            if self._after_step:  # its gradients' step already ran: no step is owed them
+            if launch.transfer is None:  # (a deferred check armed its step when it was launched)
+                self.tracker.arm(report.step, [optimizer] if optimizer is not None else self.optimizers, due_test(
+                    self.carry, report))
+            if launch.after_step:  # its gradients' step already ran: no step is owed them
                 self.carry.armed = None
-            else:
-                self.carry.arm(report, self.view.params, obs.with_grad, obs.scale)
+            else:  # (deferred: the witnesses staged at launch)
+                self.carry.arm(report, self.view.params, obs.with_grad if launch.transfer is None else None, obs.scale)
         self.carry.last_scale = obs.scale

@@ -212,7 +212,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         return obs
 
     if deferred:  # read later: :mod:`.deferred`
-        return Pending(launched, finish), plan
+        return Pending(launched, finish, list(with_grad)), plan
     return finish(*launched.read()), plan
 
 
@@ -222,9 +222,15 @@ class Pending:
 
     launched: stats.Launched
     finish: object  # (norms, extras) -> Observation
+    with_grad: list[int] = field(default_factory=list)  # the judged entries with a gradient
+    loss_cause: str | None = None  # what the rank saw besides numbers, as of launch
+    eval_record: ForwardRecord | None = None
+    stale: set[int] = field(default_factory=set)
 
     def complete(self, values: list[float]) -> Observation:
-        return self.finish(*self.launched.resolve(values))
+        obs = self.finish(*self.launched.resolve(values))
+        obs.loss_cause, obs.eval_record, obs.stale = self.loss_cause, self.eval_record, self.stale
+        return obs
 
 
 def failed_observation(view: ParamView, sel: Selection, valid: dict, updates: list[StepStats]) -> Observation:

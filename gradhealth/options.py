@@ -168,6 +168,11 @@ class Options:
             from the model (a parameter of a module named ``experts`` whose leading dimension is
             its ``num_experts`` or the config's expert count); a name pattern, a list of them
             (stacked along dimension 0), or ``{pattern: dimension}`` declares others; False: off.
+        lag: 0 (default): ``check()`` reads its numbers at once (one device-to-host transfer) and
+            returns its own report. 1: deferred (:mod:`gradhealth.deferred`): ``check()`` never makes
+            the host wait for the device; it returns the previous check's report (None at the
+            first), ``flush()``/``close()`` deliver the last, and ``on_problem="raise"`` raises one
+            check later.
     """
 
     on_problem: str = "warn"
@@ -190,6 +195,7 @@ class Options:
     skip_spikes: Any = None
     skip_alarm: int = 3
     grad_sync: str = "auto"
+    lag: int = 0
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -217,6 +223,10 @@ class Options:
                 raise ValueError(f"skip_spikes must be a number > 0 (robust deviations above the median) or None; got {self.skip_spikes!r}")
         check_positive_int("skip_alarm", self.skip_alarm)
         check_choice("grad_sync", self.grad_sync, ("auto", "before_check", "in_optimizer"))
+        check_choice("lag", self.lag, (0, 1))
+        if self.lag and self.skip_spikes is not None:
+            raise ValueError("skip_spikes needs the check's norms on the host before optimizer.step(); it cannot run with "
+                             "lag=1 (a deferred check reads them one check later): use lag=0, or skip_nonfinite alone")
 
     @classmethod
     def check_keywords(cls, changes: dict) -> None:

@@ -43,9 +43,10 @@ def _spike(history, total: float, k: float) -> tuple[float, float] | None:
     return (med, sigma) if total > med + k * sigma and total > med else None
 
 
-def guard(report, options, carry, history, params, scaler_present: bool, tracker=None) -> None:
+def guard(report, options, carry, history, params, scaler_present: bool, tracker=None, drop: bool = True) -> None:
     """Decide whether the step after ``report`` is skipped; if so drop the gradients of ``params``,
-    leave that step unmeasured and add the STEP_SKIPPED finding to ``report``."""
+    leave that step unmeasured and add the STEP_SKIPPED finding to ``report``. ``drop=False``: a
+    deferred check's step, already skipped when it was launched (:mod:`.deferred`): only the finding."""
     report.guarded = True
     why, data = None, {}
     if options.skip_nonfinite and not report.grads_finite and not scaler_present:
@@ -58,8 +59,8 @@ def guard(report, options, carry, history, params, scaler_present: bool, tracker
     if why is None:
         carry.skips_in_a_row = 0
         return
-    dropped = sum(p.grad is not None for p in params)
-    for p in params:
+    dropped = sum(p.grad is not None for p in params) if drop else len(report.grad_norm)
+    for p in params if drop else ():
         p.grad = None
     inside = report.in_optimizer
     outside = sum(1 for n in report.status if inside is not None and not inside.get(n, True))

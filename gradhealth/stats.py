@@ -278,6 +278,10 @@ class Launched:
             parts.append(_maxima(views, plan))
         self.parts = parts + [e for e in extras if e is not None]
 
+    def maxima_part(self) -> Tensor | None:
+        """The packed max |g| of every gradient (with ``maxima``), on the device."""
+        return self.parts[1] if self.maxima else None
+
     def read(self) -> tuple[list[float], list[float]]:
         values = fetch(self.parts)
         norms = self._order(values)

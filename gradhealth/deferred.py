@@ -1,0 +1,197 @@
+"""Deferred checks (``lag=1``): a check that never makes the host wait for the device.
+
+A synchronous check ends in one device-to-host transfer: on a GPU the host stops queueing kernels
+until the device has drained, so the next step's launches no longer hide behind this step's work.
+A deferred check launches the same fused reductions, packs the same numbers (and each gradient's
+max |g|), starts a non-blocking copy of them into pinned host memory with an event, and returns the
+report of the *previous* check, whose copy finished long ago (None at the first check; ``flush()``
+and ``close()`` deliver the last one). What the rank saw besides numbers (the loss's cause, an eval
+forward, stale gradients, a step that already ran on these gradients, the witnesses of its
+gradients) is taken at launch, so each report is labelled with its own step and holds what the
+synchronous check would have found for it. Where the two can differ:
+
+* a gradient norm that came back 0 or inf in fp32 is decided from max |g| (0 and non-finite
+  exactly); where that was fp32 squares under- or overflowing on finite, non-zero values (elements
+  below ~1e-23 or above ~1e19), the exact scaled norm needs the gradient again, and the report
+  gives max |g| (a lower bound; the state is still exact);
+* the change test of the step after check N is armed when N is launched, from what the checks
+  completed before it said (a synchronous check also uses N's own report);
+* ``on_problem="raise"`` raises one check later; ``skip_spikes`` needs the norm on the host before
+  the step and is refused with ``lag=1``.
+
+**The step guard on the device.** With ``skip_nonfinite=True`` the guard must act before
+``optimizer.step()``. torch's fused optimizers (``fused=True`` Adam, AdamW, SGD, Adagrad, on CPU
+too) take a ``found_inf`` device tensor and skip the step inside the kernel, as ``GradScaler`` uses
+them: a deferred check hands them its "some gradient is non-finite" flag, decided from the packed
+max |g| on the device; the poisoned step leaves parameters and optimizer state bit for bit as they
+were, and no host read happens. Any other optimizer needs the decision on the host: the guard reads
+that one flag (a synchronisation) and says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import skipping
+from .stale import witnesses
+from .status import Status
+
+__all__ = ["Launch", "Transfer", "Deferred", "due_test"]
+
+log = logging.getLogger("gradhealth")
+
+
+@dataclass
+class Launch:
+    """One check from the moment it was made: what it judged and what the rank saw then."""
+
+    step: int
+    sel: object
+    optimizer: object
+    reeval: bool
+    obs: object  # an Observation, or (deferred) a Pending until its numbers arrive
+    steps_ran: int | None
+    after_step: bool
+    output_grad: object
+    discarded: bool | None  # (deferred) were the armed check's gradients thrown away, as of launch
+    counts: tuple | None  # the optimizers' step counts as of launch
+    transfer: Transfer | None = None  # (deferred) its numbers on their way to the host
+
+
+def due_test(carry, report) -> bool:
+    """Run the change test at the step after ``report``: after a step that changed nothing, or
+    while a frozen parameter holds a gradient (momentum or weight decay may move it)."""
+    return carry.still > 0 or any(report.status[n] is Status.FROZEN and n in report.grad_norm
+                                  for n in report.not_ok or ())
+
+
+class Transfer:
+    """Packed device numbers on their way to host memory: a non-blocking copy into pinned memory and
+    an event (on the CPU they are there already). :meth:`values` is the deferred path's only read."""
+
+    _pinned: dict = {}  # (device, size) -> two pinned buffers used in turn
+
+    def __init__(self, parts: list[Tensor]):
+        parts = [p for p in parts if p is not None]
+        self.event = None
+        if not parts:
+            self.host = torch.zeros(0, dtype=torch.float64)
+            return
+        device = parts[0].device
+        flat = [p.reshape(-1).to(device=device, dtype=torch.float64, non_blocking=True) for p in parts]
+        packed = flat[0] if len(flat) == 1 else torch.cat(flat)
+        if device.type == "cpu":
+            self.host = packed
+            return
+        self.host = self._buffer(device, packed.numel())
+        self.host.copy_(packed, non_blocking=True)
+        self.event = torch.Event(device=device) if hasattr(torch, "Event") else torch.cuda.Event()
+        self.event.record()
+
+    @classmethod
+    def _buffer(cls, device, n: int) -> Tensor:
+        key = (str(device), n)
+        pair = cls._pinned.get(key)
+        if pair is None:
+            pin = device.type == "cuda"
+            pair = cls._pinned[key] = [torch.empty(n, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        pair.reverse()  # (the other one may still be read by a launch not completed yet)
+        return pair[0]
+
+    def values(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()  # (recorded a whole step ago: long complete)
+        return self.host.tolist()
+
+
+class Deferred:
+    """The monitor's deferred checks: at most one in flight."""
+
+    def __init__(self, monitor):
+        self.monitor = monitor
+        self.inflight: Launch | None = None
+        self._said_host_guard = False
+        self._handles: dict = {}  # optimizer id -> the post-hook that takes the flag back after its step
+
+    def check(self, step: int, loss, optimizer):
+        """Complete the check in flight (its report, or None), then launch this one."""
+        done = self.complete() if self.inflight is not None else None
+        m = self.monitor
+        launch = m._launch(step, loss, optimizer, deferred=True)
+        pending = launch.obs
+        launch.transfer = Transfer(pending.launched.parts)
+        if m.tracker is not None and not launch.reeval:
+            judged = [optimizer] if optimizer is not None else m.optimizers
+            last = m.last_report
+            m.tracker.arm(step, judged, last is not None and due_test(m.carry, last))
+            if not launch.after_step:
+                m.carry.stage(step, witnesses(m.view.params, pending.with_grad))
+        if m.options.skip_nonfinite and m.scaler is None:
+            self._guard(launch)
+        self.inflight = launch
+        return done
+
+    def complete(self):
+        """The report of the check in flight (its numbers read now: their copy finished long ago)."""
+        launch, self.inflight = self.inflight, None
+        m = self.monitor
+        pending = launch.obs
+        launch.obs = pending.complete(launch.transfer.values())
+        report = m._complete(launch)
+        m.carry.checks += 1
+        m.last_report = report
+        if m.options.skip_nonfinite and m.scaler is None:  # (a poisoned step was skipped at launch: the finding)
+            v = m.view
+            skipping.guard(report, m.options, m.carry, None, [v.params[i] for i in launch.sel.idx], False, None,
+                           drop=False)
+        return report
+
+    # ------------------------------------------------------------------ the step guard
+    def _guard(self, launch: Launch) -> None:
+        """Make the step after this check skip itself when a gradient is non-finite, decided on the
+        device where the optimizer can take it (see the module's docstring)."""
+        m = self.monitor
+        maxima = launch.obs.launched.maxima_part()
+        if maxima is None:
+            return
+        flag = (~torch.isfinite(maxima)).any().to(torch.float32)  # (0-d, as GradScaler hands it over)
+        judged = [launch.optimizer] if launch.optimizer is not None else m.optimizers
+        host = [opt for opt in judged if not fused(opt)]
+        for opt in judged:
+            if opt not in host:
+                device = next((p.device for g in opt.param_groups for p in g["params"]), flag.device)
+                opt.found_inf = flag.to(device, non_blocking=True)
+                if id(opt) not in self._handles:
+                    self._handles[id(opt)] = opt.register_step_post_hook(_forget_found_inf)
+        if host:
+            if not self._said_host_guard:
+                self._said_host_guard = True
+                names = ", ".join(sorted({type(o).__name__ for o in host}))
+                log.warning("gradhealth: skip_nonfinite with lag=1 and %s (not a fused torch optimizer): the guard "
+                            "reads one flag on the host before each step (a synchronisation). A fused optimizer "
+                            "(torch.optim.AdamW(..., fused=True)) takes the decision on the device.", names)
+            if bool(flag.item()):  # (the one host read this guard needs)
+                v = m.view
+                for i in launch.sel.idx:
+                    v.params[i].grad = None
+
+    def close(self) -> None:
+        for h in self._handles.values():
+            h.remove()
+        self._handles = {}
+
+
+def fused(opt) -> bool:
+    """Does ``opt`` take a ``found_inf`` tensor and skip its step inside the kernel (torch's fused
+    optimizers, as ``GradScaler`` drives them)?"""
+    return (type(opt).__module__.startswith("torch.optim.") and bool(getattr(opt, "_step_supports_amp_scaling", False))
+            and any(g.get("fused") for g in opt.param_groups))
+
+
+def _forget_found_inf(opt, _args, _kwargs) -> None:
+    if hasattr(opt, "found_inf"):
+        del opt.found_inf

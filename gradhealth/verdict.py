@@ -1,0 +1,80 @@
+"""Stage 6 of a check: the judges, in order, on a report the monitor built (:mod:`.monitor`).
+
+Each judge is a pure function of observed values (:mod:`.judges`, :mod:`.crossrank`,
+:mod:`.replay`); this is the order they run in and what each is given.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import crossrank, experts, judges
+from .guards import uses_checkpointing
+from .naming import module_of
+from .replay import traced
+from .report import frozen_summary
+from .status import Status
+from .wrappers import unwrap
+
+__all__ = ["judge"]
+
+log = logging.getLogger("gradhealth")
+
+
+def judge(m, report, obs, across, sel, seen=None) -> list:
+    """The findings of monitor ``m``'s judges for ``report`` (``seen``: the output gradient the
+    loss's backward left, as of the check's launch)."""
+    step, o, carry, names = report.step, m.options, m.carry, m.view.names
+    nonfinite = not report.grads_finite
+    found = []
+    if m.scaler is not None and obs.scale is not None:
+        if nonfinite:
+            skip = judges.amp_skip(obs.scale, carry.amp_skips + 1, o.amp_skip_alarm, step, not carry.amp_settled)
+            if skip[0].level == "info":  # the scaler skips this step: nothing for the user to do
+                report.tolerated = report.tolerated | {n for n, s in report.problems.items() if s is Status.NON_FINITE_GRAD}
+            found += skip
+        found += judges.amp_floor(obs.scale, o.amp_scale_floor, step)
+    stale = {names[i] for i in obs.stale}
+    if across is None:
+        found += judges.loss_cause(obs.loss_cause, step)
+        found += judges.eval_mode(obs.eval_record, step)
+        found += judges.stale_grad(report.status, stale, step)
+    else:  # what single ranks saw, said the same way on every rank
+        where = lambda mask: crossrank.where(mask, across.world)  # noqa: E731
+        if across.cause_mask:
+            found += judges.loss_cause(obs.loss_cause or "see that rank's warning", step, where(across.cause_mask))
+        if across.eval_mask:
+            found += judges.eval_mode(crossrank.remote_record(obs.eval_record), step, where(across.eval_mask))
+        if across.stale_mask:
+            found += judges.stale_grad(report.status, stale or set(report.status), step, where(across.stale_mask))
+        found += crossrank.rank_findings(report, across, obs, names, any(
+            f.kind == "AMP_SKIPPED" and f.level == "info" for f in found))  # (the scaler's own overflow)
+        found += crossrank.replica_findings(across, obs, names, report.status, step, m.ranks.device,
+                                            m.replicas, m._counts, m._fp, m._missed)
+    found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step, obs.loss_ranks)
+    if nonfinite and report.expert_status:
+        found += judges.nonfinite_experts(report.expert_status, step)
+    no_grad = [n for n, s in report.errors.items() if s is Status.NO_GRAD]
+    if m._watch is not None:  # NO_GRAD now: the next forwards look for a reentrant checkpoint
+        m._watch.probe = {module_of(n) for n, s in report.problems.items() if s is Status.NO_GRAD}
+    if no_grad:  # only then: is the model checkpointing its layers?
+        found += judges.checkpoint_no_grad(no_grad, uses_checkpointing(unwrap(m.model)), report.status, step,
+                                           carry.reentrant)
+    if obs.eval_record is None:  # said once, at the first check after they ran (not beside an eval() mistake)
+        found += judges.norm_idioms(carry, step)
+    if carry.checks == 0:  # at the first check: what is frozen, what trains beside it, which stacks
+        for line in (frozen_summary(report.status), experts.describe_stacks(m.view.stacks)):
+            if line:
+                log.info("%s", line)
+    found += judges.expect_frozen(report.status, o.expect_frozen, step)
+    found += judges.meta_params(m.view.meta_names, step)
+    found += traced(  # resolve the tracer armed after the last NaN; arm it after this one
+        carry, m.model, report, nonfinite and o.trace_on_nonfinite and m.scaler is None)
+    if nonfinite and across is None and m.scaler is None:  # one process's output; under a scaler, the scale
+        found += judges.nan_from_loss(seen, step, any(f.kind == "NONFINITE_ORIGIN" and f.level == "error" for f in found))
+    checks, every = carry.checks, o.desync_every
+    if across is not None and (checks == 0 or nonfinite or (every > 0 and checks % every == 0)):
+        params = [m.view.params[i] for i in sel.idx]
+        found += crossrank.desync_findings(params, sel.names, report.status, step, m.ranks.device)
+    return found
+

@@ -1,0 +1,277 @@
+"""Deferred checks (``lag=1``): the same reports as the synchronous check, one check later, and no
+host read on the check's path but the completed copy of an earlier check; the step guard decided
+on the device for torch's fused optimizers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gradhealth as gh
+from gradhealth import deferred, stats
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Keep:
+    def __init__(self):
+        self.reports = []
+
+    def write(self, report):
+        self.reports.append(report)
+
+
+def _net():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def train(lag: int, case: str, steps: int = 10):
+    """One plain loop with a planted ``case``; returns the sink's reports, check()'s return values,
+    the losses and the monitor."""
+    torch.manual_seed(0)
+    model = _net()
+    head = nn.Linear(16, 4)  # used only by "unused"
+    params = list(model.parameters())
+    if case == "frozen_decay":
+        model[0].weight.requires_grad_(False)
+    if case == "not_in_optimizer":
+        params = params[:4]
+    if case == "unused":
+        model.add_module("head", head)
+        params = list(model.parameters())
+    lr = 0.0 if case == "lr0" else 1e-2
+    fused = case in ("nan_guard_fused", "healthy_fused")
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if case == "scaler" else None
+    keep = Keep()
+    monitor = gh.GradHealth(model, opt, scaler=scaler, on_problem="ignore", lag=lag, sinks=[keep], update_every=3,
+                            change_every=2, skip_nonfinite=case.startswith("nan_guard"))
+    returned, losses = [], []
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        micro = 2 if case == "accumulate" else 1
+        for _ in range(micro):
+            x = torch.randn(32, 8, generator=g)
+            y = x[:, :4].sum(1, keepdim=True)
+            if case.startswith("nan") and step == 4:
+                x[0, 0] = math.inf
+            mask = torch.ones(32, dtype=torch.bool) if not (case == "empty_mask" and step == 3) else torch.zeros(32, dtype=torch.bool)
+            monitor.track_valid(mask, "rows")
+            out = model[:5](x) if case != "unused" else model[:5](x)
+            loss = ((out - y) ** 2)[mask].sum() / mask.sum().clamp(min=1) / micro
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        losses.append(float(loss.detach()))
+        r = monitor.check(loss=loss)
+        returned.append(None if r is None else r.step)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if case != "no_zero_grad":
+            opt.zero_grad()
+    monitor.close()
+    return keep.reports, returned, losses, monitor
+
+
+def _key(r):
+    return repr((r.step, {n: s.value for n, s in r.status.items()}, r.grad_norm, r.total_grad_norm, r.loss,
+                 r.valid_counts, sorted((f.kind, f.level, f.step, tuple(f.params), f.message) for f in r.findings),
+                 r.update_norm, r.ok))
+
+
+CASES = ["healthy", "healthy_fused", "not_in_optimizer", "unused", "frozen_decay", "lr0", "no_zero_grad",
+         "accumulate", "scaler", "empty_mask", "nan_guard", "nan_guard_fused"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_deferred_reports_are_the_synchronous_ones_one_check_later(case):
+    sync, returned_sync, losses, _ = train(0, case)
+    late, returned_late, _, _ = train(1, case)
+    # check() returns its own report synchronously, the previous one deferred (None at the first); close() the last
+    assert returned_sync == list(range(10)) and returned_late == [None, *range(9)]
+    steps = [r.step for r in late]
+    assert sorted(set(steps)) == list(range(10))
+    # every report the sinks got (first delivery, then again once its step's updates are known), identical
+    assert [_key(r) for r in late] == [_key(r) for r in sync]
+    if case == "healthy":  # a healthy control: it trains, and every report is clean
+        assert losses[-1] < losses[0] and all(r.ok and not r.problems for r in sync)
+        assert any(r.update_norm for r in late)  # the update numbers travel too
+    kinds = {f.kind for r in sync for f in r.findings}
+    if case == "not_in_optimizer":  # each planted bug is named in the synchronous reports (and so in the deferred)
+        assert set(sync[0].problems.values()) == {gh.Status.NOT_IN_OPTIMIZER}
+    if case == "unused":
+        assert set(sync[-1].problems.values()) == {gh.Status.NO_GRAD}
+    if case == "lr0":
+        assert "NOT_UPDATED" in kinds
+    if case == "no_zero_grad":
+        assert "STALE_GRAD" in kinds
+    if case == "empty_mask":
+        assert sync[3].valid_counts == {"rows": 0} and sync[3].findings_of("EMPTY_VALID_SET")
+    if case.startswith("nan_guard"):
+        bad = [r for r in sync if not r.grads_finite]
+        assert [r.step for r in bad][:1] == [4] and bad[0].findings_of("STEP_SKIPPED")
+
+
+def test_raise_comes_one_check_later_naming_the_step():
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.SGD(list(model.parameters())[:4], lr=0.1)
+    monitor = gh.GradHealth(model, opt, on_problem="raise", lag=1)
+    model(torch.randn(4, 8)).sum().backward()
+    assert monitor.check() is None  # launched: nothing read yet
+    opt.step()
+    opt.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(gh.GradHealthError, match="step 0") as err:
+        monitor.check()
+    assert "NOT_IN_OPTIMIZER" in str(err.value) and "4." in str(err.value)
+
+
+def test_flush_delivers_the_check_in_flight():
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    keep = Keep()
+    monitor = gh.GradHealth(model, opt, lag=1, sinks=[keep])
+    model(torch.randn(4, 8)).sum().backward()
+    monitor.check()
+    assert keep.reports == []
+    monitor.flush()
+    assert [r.step for r in keep.reports] == [0]
+    monitor.close()
+
+
+def test_skip_spikes_is_refused_with_lag():
+    with pytest.raises(ValueError, match="skip_spikes .* lag=1"):
+        gh.Options(lag=1, skip_spikes=6.0)
+    with pytest.raises(ValueError, match="lag must be one of 0, 1"):
+        gh.Options(lag=2)
+
+
+# ----------------------------------------------------------------------------- host reads
+class HostReads(TorchDispatchMode):
+    """Every read of a tensor's value by the host: a scalar read (``item``, ``bool``, ``int``) or a
+    copy from a device to the CPU."""
+
+    READS = {"_local_scalar_dense", "item", "is_nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        if name in self.READS:
+            self.reads.append(name)
+        elif name in ("_to_copy", "copy_", "to"):
+            src = args[1] if name == "copy_" else args[0]
+            dst = kwargs.get("device") if name != "copy_" else args[0].device
+            if isinstance(src, torch.Tensor) and src.device.type != "cpu" and torch.device(dst or "cpu").type == "cpu":
+                self.reads.append(f"{name}:{src.device}->cpu")
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The project's own transfer points, counted: ``stats.fetch`` (a synchronous check's one
+    transfer) and ``Transfer.values`` (a deferred check's completed copy)."""
+    calls = {"fetch": 0, "values": 0}
+    fetch, values = stats.fetch, deferred.Transfer.values
+
+    def counted_fetch(parts):
+        calls["fetch"] += 1
+        return fetch(parts)
+
+    def counted_values(self):
+        calls["values"] += 1
+        return values(self)
+
+    monkeypatch.setattr(stats, "fetch", counted_fetch)
+    monkeypatch.setattr(deferred.Transfer, "values", counted_values)
+    return calls
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+@pytest.mark.parametrize("fused", [False, True])
+def test_host_reads_during_a_check(counted, lag, fused):
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    monitor = gh.GradHealth(model, opt, lag=lag, update_every=2, change_every=1, skip_nonfinite=fused)
+    per_check = []
+    for step in range(8):
+        x = torch.randn(16, 8)
+        loss = ((model(x) - x[:, :1]) ** 2).mean()
+        loss.backward()
+        before = dict(counted)
+        with HostReads() as mode:
+            monitor.check(loss=loss)
+        per_check.append((mode.reads, counted["fetch"] - before["fetch"], counted["values"] - before["values"]))
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    for step, (reads, fetches, values) in enumerate(per_check):
+        assert reads == [], (step, reads)  # no scalar read, no copy to the host: not even the guard's (fused)
+        if lag:
+            assert fetches == 0 and values == (0 if step == 0 else 1), (step, fetches, values)
+        else:
+            assert fetches == 1 and values == 0, (step, fetches, values)  # exactly the one transfer
+
+
+def test_a_non_fused_guard_reads_one_flag_and_says_so_once(counted, caplog):
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = gh.GradHealth(model, opt, lag=1, skip_nonfinite=True)
+    reads = []
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+        with HostReads() as mode:
+            monitor.check()
+        reads.append(mode.reads)
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    assert reads == [["_local_scalar_dense"]] * 3
+    said = [r for r in caplog.records if "reads one flag on the host" in r.getMessage()]
+    assert len(said) == 1 and "AdamW" in said[0].getMessage()
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD"])
+def test_the_fused_guard_leaves_a_poisoned_step_bit_for_bit(name):
+    torch.manual_seed(0)
+    model = _net()
+    kw = {"momentum": 0.9} if name == "SGD" else {}
+    opt = getattr(torch.optim, name)(model.parameters(), lr=1e-2, fused=True, **kw)
+    monitor = gh.GradHealth(model, opt, lag=1, skip_nonfinite=True, on_problem="ignore")
+    keep = Keep()
+    monitor.publisher.sinks = (*monitor.publisher.sinks, keep)
+    for step in range(6):
+        x = torch.randn(16, 8)
+        if step == 3:
+            x[0, 0] = math.inf
+        loss = ((model(x) - x[:, :1].nan_to_num(posinf=0.0)) ** 2).mean()
+        loss.backward()
+        monitor.check(loss=loss)
+        if step == 3:  # the premise: the gradients are poisoned; what the step would change is all of it
+            assert not all(torch.isfinite(p.grad).all() for p in model.parameters())
+            before = ([p.detach().clone() for p in model.parameters()],
+                      [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()])
+        opt.step()
+        if step == 3:
+            assert all(torch.equal(a, p) for a, p in zip(before[0], model.parameters()))
+            for saved, p in zip(before[1], model.parameters()):
+                assert saved.keys() == opt.state[p].keys()
+                assert all(torch.equal(saved[k], opt.state[p][k]) for k in saved)
+            assert not hasattr(opt, "found_inf")  # handed back after the step
+        opt.zero_grad()
+    monitor.close()
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # and training went on
+    skipped = [f for r in keep.reports for f in r.findings if f.kind == "STEP_SKIPPED"]
+    assert skipped and skipped[0].step == 3
