@@ -60,6 +60,7 @@ class Launch:
     discarded: bool | None  # (deferred) were the armed check's gradients thrown away, as of launch
     counts: tuple | None  # the optimizers' step counts as of launch
     transfer: Transfer | None = None  # (deferred) its numbers on their way to the host
+    ranks: list | None = None  # (deferred, torch.distributed) what DDP's hooks saw: see ``Monitor._reduce``
 
 
 def due_test(carry, report) -> bool:
@@ -123,7 +124,15 @@ class Deferred:
         m = self.monitor
         launch = m._launch(step, loss, optimizer, deferred=True)
         pending = launch.obs
-        launch.transfer = Transfer(pending.launched.parts)
+        parts = list(pending.launched.parts)
+        r = m.ranks
+        if r.active:  # what DDP's hooks saw of this backward, taken now, read with the same copy
+            snap = r.origin.snapshot([m.view.params[i] for i in launch.sel.idx]) if r.origin else None
+            launch.ranks = [snap, None, r.origin is not None and r.origin.unsynced() and bool(pending.with_grad),
+                            r.take_nosync_step()]
+            if snap is not None and snap[1] is not None:
+                parts.append(snap[1])
+        launch.transfer = Transfer(parts)
         if m.tracker is not None and not launch.reeval:
             judged = [optimizer] if optimizer is not None else m.optimizers
             last = m.last_report
@@ -140,7 +149,11 @@ class Deferred:
         launch, self.inflight = self.inflight, None
         m = self.monitor
         pending = launch.obs
-        launch.obs = pending.complete(launch.transfer.values())
+        values = launch.transfer.values()
+        k = sum(p.numel() for p in pending.launched.parts)
+        launch.obs = pending.complete(values[:k])
+        if launch.ranks is not None:
+            launch.ranks[1] = values[k:]
         report = m._complete(launch)
         m.carry.checks += 1
         m.last_report = report
@@ -167,6 +180,12 @@ class Deferred:
                 opt.found_inf = flag.to(device, non_blocking=True)
                 if id(opt) not in self._handles:
                     self._handles[id(opt)] = opt.register_step_post_hook(_forget_found_inf)
+        if len(host) < len(judged):  # gradients no optimizer consumes: emptied on the device when the flag is set
+            inside = {id(p) for opt in judged for g in opt.param_groups for p in g["params"]}
+            outside = [g for i in launch.sel.idx if id(m.view.params[i]) not in inside
+                       and (g := m.view.params[i].grad) is not None and g.layout is torch.strided]
+            for g in outside:
+                g.masked_fill_(flag.to(g.device, non_blocking=True).bool(), 0.0)
         if host:
             if not self._said_host_guard:
                 self._said_host_guard = True

@@ -192,19 +192,31 @@ class RankOrigin:
         a few hundred in float16): an inf is an inf element only where the reduced gradient is
         non-finite too (DDP averages: an inf element stays inf, finite ones stay finite); a NaN
         norm always is one. (A max-norm would tell at once, but costs 4x the 2-norm on the CPU.)"""
+        snap = self.snapshot(params)
+        return self.judge(snap, snap[1].tolist() if snap is not None and snap[1] is not None else [], reduced)
+
+    def snapshot(self, params: list[Tensor]) -> tuple[list[bool], Tensor | None] | None:
+        """The hook's norms of ``params`` as one device tensor (which had one), taken now; read it
+        with the check's transfer (a deferred check) or at once (:meth:`take`)."""
         if not self.local:
             return None
         vals = [self.local.get(id(p)) for p in params]
         present = [v for v in vals if v is not None]
-        fetched = torch.stack(present).tolist() if present else []
+        self.local = {}
+        return [v is not None for v in vals], torch.stack(present) if present else None
+
+    def judge(self, snap, fetched: list[float], reduced: list[float | None]) -> tuple[list[float], list[float]] | None:
+        """:meth:`take` from a :meth:`snapshot` and its values read back."""
+        if snap is None:
+            return None
         it = iter(fetched)
+        vals = snap[0]
         bad, zero = [], []
         for v, after in zip(vals, reduced):
-            x = next(it) if v is not None else 0.0
+            x = next(it) if v else 0.0
             overflow = x == math.inf and after is not None and math.isfinite(after)
             bad.append(0.0 if math.isfinite(x) or overflow else 1.0)
             zero.append(1.0 if x == 0.0 else 0.0)
-        self.local = {}
         return bad, zero
 
 

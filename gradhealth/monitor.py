@@ -282,7 +282,7 @@ class GradHealth:
     def _complete(self, launch: Launch) -> Report:
         """The report of a launched check, from its numbers on the host."""
         step, sel, optimizer, reeval, obs = launch.step, launch.sel, launch.optimizer, launch.reeval, launch.obs
-        across = self._reduce(obs) if self.ranks.active else None
+        across = self._reduce(obs, launch.ranks) if self.ranks.active else None
         report = self._classify(step, sel, obs, optimizer)
         if self.view.stacks:
             experts.fill(report, self.view.stacks, obs.slices, obs.router)
@@ -340,16 +340,22 @@ class GradHealth:
             obs, self._failed = failed_observation(self.view, sel, valid, updates), exc
         return obs, steps_ran
 
-    def _reduce(self, obs: Observation) -> crossrank.Across:
-        """THE collective of a check: every rank's numbers summed, the same verdict everywhere."""
+    def _reduce(self, obs: Observation, seen=None) -> crossrank.Across:
+        """THE collective of a check: every rank's numbers summed, the same verdict everywhere.
+        ``seen``: what DDP's hooks saw, as of a deferred check's launch (:mod:`.deferred`)."""
         r = self.ranks
-        pre = r.origin.take([self.view.params[i] for i in obs.idx], [obs.norm_of[i] for i in obs.idx]) if r.origin else None
-        unsynced = r.origin is not None and r.origin.unsynced() and bool(obs.with_grad)
+        if seen is None:
+            seen = (r.origin.snapshot([self.view.params[i] for i in obs.idx]) if r.origin else None, None,
+                    r.origin is not None and r.origin.unsynced() and bool(obs.with_grad), r.take_nosync_step())
+        snap, fetched, unsynced, nosync = seen
+        if fetched is None and snap is not None and snap[1] is not None:
+            fetched = snap[1].tolist()
+        pre = r.origin.judge(snap, fetched or [], [obs.norm_of[i] for i in obs.idx]) if r.origin else None
         self._counts, self._fp, self._shards = ((self.carry.checks, self.tracker.total_steps if self.tracker else 0),
                                                 self.replicas.fingerprints(self.view.params, obs.idx, obs.sharded),
                                                 (obs.sharded, obs.holders))
         vec, lay = crossrank.pack_rank(obs, r.rank, r.world, pre, self._failed is not None, unsynced, self._counts,
-                                       self._fp, r.take_nosync_step(), self.tracker is not None,
+                                       self._fp, nosync, self.tracker is not None,
                                        self._missed is not None and self._missed.joining)
         across = crossrank.combine(all_reduce_tensor(vec, r.device), lay, obs, r.world)
         if across.failed:

@@ -235,7 +235,7 @@ def s_local_failure(rank, world):
         def broken(*a, **k):
             raise RuntimeError("planted failure")
 
-        stats.grad_norms = broken  # this rank's check breaks before the collective
+        stats.Launched.read = broken  # this rank's check breaks before the collective
     ddp(torch.randn(2, 4)).sum().backward()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -378,9 +378,44 @@ def s_skip_rank1(rank, world):
             "steps": [float(opt.state[p]["step"]) for p in model.parameters()]}
 
 
+def s_deferred(rank, world):
+    """The same DDP loop twice, synchronous then deferred (lag=1): NaN on rank 1 at step 3 with the
+    step guard, a parameter left out of the optimizer. Each rank's reports, compared by the test."""
+    out = {}
+    for lag in (0, 1):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(list(ddp.parameters())[:4], lr=1e-2, fused=True)
+
+        class Keep:
+            reports = []
+
+            def write(self, report):
+                self.reports.append(_report(report) | {"step": report.step, "updates": report.update_norm})
+
+        keep = Keep()
+        keep.reports = []
+        mon = gh.GradHealth(ddp, opt, on_problem="ignore", lag=lag, sinks=[keep], skip_nonfinite=True, update_every=2)
+        g = torch.Generator().manual_seed(rank)
+        returned = []
+        for step in range(6):
+            x = torch.randn(8, 4, generator=g)
+            if rank == 1 and step == 3:
+                x[0, 0] = float("inf")
+            ddp(x).pow(2).mean().backward()
+            r = mon.check()
+            returned.append(None if r is None else r.step)
+            opt.step()
+            opt.zero_grad()
+        mon.close()
+        out[str(lag)] = {"reports": keep.reports, "returned": returned}
+    return out
+
+
 SCENARIOS = {"skip_rank1": s_skip_rank1, "healthy_replicas": s_healthy_replicas, "fsdp2_healthy": s_fsdp2_healthy,
              **{f"replicas_{c}": (lambda c: lambda rank, world: _replicas(rank, world, c))(c)
                 for c in ("roundtrip", "roundtrip_fixed", "around", "around_fixed", "bucket", "bucket_fixed",
                           "nan_collective")},
 "local_failure": s_local_failure, "fsdp1": s_fsdp1, "verdict": s_verdict, "nan_rank1": s_nan_rank1, "desync": s_desync, "raise": s_raise,
-             "no_sync": s_no_sync, "sharded": s_sharded}
+             "no_sync": s_no_sync, "sharded": s_sharded, "deferred": s_deferred}

@@ -162,3 +162,17 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank_together(tmp_path):
         assert r["skipped"] == [None, None, None, [3, [1]], None, None]  # step 3, produced on rank 1
         assert all(r["finite"]) and r["steps"] == [5.0] * 4  # 6 steps, one dropped: 5 updates
     assert ranks[0]["params"] == ranks[1]["params"]  # the replicas stay identical
+
+
+def test_deferred_checks_give_every_rank_the_synchronous_reports(tmp_path):
+    ranks = spawn("deferred", tmp_path)
+    for r in ranks:
+        sync, late = r["0"], r["1"]
+        assert sync["returned"] == list(range(6)) and late["returned"] == [None, *range(5)]
+        assert late["reports"] == sync["reports"]  # one collective per check, made when the check completes
+    assert ranks[0]["1"]["reports"] == ranks[1]["1"]["reports"]
+    first = ranks[0]["0"]["reports"][0]
+    assert set(first["status"].values()) == {"OK", "NOT_IN_OPTIMIZER"}
+    poisoned = [rep for rep in ranks[0]["0"]["reports"] if rep["step"] == 3][0]
+    kinds = {f[0] for f in poisoned["findings"]}
+    assert "STEP_SKIPPED" in kinds and "NONFINITE_RANK" in kinds
