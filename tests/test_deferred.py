@@ -275,3 +275,55 @@ def test_the_fused_guard_leaves_a_poisoned_step_bit_for_bit(name):
     assert all(torch.isfinite(p).all() for p in model.parameters())  # and training went on
     skipped = [f for r in keep.reports for f in r.findings if f.kind == "STEP_SKIPPED"]
     assert skipped and skipped[0].step == 3
+
+
+# ----------------------------------------------------------------------------- through the callbacks
+def _lightning(lag: int, bug: str | None):
+    from test_lightning import Reports, fit
+
+    from gradhealth.demos.lightning_parts import DemoModule
+    from gradhealth.integrations.lightning import GradHealthCallback
+
+    keep = Reports()
+    cb = GradHealthCallback(lag=lag, sinks=[keep], on_problem="ignore", replay_on_nonfinite=False)
+    torch.manual_seed(0)
+    fit(DemoModule(bug=bug) if bug else DemoModule(), [cb], steps=5)
+    return keep.reports
+
+
+@pytest.mark.parametrize("bug", [None, "not_in_optimizer", "lr_zero", "missing_zero_grad", "eval_mode"])
+def test_the_lightning_callback_takes_lag_and_reports_the_same(bug):
+    sync, late = _lightning(0, bug), _lightning(1, bug)
+    assert [r.step for r in sync] == [0, 1, 2, 3, 4] == sorted({r.step for r in late})  # the last one too
+    assert [_key(r) for r in late] == [_key(r) for r in sync]
+    if bug is None:
+        assert all(r.ok and not r.problems for r in sync)
+    else:
+        assert any(r.problems or r.findings for r in sync)
+
+
+def test_the_hf_trainer_callback_takes_lag(tmp_path):
+    pytest.importorskip("transformers")
+    from test_transformers import HeadOutOfOptimizer, Kept, Tokens, arguments, tiny_bert
+
+    from gradhealth.integrations.transformers import GradHealthCallback
+
+    runs = []
+    for lag in (0, 1):
+        torch.manual_seed(0)
+        kept = Kept()
+        cb = GradHealthCallback(on_problem="ignore", lag=lag, sinks=[kept])
+        trainer = HeadOutOfOptimizer(model=tiny_bert(), args=arguments(tmp_path / str(lag), max_steps=4),
+                                     train_dataset=Tokens(), callbacks=[cb])
+        trainer.train()
+        runs.append(kept.reports)
+    sync, late = runs
+    assert [r.step for r in sync] == [1, 2, 3, 4] == sorted({r.step for r in late})
+    # the same states, norms and losses; the same findings about the same steps (Trainer's logging flushes
+    # the monitor, which delivers a finding about a step's update into that step's report alone, or also into
+    # the next one when the check that resolves it comes first)
+    numbers = lambda r: repr((r.step, r.status, r.grad_norm, r.loss, r.update_norm))  # noqa: E731
+    assert [numbers(r) for r in late] == [numbers(r) for r in sync]
+    said = lambda reports: {(f.kind, f.level, f.step, f.message) for r in reports for f in r.findings}  # noqa: E731
+    assert said(late) == said(sync) | {f for f in said(late) if f[0] == "NOT_UPDATED" and f[1] == "info"}
+    assert {s for s in sync[0].problems.values()} == {gh.Status.NOT_IN_OPTIMIZER}
