@@ -442,14 +442,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", action="store_true", help="the whole-step section times only the plain step, the "
                                                            "default monitor and the clipping pair (more rounds in the time)")
     ap.add_argument("--sections", default="all",
-                    help="comma-separated: step,checks,budget,deltas,experts,many,tracer,distributed,lightning,transformers,"
-                         "tensorboard (default: all)")
+                    help="comma-separated: step,small,checks,budget,deltas,experts,many,tracer,distributed,lightning,"
+                         "transformers,tensorboard (default: all)")
     args = ap.parse_args(argv)
     print(f"gradhealth bench: torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
     chosen = list(SHAPES.items())
     if args.shapes != "all":
         chosen = [chosen[int(i)] for i in args.shapes.split(",")]
-    sections = ({"step", "checks", "budget", "deltas", "experts", "many", "tracer", "distributed", "lightning", "transformers", "tensorboard"}
+    sections = ({"step", "small", "checks", "budget", "deltas", "experts", "many", "tracer", "distributed", "lightning", "transformers", "tensorboard"}
                 if args.sections == "all"
                 else set(args.sections.split(",")))
     if "step" in sections and args.device == "cpu":
@@ -459,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.many is not None:
             many = tuple(int(n) for n in args.many.split(",") if n)
         bench_whole_step(args.rounds, chosen, many=many, batch=args.batch, targets=args.targets)
+    if "small" in sections and args.device == "cpu":
+        from gradhealth.benchmarks.small import bench_small
+
+        bench_small(args.rounds)
     for label, (blocks, width) in chosen:
         if "checks" in sections:
             bench_shape(label, blocks, width, args.rounds, args.device)

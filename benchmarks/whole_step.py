@@ -65,7 +65,8 @@ def _no_witnesses(monitor: GradHealth) -> None:
     monitor.tracker.witness.arm = lambda *a, **k: None
 
 
-def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=VARIANTS) -> dict[str, dict[str, float]]:
+def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=VARIANTS,
+            clips=None) -> dict[str, dict[str, float]]:
     """Per variant: ``mean`` and ``median`` seconds of a whole step, ``extra_mean`` and
     ``extra_median`` (what it costs above the plain step, from the sandwiches below) and ``floor``
     (seconds of one fused norm pass, measured in the plain run). Returns ``{variant: {...}}``.
@@ -73,7 +74,10 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
     Each round runs ``steps`` steps of the plain variant, then of one monitored variant, then plain
     again, and so on (P V1 P V2 ... Vn P, the variants' order rotating from round to round): a
     variant's cost in a round is its block minus the mean of the two plain blocks around it, so a
-    machine that slows down or speeds up between blocks cancels out."""
+    machine that slows down or speeds up between blocks cancels out. ``clips``: variant -> "torch"
+    (torch's clip after the backward), "shared" (the monitor's) or "item" (torch's clip and its
+    total read on the host: the one number a user logs); default :data:`CLIPS`."""
+    clips = CLIPS if clips is None else clips
     torch.manual_seed(0)
     base = make_model()
     tmp = tempfile.mkdtemp(prefix="gradhealth_bench_")
@@ -92,7 +96,7 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
             monitor = GradHealth(model, opt, on_problem="ignore", **kw)
             if name == "stale witnesses off":
                 _no_witnesses(monitor)
-        runs[name] = (model, opt, monitor, [], CLIPS.get(name))
+        runs[name] = (model, opt, monitor, [], clips.get(name))
     floors: list[float] = []
     with torch.no_grad():
         target = torch.randn_like(base(batch))  # a regression target: every layer gets a gradient
@@ -108,6 +112,8 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         elif clip == "shared":
             monitor.clip_grad_norm_(MAX_NORM)
+        elif clip == "item":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
         opt.step()
         times.append(time.perf_counter() - t0)
         if timed_floor:  # one fused norm pass, where the check would run (after a backward)

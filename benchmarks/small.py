@@ -1,0 +1,82 @@
+"""The small-model section of ``gradhealth bench``: on tiny models a check's fixed Python cost, not
+its norm pass, is what the user pays. A 6-tensor MLP, a small CNN and a 2-block transformer, each
+trained step by step (zero_grad, forward, backward, [check], optimizer.step) with: nothing, the one
+number a user logs instead (``clip_grad_norm_(..., max_norm).item()``: one fused norm and one host
+read), the default monitor, and the deferred monitor (``lag=1``). Blocks interleaved as in the
+whole-step section (a variant's cost is its block minus the plain blocks around it); the ratio
+column is each variant's cost over the one number's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradhealth.benchmarks.whole_step import measure
+
+__all__ = ["SMALL", "bench_small"]
+
+
+class MLP(nn.Module):  # 6 tensors
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                 nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                 nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Transformer(nn.Module):  # 2 blocks
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True), 2,
+                                            enable_nested_tensor=False)
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+#: label -> (model factory, batch)
+SMALL = {
+    "6-tensor MLP": (MLP, lambda: torch.randn(8, 32)),
+    "small CNN (8x3x32x32)": (CNN, lambda: torch.randn(8, 3, 32, 32)),
+    "2-block transformer (8x16x64)": (Transformer, lambda: torch.randn(8, 16, 64)),
+}
+
+VARIANTS = {
+    "plain step": None,
+    "clip_grad_norm_().item()": None,
+    "default monitor": {},
+    "deferred monitor (lag=1)": {"lag": 1},
+}
+
+
+def bench_small(rounds: int, steps: int = 30) -> dict:
+    print("\nsmall models: a whole step with the one number a user logs instead, the default monitor and the "
+          "deferred one\n(cost = the variant's block minus the plain blocks around it; x one number: that cost over "
+          "clip_grad_norm_().item()'s)")
+    out = {}
+    for label, (make, batch) in SMALL.items():
+        torch.manual_seed(0)
+        res = measure(make, batch(), rounds, steps, VARIANTS, clips={"clip_grad_norm_().item()": "item"})
+        base = res["plain step"]["median"]
+        one = max(res["clip_grad_norm_().item()"]["extra_median"], 1e-9)
+        print(f"\n{label}: plain step {base * 1e3:.3f} ms (median)")
+        print(f"  {'':<28}{'+ms':>8}{'% step':>9}{'x one number':>14}")
+        for name in list(VARIANTS)[1:]:
+            extra = res[name]["extra_median"]
+            print(f"  {name:<28}{extra * 1e3:>+8.3f}{extra / base * 100:>8.0f}%{extra / one:>14.2f}")
+        out[label] = res
+    return out
