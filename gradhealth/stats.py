@@ -181,27 +181,30 @@ def _pack_fitted(tensors: Sequence[Tensor], plan: NormPlan) -> tuple[Tensor, Nor
 
 
 def _pack(tensors: Sequence[Tensor], plan: NormPlan) -> Tensor:
-    pieces: list[Tensor] = []
-    target = None
-    for (device, _, _), (dtype, batches) in zip(plan.groups, plan.batches):
-        acc = _acc_dtype(dtype)
-        kw = {} if dtype == acc else {"dtype": acc}  # (float32 accumulation, as in foreach_norms)
-        for kind, rows, idx in batches:
-            members = tensors if len(plan.groups) == 1 and len(batches) == 1 else [tensors[i] for i in idx]
-            if kind == "stack":
-                piece = torch.linalg.vector_norm(torch.stack(members).reshape(len(members), -1), dim=1, **kw)
-            elif kind == "rows":  # (a view: fails, and is planned again, if a tensor stopped fitting)
-                parts = torch.stack([torch.linalg.vector_norm(m.view(rows, -1), dim=1, **kw) for m in members])
-                piece = torch.linalg.vector_norm(parts, dim=1)
-            else:
-                piece = torch.stack(foreach_norms(members))
-            piece = piece.to(torch.float64)
-            if target is None:
-                target = device
-            elif device != target:
-                piece = piece.to(target, non_blocking=True)
-            pieces.append(piece)
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    def pieces():
+        for (_, _, _), (dtype, batches) in zip(plan.groups, plan.batches):
+            acc = _acc_dtype(dtype)
+            kw = {} if dtype == acc else {"dtype": acc}  # (float32 accumulation, as in foreach_norms)
+            for kind, rows, idx in batches:
+                members = tensors if len(plan.groups) == 1 and len(batches) == 1 else [tensors[i] for i in idx]
+                if kind == "stack":
+                    yield torch.linalg.vector_norm(torch.stack(members).reshape(len(members), -1), dim=1, **kw)
+                elif kind == "rows":  # (a view: fails, and is planned again, if a tensor stopped fitting)
+                    parts = torch.stack([torch.linalg.vector_norm(m.view(rows, -1), dim=1, **kw) for m in members])
+                    yield torch.linalg.vector_norm(parts, dim=1)
+                else:
+                    yield torch.stack(foreach_norms(members))
+
+    return _joined(pieces())
+
+
+def _joined(pieces) -> Tensor:
+    """The pieces (per kernel, in the plan's order) as one float64 tensor on the first one's device."""
+    out: list[Tensor] = []
+    for piece in pieces:
+        piece = piece.to(torch.float64)
+        out.append(piece if not out or piece.device == out[0].device else piece.to(out[0].device, non_blocking=True))
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def fetch(parts: Sequence[Tensor]) -> list[float]:
@@ -317,21 +320,16 @@ class Launched:
 
 def _maxima(views: Sequence[Tensor], plan: NormPlan) -> Tensor:
     """max |g| of each view, in the plan's order (float64, on the first group's device)."""
-    pieces, target = [], None
-    for (device, dtype, _), (_, batches) in zip(plan.groups, plan.batches):
-        for _, _, idx in batches:
-            members = [views[i] for i in idx]
-            if members[0].is_complex():
-                members = [torch.view_as_real(m) for m in members]
-            piece = torch.stack([m.abs().amax() if m.numel() else m.new_zeros(()) for m in members]) \
-                if any(m.numel() == 0 for m in members) else torch.stack(torch._foreach_norm(members, math.inf))
-            piece = piece.to(torch.float64)
-            if target is None:
-                target = device
-            elif device != target:
-                piece = piece.to(target, non_blocking=True)
-            pieces.append(piece)
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    def pieces():
+        for _, batches in plan.batches:
+            for _, _, idx in batches:
+                members = [views[i] for i in idx]
+                if members[0].is_complex():
+                    members = [torch.view_as_real(m) for m in members]
+                yield (torch.stack([m.abs().amax() if m.numel() else m.new_zeros(()) for m in members])
+                       if any(m.numel() == 0 for m in members) else torch.stack(torch._foreach_norm(members, math.inf)))
+
+    return _joined(pieces())
 
 
 def module_norms(with_grad: Sequence[int], norms: Sequence[float], module_of: Sequence[int],

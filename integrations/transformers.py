@@ -87,7 +87,7 @@ NORM = "grad_norm_preclip"
 _JSON_OPTIONS = ("on_problem", "every_n_steps", "expect_frozen", "deltas", "update_every", "change_every",
                  "history", "amp_skip_alarm", "amp_scale_floor", "trace_on_nonfinite", "watch_forward",
                  "desync_every", "rank_origin", "grad_patience", "experts", "skip_nonfinite", "skip_spikes",
-                 "skip_alarm", "grad_sync")
+                 "skip_alarm", "grad_sync", "lag")
 
 
 def _sync_gradients() -> bool:

@@ -11,6 +11,12 @@
 5. skip_nonfinite with torch's fused AdamW on the GPU: a NaN step leaves the parameters and the
    optimizer's state bit for bit as they were, and the guard adds no host sync to the check (the
    decision comes from the check's one transfer; the fused kernel skips parameters without grads).
+6. Deferred checks (``lag=1``) under ``set_sync_debug_mode("error")`` with no exception window at
+   all: forward, backward, check and step of a whole loop, the guard on (fused AdamW).
+7. The deferred guard on the device: fused AdamW takes the check's found_inf flag; a poisoned step
+   leaves parameters and optimizer state bit for bit, under the same mode.
+8. A whole-step A/B, interleaved (plain, synchronous monitor, deferred monitor) on a small and a
+   large shape, absolute milliseconds per step.
 Exits non-zero on the first failed check.
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -148,6 +155,112 @@ def fused_skip() -> None:
     print("5. skip_nonfinite with fused AdamW: the NaN step changed nothing, no extra host sync")
 
 
+def model_of(width: int, depth: int) -> nn.Module:
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, 1)).cuda()
+
+
+def no_sync_checks(steps: int = 30) -> None:
+    torch.manual_seed(0)
+    model = model_of(256, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    monitor = gh.GradHealth(model, opt, lag=1, skip_nonfinite=True, on_problem="ignore")
+    x, y = torch.randn(64, 256, device="cuda"), torch.randn(64, 1, device="cuda")
+    for step in range(3):  # warm-up (allocations, the pinned buffers' first use) outside the mode
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        monitor.check()
+        opt.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(steps):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            monitor.check(loss=loss)
+            opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    monitor.close()
+    print(f"6. {steps} deferred checks (fused AdamW, the guard on) under set_sync_debug_mode('error'): no synchronisation")
+
+
+def device_guard() -> None:
+    torch.manual_seed(0)
+    model = model_of(256, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    monitor = gh.GradHealth(model, opt, lag=1, skip_nonfinite=True, on_problem="ignore")
+    x, y = torch.randn(64, 256, device="cuda"), torch.randn(64, 1, device="cuda")
+    for step in range(6):
+        opt.zero_grad()
+        xb = x.clone()
+        if step == 4:
+            xb[0, 0] = math.inf
+        loss = nn.functional.mse_loss(model(xb), y)
+        loss.backward()
+        if step == 4:
+            before = [p.detach().clone() for p in model.parameters()]
+            state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            monitor.check(loss=loss)
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if step == 4:
+            same = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            same_state = all(torch.equal(s[k], opt.state[p][k]) for s, p in zip(state, model.parameters()) for k in s)
+            if not (same and same_state):
+                sys.exit("7. FAILED: the poisoned step changed the parameters or the optimizer state")
+    monitor.close()
+    print("7. the fused guard under set_sync_debug_mode('error'): the poisoned step left parameters and state bit for bit")
+
+
+def ab(width: int, depth: int, batch: int, rounds: int = 7, steps: int = 20) -> None:
+    torch.manual_seed(0)
+    runs = {}
+    for name, kw in (("plain", None), ("synchronous monitor", {}), ("deferred monitor (lag=1)", {"lag": 1})):
+        model = model_of(width, depth)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        mon = gh.GradHealth(model, opt, on_problem="ignore", **kw) if kw is not None else None
+        runs[name] = (model, opt, mon, [])
+    x, y = torch.randn(batch, width, device="cuda"), torch.randn(batch, 1, device="cuda")
+
+    def block(name: str) -> float:
+        model, opt, mon, _ = runs[name]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if mon is not None:
+                mon.check(loss=loss)
+            opt.step()
+        end.record()
+        end.synchronize()
+        return (time.perf_counter() - t0) / steps
+
+    for name in runs:
+        block(name)
+    for r in range(rounds):
+        names = list(runs)
+        for name in names[r % 3:] + names[:r % 3]:
+            runs[name][3].append(block(name))
+    plain = statistics.median(runs["plain"][3])
+    print(f"8. whole step, {depth}x Linear({width}), batch {batch} (median of {rounds} blocks of {steps}):")
+    for name, (_, _, mon, times) in runs.items():
+        t = statistics.median(times)
+        print(f"   {name:<26}{t * 1e3:8.3f} ms  ({(t / plain - 1) * 100:+.1f}%)")
+        if mon is not None:
+            mon.close()
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here", file=sys.stderr)
@@ -161,6 +274,10 @@ def main() -> int:
     amp_fp16()
     lightning_16_mixed()
     fused_skip()
+    no_sync_checks()
+    device_guard()
+    ab(256, 4, 64)
+    ab(4096, 8, 512)
     print(f"gpu_check passed in {time.time() - t0:.0f}s")
     return 0
 
