@@ -209,3 +209,16 @@ def test_the_demo_keeps_problems_of_different_modules_apart(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("    step 0 (and step 1): NOT_IN_OPTIMIZER in layer3.w")
     assert out[2].startswith("    step 2: NOT_IN_OPTIMIZER in layer4.w")
+
+
+def test_bench_small_section_prints_the_ratio_to_the_one_number(capsys):
+    from gradhealth.benchmarks.small import SMALL, bench_small
+
+    res = bench_small(rounds=1, steps=3)
+    out = capsys.readouterr().out
+    assert set(res) == set(SMALL) and "x one number" in out
+    for label in SMALL:
+        assert label in out
+        row = res[label]
+        assert {"plain step", "clip_grad_norm_().item()", "default monitor", "deferred monitor (lag=1)"} <= set(row)
+        assert row["plain step"]["median"] > 0

@@ -269,14 +269,14 @@ def test_the_error_that_stopped_a_run_is_shown(tmp_path):
 
 
 @pytest.mark.slow
-def test_memory_stays_bounded_on_a_50_mb_log(tmp_path):
+def test_memory_stays_bounded_on_a_24_mb_log(tmp_path):
     big, small = tmp_path / "big", tmp_path / "small"
     os.makedirs(big)
     values = {f"gradhealth/grad_norm/block{i}.layer": 0.5 for i in range(120)}
     values.update({"gradhealth/grad_norm/total": 1.0, "gradhealth/status/OK": 240.0, "gradhealth/tolerated": 0.0})
     with open(big / "events.out.tfevents.1.host", "wb") as f:
         step = 0
-        while f.tell() < 50 * 2**20:
+        while f.tell() < 24 * 2**20:
             f.write(scalars(step, values))
             step += 1
     problem_run(small)
@@ -290,7 +290,7 @@ def test_memory_stays_bounded_on_a_50_mb_log(tmp_path):
         return int(res.stderr.strip().splitlines()[-1])
 
     grown = peak_kib(big) - peak_kib(small)
-    assert grown < 20 * 1024, f"peak RSS grew by {grown / 1024:.0f} MiB reading a 50 MiB log"
+    assert grown < 10 * 1024, f"peak RSS grew by {grown / 1024:.0f} MiB reading a 24 MiB log"  # (read whole: > 24)
 
 
 def test_bit_flips_in_a_real_event_file_never_invent_a_tag_or_a_value(tmp_path):
