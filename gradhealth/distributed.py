@@ -124,10 +124,10 @@ def ranks_of(mask: float, world: int) -> list[int]:
     return [r for r in range(world) if m >> r & 1]
 
 
-def all_reduce_tensor(t: Tensor, device: torch.device) -> Tensor:
+def all_reduce_tensor(t: Tensor, device: torch.device, group=None) -> Tensor:
     """THE collective of a check, on an already packed float64 CPU tensor; the result on the CPU."""
     t = t.to(device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=group)
     return t.cpu()
 
 
@@ -240,6 +240,7 @@ class Ranks:
         # every gradient, whatever its shape: all of them count as shards
         self.all_sharded = self.active and fsdp1_sharded(model)
         self.device = collective_device() if self.active else None
+        self._host_group = None
         if ddp_model is not None and not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
             raise TypeError(f"ddp_model must be a torch.nn.parallel.DistributedDataParallel; got {type(ddp_model).__name__}")
         self.nosync_step = False  # an optimizer step ran on gradients DDP did not reduce
@@ -304,6 +305,15 @@ class Ranks:
         ran so (the check after Fabric's ``no_backward_sync`` block); the synchronising step is
         checked."""
         return self.ddp is not None and not (self.ddp.require_backward_grad_sync and self.forward_synced)
+
+    def host_group(self):
+        """A gloo group of the same ranks, for a collective on numbers already on the host (a
+        deferred check's: through NCCL they would travel to the device and back, a synchronisation).
+        The default group when it is gloo; else made once, at a check every rank makes together."""
+        if self._host_group is None:
+            self._host_group = (torch.distributed.group.WORLD if self.device.type == "cpu"
+                                else torch.distributed.new_group(backend="gloo"))
+        return self._host_group
 
     def close(self) -> None:
         for h in self._step_hooks:

@@ -357,7 +357,11 @@ class GradHealth:
         vec, lay = crossrank.pack_rank(obs, r.rank, r.world, pre, self._failed is not None, unsynced, self._counts,
                                        self._fp, nosync, self.tracker is not None,
                                        self._missed is not None and self._missed.joining)
-        across = crossrank.combine(all_reduce_tensor(vec, r.device), lay, obs, r.world)
+        if self._deferred is not None:  # (numbers on the host, a check late: reduced there, no device involved)
+            total = all_reduce_tensor(vec, torch.device("cpu"), r.host_group())
+        else:
+            total = all_reduce_tensor(vec, r.device)
+        across = crossrank.combine(total, lay, obs, r.world)
         if across.failed:
             failed = ranks_of(across.failed, r.world)
             here = f": {type(self._failed).__name__}: {self._failed}" if self._failed is not None else ""
