@@ -68,6 +68,9 @@ _DTYPE, _LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("layout")
 #: on the CPU, tensors of one shape with at most this many elements are normed stacked (see
 #: ``_batches``), at most ``STACK_ELEMENTS`` elements a stack (its copy: 4 MiB of float32)
 STACK_NUMEL, STACK_ELEMENTS = 1 << 14, 1 << 20
+#: ... but only when there are at least this many of them: below it one ``_foreach_norm`` over them
+#: costs less than the stacks' copies (a small model's few tensors: 2.5x less for a 2-block transformer)
+STACK_MIN = 64
 #: on the CPU, a larger contiguous tensor is reduced as this many rows (the first that divides it)
 ROWS = (64, 16, 8, 4, 2)
 
@@ -104,9 +107,9 @@ def _batches(tensors: Sequence[Tensor], device: torch.device, idx: list[int]) ->
     ``_foreach_norm`` ("each"). On the CPU that is a loop of one full reduction per tensor (a few
     microseconds each whatever the size, and a full reduction that two threads share badly):
     small tensors of one shape are stacked and reduced along rows in one kernel ("stack": the copy
-    is cheaper than the per-tensor calls up to ``STACK_NUMEL`` elements; a chunk can be a single
-    tensor, normed as ``[1, n]``), and each larger contiguous one is reduced as ``rows`` rows, then
-    its rows' norms combined ("rows": about half the time of its full reduction, as measured by
+    is cheaper than the per-tensor calls up to ``STACK_NUMEL`` elements, when there are at least
+    ``STACK_MIN`` small tensors; a chunk can be a single tensor, normed as ``[1, n]``), and each
+    larger contiguous one is reduced as ``rows`` rows, then its rows' norms combined ("rows": about half the time of its full reduction, as measured by
     ``gradhealth bench``; one call per tensor, where the kernel's time dominates the call's). The
     rest (non-contiguous large tensors, complex ones) go to ``_foreach_norm``."""
     if device.type != "cpu":
@@ -127,6 +130,9 @@ def _batches(tensors: Sequence[Tensor], device: torch.device, idx: list[int]) ->
         else:
             rest.append(i)
     out = []
+    if sum(map(len, by_shape.values())) < STACK_MIN:  # (few small tensors: one foreach beats stacking them)
+        rest += [i for members in by_shape.values() for i in members]
+        by_shape = {}
     for members in by_shape.values():
         if len(members) > 1:  # in chunks: a stack's copy stays within STACK_ELEMENTS
             per = max(2, STACK_ELEMENTS // tensors[members[0]].numel())

@@ -269,8 +269,9 @@ def test_cpu_kernels_match_float64_reference():
     from gradhealth import stats
 
     tensors = []
+    reps = -(-3 * stats.STACK_MIN // (2 * len(SITUATIONS[1:])))  # (two in three are small: STACK_MIN of them a dtype)
     for d, dtype in enumerate(DTYPES):
-        for k, situation in enumerate(SITUATIONS[1:] * 3):
+        for k, situation in enumerate(SITUATIONS[1:] * reps):
             shape = [(7,), (16, 16), (96, 256)][k % 3]
             g = make_grad(shape, dtype, situation, 100 * d + k)
             tensors.append(g.t() if g.dim() == 2 and k % 4 == 1 else g)  # some transposed views
@@ -279,6 +280,8 @@ def test_cpu_kernels_match_float64_reference():
     norms, _, plan = stats.grad_norms(tensors)
     kinds = [(kind, len(idx)) for _, batches in plan.batches for kind, _, idx in batches]
     assert {k for k, _ in kinds} == {"stack", "rows", "each"} and all(n >= 2 for k, n in kinds if k == "stack")
+    few = stats.NormPlan([torch.randn(7) for _ in range(stats.STACK_MIN - 1)])  # a small model: one foreach
+    assert [kind for _, batches in few.batches for kind, _, _ in batches] == ["each"]
     for t, v in zip(tensors, norms):
         assert same_float(v, reference_norm(t)), (t.dtype, t.shape, t.is_contiguous())
     changed = [torch.randn(16, 16), *tensors[1:]]  # a (7,) slot now holds a (16, 16)
