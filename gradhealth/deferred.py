@@ -180,10 +180,11 @@ class Deferred:
                 opt.found_inf = flag.to(device, non_blocking=True)
                 if id(opt) not in self._handles:
                     self._handles[id(opt)] = opt.register_step_post_hook(_forget_found_inf)
-        if len(host) < len(judged):  # gradients no optimizer consumes: emptied on the device when the flag is set
-            inside = {id(p) for opt in judged for g in opt.param_groups for p in g["params"]}
-            outside = [g for i in launch.sel.idx if id(m.view.params[i]) not in inside
-                       and (g := m.view.params[i].grad) is not None and g.layout is torch.strided]
+        v = m.view
+        inside = v.optimizer_ids() or set()  # (kept while the param_groups hold: no pass over them per check)
+        if len(host) < len(judged) and not v.all_inside:  # gradients no optimizer consumes: emptied on the device
+            outside = [g for i in launch.sel.idx if v.pids[i] not in inside
+                       and (g := v.params[i].grad) is not None and g.layout is torch.strided]
             for g in outside:
                 g.masked_fill_(flag.to(g.device, non_blocking=True).bool(), 0.0)
         if host:
@@ -194,7 +195,6 @@ class Deferred:
                             "reads one flag on the host before each step (a synchronisation). A fused optimizer "
                             "(torch.optim.AdamW(..., fused=True)) takes the decision on the device.", names)
             if bool(flag.item()):  # (the one host read this guard needs)
-                v = m.view
                 for i in launch.sel.idx:
                     v.params[i].grad = None
 

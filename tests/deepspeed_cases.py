@@ -52,6 +52,8 @@ def engine_for(stage: int, precision: str, *, lr: float = 1e-2, freeze: bool = F
                                    {"params": [p for n, p in trained if n.endswith("bias")], "weight_decay": 0.0}], lr=lr)
     config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    if stage == 3:  # (else a tiny model's parameters stay whole: below the persistence threshold)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -153,6 +155,8 @@ def run(stage: int, precision: str, kind: str) -> dict:
     out["skipped_steps"] = engine.skipped_steps
     out["moved"] = any(not torch.equal(a, b) for a, b in zip(first, masters_of(engine)))
     out["eval_after"] = eval_loss(engine, precision)
+    # ZeRO-3 keeps each parameter partitioned: outside a forward the module's own tensors are empty
+    out["empty_on_module"] = [p.numel() == 0 for p in engine.module.parameters()]
     return out
 
 
