@@ -60,9 +60,9 @@ class Carry:
         self.reentrant = False  # a module ran under a reentrant torch.utils.checkpoint
         self.valid: dict[str, Tensor] = {}
         self.router: list[Tensor] | None = None  # tokens per expert of each MoE layer since the last check
-        #: (the model's output was finite, the gradient reaching it was finite) since the last check,
-        #: 0-d device tensors read only at a check with NaN/inf gradients
-        self.output_grad: tuple[Tensor, Tensor] | None = None
+        #: the model's outputs since the last check and the gradients that reached them, read only at a
+        #: check with NaN/inf gradients (:func:`gradhealth.guards.output_maxima`)
+        self.output_grad: list | None = None
         # the options' history is a template: each monitor keeps copies of its own (the default one,
         # for checks of every parameter, and one per optimizer)
         self.history = copy.deepcopy(history)
@@ -99,7 +99,7 @@ class Carry:
         router, self.router = self.router, None
         return router
 
-    def take_output_grad(self) -> tuple[Tensor, Tensor] | None:
+    def take_output_grad(self) -> list | None:
         seen, self.output_grad = self.output_grad, None
         return seen
 

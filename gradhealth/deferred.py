@@ -38,6 +38,7 @@ from torch import Tensor
 
 from . import skipping
 from .stale import witnesses
+from .stats import joined
 from .status import Status
 
 __all__ = ["Launch", "Transfer", "Deferred", "due_test"]
@@ -82,24 +83,23 @@ class Transfer:
         if not parts:
             self.host = torch.zeros(0, dtype=torch.float64)
             return
-        device = parts[0].device
-        flat = [p.reshape(-1).to(device=device, dtype=torch.float64, non_blocking=True) for p in parts]
-        packed = flat[0] if len(flat) == 1 else torch.cat(flat)
+        packed = joined(parts)
+        device = packed.device
         if device.type == "cpu":
             self.host = packed
             return
-        self.host = self._buffer(device, packed.numel())
+        self.host = self._buffer(device, packed.numel(), packed.dtype)
         self.host.copy_(packed, non_blocking=True)
         self.event = torch.Event(device=device) if hasattr(torch, "Event") else torch.cuda.Event()
         self.event.record()
 
     @classmethod
-    def _buffer(cls, device, n: int) -> Tensor:
-        key = (str(device), n)
+    def _buffer(cls, device, n: int, dtype) -> Tensor:
+        key = (str(device), n, dtype)
         pair = cls._pinned.get(key)
         if pair is None:
             pin = device.type == "cuda"
-            pair = cls._pinned[key] = [torch.empty(n, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+            pair = cls._pinned[key] = [torch.empty(n, dtype=dtype, pin_memory=pin) for _ in range(2)]
         pair.reverse()  # (the other one may still be read by a launch not completed yet)
         return pair[0]
 

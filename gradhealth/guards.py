@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -121,6 +122,35 @@ def _first_grad_tensor(output) -> list[Tensor]:
     return []
 
 
+#: a model output of at most this many elements is kept until the check, its gradient retained by
+#: autograd: no kernel in the forward, no Python in the backward; a larger one is reduced to its max |x|
+#: in the forward, its gradient in a hook (a kernel each, small beside the step that made them)
+KEEP_OUTPUT = 1 << 16
+
+
+def output_maxima(seen) -> tuple[Tensor, Tensor] | None:
+    """(max |output|, max |gradient reaching it|) over the forwards since the last check (the forward
+    watch's ``carry.output_grad``), on the device; None when no backward reached an output."""
+    pairs = []
+    for item in seen or ():
+        if isinstance(item, Tensor):
+            if item.grad is not None:
+                pairs.append((_largest(item.detach()), _largest(item.grad)))
+        else:
+            pairs.append(item)
+    if not pairs:
+        return None
+    if len(pairs) == 1:
+        return pairs[0]
+    return torch.stack([a for a, _ in pairs]).amax(), torch.stack([b for _, b in pairs]).amax()
+
+
+def _largest(t: Tensor) -> Tensor:
+    """max |t| as a 0-d device tensor, in one kernel: finite exactly when every element is (NaN
+    propagates); 0 for an empty tensor."""
+    return torch.linalg.vector_norm(t, math.inf) if t.numel() else t.new_zeros((), dtype=torch.float32)
+
+
 class ForwardWatch:
     """What the training forward really ran (Python state only, no sync), with two hooks on the
     model in a healthy run.
@@ -135,8 +165,9 @@ class ForwardWatch:
       grad enabled lands in ``carry.eval_backward`` only when a backward really goes through its
       output (a hook on that output fires then, and never for validation forwards);
     * on the model's output: whether it was finite, and whether the gradient reaching it was
-      (``carry.output_grad``, two 0-d device flags, read only at a check with NaN/inf gradients:
-      a finite output with a NaN gradient means the NaN was made in the loss).
+      (``carry.output_grad``: a small output itself, its gradient retained by autograd, else the two
+      max |x| as 0-d device tensors; read only at a check with NaN/inf gradients: a finite output
+      with a NaN gradient means the NaN was made in the loss).
 
     Normalisation layers in eval() mode are intended idioms, not eval-mode mistakes: with frozen
     (or no) affine parameters, frozen-BatchNorm fine-tuning (``carry.frozen_norms``); with
@@ -200,7 +231,11 @@ class ForwardWatch:
         self.carry.forward = ForwardRecord(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.root.training)
         if torch.is_grad_enabled() and self.root.training:
             for t in _first_grad_tensor(output):  # was a NaN in the gradient before it entered the model?
-                t.register_hook(functools.partial(self._output_grad, torch.isfinite(t.detach()).all()))
+                if t.numel() <= KEEP_OUTPUT and not t.is_leaf:  # kept; autograd keeps its gradient (no kernel)
+                    t.retain_grad()
+                    self._seen(t)
+                else:
+                    t.register_hook(functools.partial(self._output_grad, _largest(t.detach())))
         if self.experts and torch.is_grad_enabled() and self.root.training:
             from .experts import router_counts
 
@@ -210,10 +245,18 @@ class ForwardWatch:
                 self.carry.router = counts if prev is None or len(prev) != len(counts) else [
                     a + b for a, b in zip(prev, counts)]
 
-    def _output_grad(self, out_finite, grad) -> None:
-        seen = (out_finite, torch.isfinite(grad).all())  # no sync: read at a failing check
-        prev = self.carry.output_grad
-        self.carry.output_grad = seen if prev is None else (prev[0] & seen[0], prev[1] & seen[1])
+    def _output_grad(self, out_max, grad) -> None:
+        self._seen((out_max, _largest(grad)))  # no sync: read at a failing check
+
+    def _seen(self, item) -> None:
+        seen = self.carry.output_grad
+        if seen is None:
+            self.carry.output_grad = [item]
+            return
+        if len(seen) >= 64:  # (many forwards between two checks: the earlier ones folded, a rare pass)
+            folded = output_maxima(seen)
+            seen[:] = [folded] if folded is not None else []
+        seen.append(item)
 
     def _on_module(self, name: str, module, args, output) -> None:
         if not torch.is_grad_enabled():

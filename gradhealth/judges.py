@@ -391,8 +391,8 @@ def nan_from_loss(seen, step: int, origin_found: bool) -> list[Finding]:
     gradients). ``seen`` is the forward watch's (output finite, gradient finite)."""
     if seen is None or origin_found:
         return []
-    out_ok, grad_ok = torch.stack(list(seen)).tolist()
-    if not out_ok or grad_ok:
+    out_max, grad_max = torch.stack(list(seen)).tolist()  # (max |x|: finite exactly when every element is)
+    if not math.isfinite(out_max) or math.isfinite(grad_max):
         return []
     return [Finding(K.NONFINITE_ORIGIN, "the model's output was finite but the gradient reaching it was already NaN/inf: "
                     "the NaN was made in the loss, between the model's output and loss.backward(), not in the model "

@@ -54,6 +54,19 @@ class Layout:
             return torch.zeros(0, dtype=torch.float64, device=device)
         return flat[0] if len(flat) == 1 else torch.cat(flat)
 
+    def pieces(self, **parts: Tensor) -> list[Tensor]:
+        """The slots' device tensors in layout order, as they are (0-d for a one-value slot is fine):
+        for :func:`gradhealth.stats.joined`, which reads them back exactly in the fewest kernels."""
+        if parts.keys() != self.slots.keys():
+            raise ValueError(f"layout pieces: slots {list(self.slots)}; got {list(parts)}")
+        out = []
+        for name, (_, size) in self.slots.items():
+            part = parts[name]
+            if part.numel() != size:
+                raise ValueError(f"layout slot {name!r} holds {size} values; got {part.numel()}")
+            out.append(part)
+        return out
+
     def unpack(self, values) -> dict[str, list[float]]:
         """Each slot's values (a list, or a slice of a tensor when ``values`` is one), by name."""
         if len(values) != self.size:

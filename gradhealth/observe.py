@@ -118,7 +118,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
                         cut[i] = (shard, shards)
             grads[k] = dist.to_local(grads[k])
 
-    loss_t = loss.detach().reshape(1) if isinstance(loss, Tensor) and loss.numel() == 1 else None
+    loss_t = loss.detach() if isinstance(loss, Tensor) and loss.numel() == 1 else None
     scale_t = scaler._scale if scaler is not None and scaler.is_enabled() and getattr(scaler, "_scale", None) is not None else None
     lay = Layout()
     parts: dict[str, Tensor] = {}
@@ -156,7 +156,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         plain = [g for k, g in enumerate(grads) if k not in whole]
     else:
         plain = grads
-    extras = [lay.pack(**parts)] if parts else []
+    extras = lay.pieces(**parts) if parts else []
     launched = stats.Launched(plain, extras, plan, maxima=deferred)
     plan = launched.plan
 

@@ -161,7 +161,8 @@ def foreach_norms(members: Sequence[Tensor]) -> list[Tensor]:
 
 
 def pack_norms(tensors: Sequence[Tensor], plan: NormPlan | None = None):
-    """Norms of ``tensors`` as one float64 device tensor, the permutation it is in, and the plan.
+    """Norms of ``tensors`` as one device tensor (float32, float64 for float64 tensors), the
+    permutation it is in, and the plan.
 
     ``packed[k]`` is the norm of ``tensors[perm[k]]``. ``plan`` (from a previous call over the
     same parameters) skips regrouping when it still fits. No host synchronisation happens here.
@@ -170,11 +171,11 @@ def pack_norms(tensors: Sequence[Tensor], plan: NormPlan | None = None):
         return None, [], plan
     if plan is None or not plan.fits(tensors):
         plan = NormPlan(tensors)
-    packed, plan = _pack_fitted(tensors, plan)
-    return packed, plan.perm, plan
+    pieces, plan = _pack_fitted(tensors, plan)
+    return joined(pieces), plan.perm, plan
 
 
-def _pack_fitted(tensors: Sequence[Tensor], plan: NormPlan) -> tuple[Tensor, NormPlan]:
+def _pack_fitted(tensors: Sequence[Tensor], plan: NormPlan) -> tuple[list[Tensor], NormPlan]:
     """:func:`_pack`, planned again when the plan's stacks or rows no longer fit the shapes."""
     try:
         return _pack(tensors, plan), plan
@@ -186,42 +187,65 @@ def _pack_fitted(tensors: Sequence[Tensor], plan: NormPlan) -> tuple[Tensor, Nor
     return _pack(tensors, fresh), fresh
 
 
-def _pack(tensors: Sequence[Tensor], plan: NormPlan) -> Tensor:
-    def pieces():
-        for (_, _, _), (dtype, batches) in zip(plan.groups, plan.batches):
-            acc = _acc_dtype(dtype)
-            kw = {} if dtype == acc else {"dtype": acc}  # (float32 accumulation, as in foreach_norms)
-            for kind, rows, idx in batches:
-                members = tensors if len(plan.groups) == 1 and len(batches) == 1 else [tensors[i] for i in idx]
-                if kind == "stack":
-                    yield torch.linalg.vector_norm(torch.stack(members).reshape(len(members), -1), dim=1, **kw)
-                elif kind == "rows":  # (a view: fails, and is planned again, if a tensor stopped fitting)
-                    parts = torch.stack([torch.linalg.vector_norm(m.view(rows, -1), dim=1, **kw) for m in members])
-                    yield torch.linalg.vector_norm(parts, dim=1)
-                else:
-                    yield torch.stack(foreach_norms(members))
-
-    return _joined(pieces())
-
-
-def _joined(pieces) -> Tensor:
-    """The pieces (per kernel, in the plan's order) as one float64 tensor on the first one's device."""
+def _pack(tensors: Sequence[Tensor], plan: NormPlan) -> list[Tensor]:
+    """The norms, in the plan's order, as the kernels leave them (0-d tensors from a fused kernel,
+    1-d from a stacked one): :func:`joined` puts them with the extras in one tensor."""
+    if len(plan.batches) == 1 and len(plan.batches[0][1]) == 1 and plan.batches[0][1][0][0] == "each":
+        return foreach_norms(tensors)  # (the common case: one fused kernel, no new lists)
     out: list[Tensor] = []
-    for piece in pieces:
-        piece = piece.to(torch.float64)
-        out.append(piece if not out or piece.device == out[0].device else piece.to(out[0].device, non_blocking=True))
-    return out[0] if len(out) == 1 else torch.cat(out)
+    for (_, _, _), (dtype, batches) in zip(plan.groups, plan.batches):
+        acc = _acc_dtype(dtype)
+        kw = {} if dtype == acc else {"dtype": acc}  # (float32 accumulation, as in foreach_norms)
+        for kind, rows, idx in batches:
+            members = [tensors[i] for i in idx]
+            if kind == "stack":
+                out.append(torch.linalg.vector_norm(torch.stack(members).reshape(len(members), -1), dim=1, **kw))
+            elif kind == "rows":  # (a view: fails, and is planned again, if a tensor stopped fitting)
+                parts = torch.stack([torch.linalg.vector_norm(m.view(rows, -1), dim=1, **kw) for m in members])
+                out.append(torch.linalg.vector_norm(parts, dim=1))
+            else:
+                out += foreach_norms(members)
+    return out
+
+
+def joined(parts: Sequence[Tensor]) -> Tensor:
+    """``parts`` (device tensors of any shape) as one flat tensor on the first one's device, in as
+    few kernels as they allow (one ``stack`` of scalars, else one ``cat``; a part on another device
+    is moved without a sync), in a dtype that holds each of their values exactly: float32 when every
+    part is a float of at most 32 bits (the norms, a loss: read back as the very same numbers),
+    float64 otherwise (a count, a float64 value)."""
+    if len(parts) > 1 and any(p.numel() == 0 for p in parts):
+        parts = [p for p in parts if p.numel()] or parts[:1]  # (an empty part holds nothing to read)
+    wide = False
+    for p in parts:
+        dt = p.dtype
+        if not dt.is_floating_point or dt.itemsize > 4:
+            wide = True
+            break
+    device = parts[0].device
+    scalars = True
+    for p in parts:
+        if p.dim() or p.device != device or (wide and not p.dtype.is_floating_point):
+            scalars = False
+            break
+    if scalars:  # (stack promotes the dtypes: float64 once one part is)
+        return parts[0].reshape(1) if len(parts) == 1 else torch.stack(parts)
+    flat = []
+    for p in parts:
+        if wide and not p.dtype.is_floating_point:
+            p = p.to(torch.float64)
+        if p.device != device:
+            p = p.to(device, non_blocking=True)
+        flat.append(p if p.dim() == 1 else p.reshape(-1))
+    return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
 def fetch(parts: Sequence[Tensor]) -> list[float]:
-    """Concatenate small device tensors into float64 and read them with ONE host transfer."""
+    """Concatenate small device tensors (:func:`joined`) and read them with ONE host transfer."""
     parts = [p for p in parts if p is not None]
     if not parts:
         return []
-    device = parts[0].device
-    flat = [p.reshape(-1).to(device=device, dtype=torch.float64, non_blocking=True) for p in parts]
-    packed = flat[0] if len(flat) == 1 else torch.cat(flat)
-    return packed.tolist()
+    return joined(parts).tolist()
 
 
 def exact_norms(tensors: Sequence[Tensor]) -> list[float]:
@@ -269,7 +293,7 @@ class Launched:
 
     def __init__(self, grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None, maxima: bool = False):
         views = grads  # the common case: every gradient dense and real, no new list
-        packed = None
+        pieces: list[Tensor] = []
         if grads:
             key = plan_key(grads)  # the plan is kept for the gradients, built over their views
             if plan is None or key != plan.key:
@@ -279,17 +303,16 @@ class Launched:
                 plan.plain = plain
             elif not plan.plain:
                 views = list(map(dense_view, grads))
-            packed, plan = _pack_fitted(views, plan)
+            pieces, plan = _pack_fitted(views, plan)
         self.views, self.plan, self.n = views, plan, len(plan.perm) if grads else 0
         self.maxima = bool(maxima and grads)
-        parts = [packed] if packed is not None else []
-        if self.maxima:
-            parts.append(_maxima(views, plan))
-        self.parts = parts + [e for e in extras if e is not None]
+        self._maxima = _maxima(views, plan) if self.maxima else None
+        #: what is read back, in order: the norms (as the kernels left them), max |g|, the extras
+        self.parts = pieces + ([self._maxima] if self.maxima else []) + [e for e in extras if e is not None]
 
     def maxima_part(self) -> Tensor | None:
         """The packed max |g| of every gradient (with ``maxima``), on the device."""
-        return self.parts[1] if self.maxima else None
+        return self._maxima
 
     def read(self) -> tuple[list[float], list[float]]:
         values = fetch(self.parts)
@@ -325,17 +348,18 @@ class Launched:
 
 
 def _maxima(views: Sequence[Tensor], plan: NormPlan) -> Tensor:
-    """max |g| of each view, in the plan's order (float64, on the first group's device)."""
-    def pieces():
-        for _, batches in plan.batches:
-            for _, _, idx in batches:
-                members = [views[i] for i in idx]
-                if members[0].is_complex():
-                    members = [torch.view_as_real(m) for m in members]
-                yield (torch.stack([m.abs().amax() if m.numel() else m.new_zeros(()) for m in members])
-                       if any(m.numel() == 0 for m in members) else torch.stack(torch._foreach_norm(members, math.inf)))
-
-    return _joined(pieces())
+    """max |g| of each view, in the plan's order (one tensor on the first group's device)."""
+    out: list[Tensor] = []
+    for _, batches in plan.batches:
+        for _, _, idx in batches:
+            members = [views[i] for i in idx]
+            if members[0].is_complex():
+                members = [torch.view_as_real(m) for m in members]
+            if any(m.numel() == 0 for m in members):
+                out += [m.abs().amax() if m.numel() else m.new_zeros(()) for m in members]
+            else:
+                out += torch._foreach_norm(members, math.inf)
+    return joined(out)
 
 
 def module_norms(with_grad: Sequence[int], norms: Sequence[float], module_of: Sequence[int],

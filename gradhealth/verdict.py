@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from . import crossrank, experts, judges
-from .guards import uses_checkpointing
+from .guards import output_maxima, uses_checkpointing
 from .naming import module_of
 from .replay import traced
 from .report import frozen_summary
@@ -71,7 +71,8 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
     found += traced(  # resolve the tracer armed after the last NaN; arm it after this one
         carry, m.model, report, nonfinite and o.trace_on_nonfinite and m.scaler is None)
     if nonfinite and across is None and m.scaler is None:  # one process's output; under a scaler, the scale
-        found += judges.nan_from_loss(seen, step, any(f.kind == "NONFINITE_ORIGIN" and f.level == "error" for f in found))
+        origin = any(f.kind == "NONFINITE_ORIGIN" and f.level == "error" for f in found)
+        found += judges.nan_from_loss(None if origin else output_maxima(seen), step, origin)
     checks, every = carry.checks, o.desync_every
     if across is not None and (checks == 0 or nonfinite or (every > 0 and checks % every == 0)):
         params = [m.view.params[i] for i in sel.idx]

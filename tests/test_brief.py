@@ -86,3 +86,72 @@ def test_the_fix_is_worded_for_the_framework(one_thread):
     assert gh.brief(r, "plain")[-1] == "do: build the optimizer from model.parameters()"
     assert "configure_optimizers" in gh.brief(r, "lightning")[-1]
     assert "create_optimizer" in gh.brief(r, "transformers")[-1]
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["small output kept", "large output reduced in hooks"])
+@pytest.mark.parametrize("micro", [1, 3, 70], ids=["one backward", "3 micro-batches", "70 micro-batches (folded)"])
+def test_the_loss_origin_over_micro_batches_both_ways_an_output_is_watched(one_thread, monkeypatch, kept, micro):
+    """A small output is kept with its gradient retained (no kernel a step), a large one reduced to
+    max |x| in hooks; either way, with micro-batches, the one whose loss made the NaN is found, and a
+    NaN born in the model is not blamed on the loss."""
+    from gradhealth import guards
+
+    if not kept:
+        monkeypatch.setattr(guards, "KEEP_OUTPUT", 0)
+    torch.manual_seed(0)
+    for poison in ("loss", "model"):
+        model = nn.Sequential(nn.Linear(4, 4), Log() if poison == "model" else nn.ReLU(), nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with gh.GradHealth(model, opt, on_problem="ignore", trace_on_nonfinite=False) as mon:
+            outs = []
+            for k in range(micro):
+                x = torch.rand(8, 4) + 0.5  # (positive: log is finite) ...
+                if poison == "model" and k == micro // 2:
+                    x[0, 0] = -1.0  # ... but for one micro-batch's first row
+                out = model(x)
+                outs.append(out)
+                empty = poison == "loss" and k == micro // 2  # (that micro-batch's mask selects nothing: 0/0)
+                mask = torch.zeros(8, dtype=torch.bool) if empty else torch.ones(8, dtype=torch.bool)
+                ((out.square().sum(1) * mask).sum() / mask.sum()).backward()
+            r = mon.check()
+        assert outs[0].retains_grad == kept  # (its gradient retained only when kept)
+        assert not r.grads_finite  # the premise: one micro-batch poisoned the gradients
+        if poison == "loss":
+            assert all(torch.isfinite(o).all() for o in outs)  # the premise: every output finite
+            [f] = _origins(r)
+            assert f.level == "error" and "made in the loss" in f.message
+        else:
+            assert not all(torch.isfinite(o).all() for o in outs)  # the premise: the model made it
+            assert not _origins(r)
+
+
+def test_a_small_output_is_watched_without_a_kernel_or_a_hook(one_thread):
+    """The premise of keeping small outputs: the forward watch adds no kernel to the forward and no
+    Python hook to the output (its gradient is retained by autograd), and a check drops it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(8, 4)
+    with gh.GradHealth(model, torch.optim.SGD(model.parameters(), lr=0.1), on_problem="ignore") as mon:
+        with Ops() as ops:
+            out = model(x)
+        plain = Ops()
+        mon._watch.remove()
+        with plain:
+            model(x)
+        assert ops.seen == plain.seen  # the same kernels with the watch as without it
+        assert not out._backward_hooks and out.retains_grad
+        out.square().mean().backward()
+        assert mon.carry.output_grad == [out]
+        mon.check()
+        assert mon.carry.output_grad is None
