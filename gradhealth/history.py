@@ -11,6 +11,7 @@ would cost more than the check itself.
 
 from __future__ import annotations
 
+import bisect
 import math
 import operator
 import statistics
@@ -24,6 +25,26 @@ __all__ = ["NormHistory", "MAD_TO_SIGMA"]
 
 #: the MAD times this estimates the standard deviation of normally distributed values
 MAD_TO_SIGMA = 1.4826
+
+
+#: up to this many modules, their medians are sorted in plain Python, not as a tensor
+NARROW = 16
+
+
+def _median(ordered: list[float]) -> float:
+    """``statistics.median`` of values already sorted."""
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def _column_medians(rows, width: int, warmup: int) -> list[float]:
+    """Each column's median over ``rows`` as ``torch.nanmedian`` gives it (the lower middle value;
+    NaN and a short row's missing columns left out), NaN with fewer than ``warmup`` values."""
+    out = []
+    for c in range(width):
+        vals = sorted([r[c] for r in rows if c < len(r) and r[c] == r[c]])
+        out.append(vals[(len(vals) - 1) // 2] if len(vals) >= warmup else math.nan)
+    return out
 
 
 class NormHistory:
@@ -49,6 +70,7 @@ class NormHistory:
         self.ceiling = ceiling
         self.refresh = refresh
         self.total: deque[float] = deque(maxlen=window)
+        self._sorted: list[float] = []  # the same values, sorted (the median without a sort per check)
         self.modules: list[str] = []
         self._col: dict[str, int] = {}
         self._rows: deque[list[float]] = deque(maxlen=window)  # one row of module norms per check
@@ -88,6 +110,10 @@ class NormHistory:
             # the table of the window's rows as a tensor, extended by the rows added since the last
             # refresh only (converting 100 rows of Python floats costs more than the check itself)
             fresh, rows = self.seen - self._table_seen, self._rows
+            if width <= NARROW:  # a few modules: sorted in plain Python (cheaper than the tensor ops)
+                self._medians, self._medians_at = _column_medians(rows, width, self.warmup), self.seen
+                self._floors = [self.vanish_factor * m for m in self._medians]
+                return self._medians
             pad = lambda r: r + [math.nan] * (width - len(r)) if len(r) < width else r  # noqa: E731
             if self._table is None or self._table.shape[1] != width or fresh >= len(rows):
                 table = torch.tensor([pad(r) for r in rows], dtype=torch.float64)
@@ -118,7 +144,7 @@ class NormHistory:
                         "the learning rate, clip gradients (clip_grad_norm_), or look for a bad batch",
                         step=step, data={"total": total, "ceiling": self.ceiling})
             )
-        elif judged and (med := statistics.median(self.total)) > 0:
+        elif judged and (med := _median(self._sorted)) > 0:
             # (a zero median is no baseline yet: a loss term weighted 0 until now, a GAN phase
             # whose loss starts at 0; a spike is judged once the run's norms have a scale)
             spike = total > self.spike_factor * med  # (the MAD only then)
@@ -154,16 +180,20 @@ class NormHistory:
                             step=step)
                 )
         self.seen += 1
+        if len(self.total) == self.window:  # (the oldest leaves the window)
+            del self._sorted[bisect.bisect_left(self._sorted, self.total[0])]
         self.total.append(total)
+        bisect.insort(self._sorted, total)
         self._rows.append(row)
         return findings
 
     def forget_last(self) -> None:
         """Take the newest check back out of the baseline (a step the guard skipped as a spike)."""
         if self.total:
-            self.total.pop()
+            del self._sorted[bisect.bisect_left(self._sorted, self.total.pop())]
             self._rows.pop()
             self.seen -= 1
+            self._medians_at, self._table = -1, None  # (the medians and the table held that row)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -177,6 +207,7 @@ class NormHistory:
     def load_state_dict(self, state: dict) -> None:
         self.seen = int(state["seen"])
         self.total = deque((float(v) for v in state["total"]), maxlen=self.window)
+        self._sorted = sorted(self.total)
         self.modules = [str(m) for m in state["modules"]]
         self._col = {m: c for c, m in enumerate(self.modules)}
         self._rows = deque(([float(v) for v in r] for r in state["rows"]), maxlen=self.window)

@@ -2,6 +2,7 @@
 healthy run, and the state_dict round trip."""
 
 import io
+import math
 
 import pytest
 import torch
@@ -186,3 +187,35 @@ def test_module_medians_kept_incrementally_equal_the_medians_of_the_window():
             assert torch.equal(torch.tensor(got, dtype=torch.float64).nan_to_num(-1), want.nan_to_num(-1)), k
             compared += 1
     assert compared >= 14
+
+
+@pytest.mark.parametrize("width", [3, 40], ids=["narrow (plain Python)", "wide (tensor)"])
+def test_the_running_medians_equal_a_full_sort_and_torch_nanmedian(width):
+    """The baseline's medians are kept incrementally (a sorted window) and, for a few modules, in
+    plain Python: each equals the reference from scratch (statistics.median of the window, and
+    torch.nanmedian of the module table), NaN, late modules and forget_last included."""
+    import random
+    import statistics
+
+    from gradhealth.history import NormHistory, _median
+
+    rng = random.Random(0)
+    h = NormHistory(window=30, warmup=5, refresh=1)
+    names = [f"m{c}" for c in range(width)]
+    for k in range(120):
+        present = names if k >= 10 else names[: width // 2]  # (half the modules appear late)
+        row = {n: (math.nan if rng.random() < 0.1 else rng.lognormvariate(0, 1)) for n in present}
+        h.update(k, rng.lognormvariate(0, 1), row)
+        if k % 17 == 0:
+            h.forget_last()
+        assert sorted(h.total) == h._sorted
+        if h.total:
+            assert _median(h._sorted) == statistics.median(h.total)
+        if not h._rows:
+            continue
+        meds = h._module_medians()
+        ref_rows = [r + [math.nan] * (len(h.modules) - len(r)) for r in h._rows]
+        table = torch.tensor(ref_rows, dtype=torch.float64)
+        ref = table.nanmedian(dim=0).values
+        ref[(~torch.isnan(table)).sum(0) < h.warmup] = math.nan
+        assert meds == pytest.approx(ref.tolist(), nan_ok=True, rel=0, abs=0)
