@@ -75,10 +75,17 @@ class Packed:
             out.index_copy_(0, where, sums.to(self.device))
         return out
 
-    def changed(self, snap: list[Tensor]) -> Tensor:
-        """Per tensor: did any element differ from the snapshot (exact: ``!=``)."""
+    def changed(self, snap: list[Tensor]) -> list[Tensor]:
+        """Per tensor, in order: how many elements differ from the snapshot (exact: ``!=``), as
+        tensors whose concatenation is that vector (one 0-d count per tensor from one fused kernel
+        when the views share a device and dtype: they travel to the host as they are)."""
         now = self.snapshot(1)
-        return self._per_tensor([a != b for a, b in zip(now, snap)], torch.float32) > 0
+        if len(self.groups) == 1 and self._slots is not None:
+            idx, vs, _, _ = self.groups[0]
+            if idx == list(range(self.n)):
+                differ = (now[0] != snap[0]).to(torch.float32).split([v.numel() for v in vs])
+                return list(torch._foreach_norm(list(differ), 1))
+        return [self._per_tensor([a != b for a, b in zip(now, snap)], torch.float32)]
 
     def diff_norms(self, snap: list[Tensor]) -> Tensor:
         """Per tensor: ||now - snapshot||, accumulated in float64 (no square underflows)."""

@@ -50,7 +50,7 @@ from .compare import Packed, apply, flat, norms, sample_view, versions_tell, wat
 from .rules import rule_norms, rule_of
 from .ranon import RanOn
 from .stale import WITNESSES, StaleWatch
-from .stats import plan_groups
+from .stats import joined, plan_groups
 from .steps import StepStats, found_inf
 
 __all__ = ["UpdateTracker", "StepStats", "WITNESSES", "SAMPLE", "UPDATE_EVERY", "CHANGE_EVERY"]
@@ -301,7 +301,7 @@ class UpdateTracker:
         (no host sync), so the check treats that step as skipped, not as one that changed nothing."""
         flag = found_inf(opt)
         if flag is not None:
-            stats.packed = torch.cat([stats.packed, flag.to(stats.packed.device)])
+            stats.packed = [*stats.pieces, flag.to(stats.pieces[0].device)]
             stats.scaler_flag = True
             if getattr(opt, "skips_in_a_row", 0):  # (a MasterView whose wrapper skipped this step)
                 stats.cause = opt.skip_info()
@@ -351,19 +351,19 @@ class UpdateTracker:
             sure = [True] * len(pos)
         else:
             ks, window, before_w = snap
-            flags = window.changed(before_w)
+            counts = window.changed(before_w)
             if copies is None and touched is None:  # the window decides its parameters, no others
                 pos, moved = ks, None
-                parts.append(flags.to(torch.float64))
+                parts += counts
             else:
                 moved = torch.zeros(n, dtype=torch.bool, device=device)
-                moved[ks[0] : ks[-1] + 1] = flags
+                moved[ks[0] : ks[-1] + 1] = joined(counts) > 0
                 tested = set(ks)
                 if copies is not None:  # the exact copies decide their parameters
                     copied, packed, before = copies
                     where = torch.tensor(copied, device=device)
                     # (no boolean-mask indexing: its size would need a host sync)
-                    moved = moved.index_copy(0, where, moved.index_select(0, where) | packed.changed(before).to(device))
+                    moved = moved.index_copy(0, where, moved.index_select(0, where) | (joined(packed.changed(before)) > 0).to(device))
                     tested |= set(copied)
                     if measure:
                         exact_norms = packed.diff_norms(before)
@@ -376,7 +376,7 @@ class UpdateTracker:
         if measure:  # ||θ||: before the step where a copy exists, after it otherwise
             theta = snap if self.mode == "exact" else params
             parts += [self._update_norms(opt, plan, diff, copied, exact_norms).to(device), norms(theta, plan.groups)]
-        packed_out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+        packed_out = parts if parts else torch.zeros(0, dtype=torch.float64, device=device)  # (read with the check)
         self.watched |= {plan.idx[k] for k, s in zip(pos, sure) if not s}  # decided from a later step on
         return StepStats(plan.idx, packed_out, touched, pos, sure, measure, lr_zero)
 

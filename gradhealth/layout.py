@@ -54,7 +54,7 @@ class Layout:
             return torch.zeros(0, dtype=torch.float64, device=device)
         return flat[0] if len(flat) == 1 else torch.cat(flat)
 
-    def pieces(self, **parts: Tensor) -> list[Tensor]:
+    def pieces(self, **parts) -> list[Tensor]:
         """The slots' device tensors in layout order, as they are (0-d for a one-value slot is fine):
         for :func:`gradhealth.stats.joined`, which reads them back exactly in the fewest kernels."""
         if parts.keys() != self.slots.keys():
@@ -62,9 +62,14 @@ class Layout:
         out = []
         for name, (_, size) in self.slots.items():
             part = parts[name]
-            if part.numel() != size:
-                raise ValueError(f"layout slot {name!r} holds {size} values; got {part.numel()}")
-            out.append(part)
+            if isinstance(part, list):  # (a slot given as several tensors, in order)
+                got = sum(p.numel() for p in part)
+                out += part
+            else:
+                got = part.numel()
+                out.append(part)
+            if got != size:
+                raise ValueError(f"layout slot {name!r} holds {size} values; got {got}")
         return out
 
     def unpack(self, values) -> dict[str, list[float]]:

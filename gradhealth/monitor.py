@@ -184,10 +184,10 @@ class GradHealth:
         if tracker is None or not tracker.pending:
             return
         updates, tracker.pending = tracker.pending, []
-        values, k = stats.fetch([u.packed for u in updates]), 0
+        values, k = stats.fetch([p for u in updates for p in u.pieces]), 0
         for u in updates:
-            u.fetched(values[k : k + u.packed.numel()])
-            k += u.packed.numel()
+            u.fetched(values[k : k + u.size])
+            k += u.size
             tracker.settle(u)
         if self.ranks.active:  # (every rank flushes together, at close() or Trainer's logging: shards summed)
             crossrank.reduce_updates(updates, len(self.view), self._shards, self.ranks)

@@ -129,8 +129,8 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         lay.add(f"valid{j}")
         parts[f"valid{j}"] = valid[name]
     for j, u in enumerate(updates):
-        lay.add(f"update{j}", u.packed.numel())
-        parts[f"update{j}"] = u.packed
+        lay.add(f"update{j}", u.size)
+        parts[f"update{j}"] = u.packed  # (a tensor, or several)
     if scale_t is not None:
         lay.add("scale")
         parts["scale"] = scale_t

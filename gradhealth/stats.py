@@ -214,22 +214,16 @@ def joined(parts: Sequence[Tensor]) -> Tensor:
     is moved without a sync), in a dtype that holds each of their values exactly: float32 when every
     part is a float of at most 32 bits (the norms, a loss: read back as the very same numbers),
     float64 otherwise (a count, a float64 value)."""
-    if len(parts) > 1 and any(p.numel() == 0 for p in parts):
-        parts = [p for p in parts if p.numel()] or parts[:1]  # (an empty part holds nothing to read)
-    wide = False
-    for p in parts:
-        dt = p.dtype
-        if not dt.is_floating_point or dt.itemsize > 4:
-            wide = True
-            break
     device = parts[0].device
-    scalars = True
-    for p in parts:
-        if p.dim() or p.device != device or (wide and not p.dtype.is_floating_point):
-            scalars = False
+    for p in parts:  # the common case: scalars of one device, floats of at most 32 bits
+        dt = p.dtype
+        if p.dim() or dt.itemsize > 4 or not dt.is_floating_point or p.device != device:
             break
-    if scalars:  # (stack promotes the dtypes: float64 once one part is)
-        return parts[0].reshape(1) if len(parts) == 1 else torch.stack(parts)
+    else:
+        return torch.stack(parts) if len(parts) > 1 else parts[0].reshape(1)
+    if len(parts) > 1 and any(p.numel() == 0 for p in parts):  # (an empty part holds nothing to read)
+        return joined([p for p in parts if p.numel()] or parts[:1])
+    wide = any(not p.dtype.is_floating_point or p.dtype.itemsize > 4 for p in parts)
     flat = []
     for p in parts:
         if wide and not p.dtype.is_floating_point:

@@ -23,7 +23,9 @@ class StepStats:
     """
 
     indices: list[int]
-    packed: Tensor  # [device change flags of `flag_pos`, update norms, param norms] as float64
+    #: [device change flags (or counts) of `flag_pos`, update norms, param norms]: one tensor, or
+    #: tensors whose concatenation is that (a change test's 0-d counts, read back as they are)
+    packed: Tensor | list[Tensor]
     touched: list[bool] | None = None  # None: all touched
     flag_pos: list[int] = field(default_factory=list)  # positions decided on the device
     sure: list[bool] = field(default_factory=list)  # a device flag of 0 is a decision (not undecided)
@@ -37,6 +39,16 @@ class StepStats:
     skipped: bool = False  # (after fetched) that flag was set: the step skipped itself
     skips: int = 0  # (after fetched) how many steps skipped themselves (several for unarmed steps)
     cause: dict | None = None  # what an optimizer that skipped the step itself said (:mod:`.masters`)
+
+    @property
+    def pieces(self) -> list[Tensor]:
+        """The device numbers as a list of tensors (:attr:`packed`)."""
+        return self.packed if isinstance(self.packed, list) else [self.packed]
+
+    @property
+    def size(self) -> int:
+        """How many numbers :attr:`packed` holds."""
+        return sum(p.numel() for p in self.packed) if isinstance(self.packed, list) else self.packed.numel()
 
     def fetched(self, values: list[float]) -> None:
         if self.scaler_flag:
