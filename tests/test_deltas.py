@@ -2,6 +2,8 @@
 FROZEN_BUT_CHANGED and skipped steps."""
 
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -300,3 +302,26 @@ def test_zero_grad_between_backward_and_step_is_named(opt_cls):
     assert [g.step for g in reports[1].findings_of("NOT_UPDATED")] == [0, 1]  # and carried by check 1's
     assert f.level == "error" and f.step == 0 and "zero_grad() is called between backward() and step()" in f.message
     assert "precision of the weights" not in f.message
+
+
+def test_the_fused_change_test_equals_an_exact_comparison_of_every_sample(one_thread):
+    """The change test's two fused kernels (max |now - then| per tensor) decide exactly what ``!=``
+    on every sampled element decides: sub-ulp steps that change nothing, a change in one element
+    (smallest possible: one ulp), a NaN, a tensor left alone, and an empty sample (the general path)."""
+    from gradhealth.compare import Packed
+
+    torch.manual_seed(0)
+    ts = [torch.randn(50), torch.randn(7, 3), torch.full((4,), float("nan")), torch.randn(300), torch.randn(5)]
+    for empty in (False, True):
+        views = [t.view(-1) for t in ts] + ([torch.zeros(0)] if empty else [])
+        packed = Packed(views, reuse=True)
+        assert packed._fused is not empty
+        before = packed.snapshot()
+        ref = [v.clone() for v in views]
+        ts[0].add_(1e-12)  # below the ulp of every element: nothing changes
+        ts[1].view(-1)[5] = torch.nextafter(ts[1].view(-1)[5], torch.tensor(math.inf))  # one ulp, one element
+        ts[3].add_(1.0)
+        counts = torch.cat([c.reshape(-1) for c in packed.changed(before)]).tolist()
+        exact = [bool((v != r).any()) for v, r in zip(views, ref)]
+        assert exact[:5] == [False, True, True, True, False]  # the premise (NaN != NaN)
+        assert [c != 0 for c in counts] == exact
