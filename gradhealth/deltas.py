@@ -289,10 +289,11 @@ class UpdateTracker:
                 self._count_unarmed(flag)
                 if getattr(opt, "skips_in_a_row", 0):
                     self._unarmed.cause = opt.skip_info()
+        seen = None
         if self.armed_step is not None:
             plan = self._plans.get(id(opt)) or self._plan(opt)
-            self.witness.arm(opt, plan.idx if plan else [], self.entries)
-        self.ran.stepped(opt)
+            seen = self.witness.arm(opt, plan.idx if plan else [], self.entries)
+        self.ran.stepped(opt, seen or None)
 
     @staticmethod
     def _with_found_inf(opt, stats: StepStats) -> StepStats:

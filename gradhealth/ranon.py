@@ -40,9 +40,10 @@ class RanOn:
             if g is not None:
                 self.captured[id(p)] = torch.linalg.vector_norm(g.detach(), dtype=torch.float64)
 
-    def stepped(self, opt) -> None:
-        """After ``opt``'s step: a few of the gradients it consumed, as they are now."""
-        self._consumed[id(opt)] = (opt, consumed_now(opt))
+    def stepped(self, opt, seen: list | None = None) -> None:
+        """After ``opt``'s step: a few of the gradients it consumed, as they are now (``seen``: the
+        stale-gradient witnesses just armed on them, the same kind of record)."""
+        self._consumed[id(opt)] = (opt, consumed_now(opt) if seen is None else seen)
 
     def consumed(self) -> list:
         """The optimizers whose gradients are still the ones their last step consumed (no backward

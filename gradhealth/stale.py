@@ -66,21 +66,29 @@ class StaleWatch:
         self._watch: dict[int, dict[int, tuple]] = {}  # per optimizer id: entry -> (handle, state)
         self._idx: dict[int, list[int]] = {}  # per optimizer id: the entries it holds
 
-    def arm(self, opt, idx: list[int], entries) -> None:
-        """After ``opt``'s step: watch a few of its consumed gradients (``idx``: its entries)."""
+    def arm(self, opt, idx: list[int], entries) -> list[tuple[weakref.ref, weakref.ref, int]]:
+        """After ``opt``'s step: watch a few of its consumed gradients (``idx``: its entries).
+        Returns them as :func:`consumed_now` would: (parameter, gradient, version)."""
         self._idx[id(opt)] = idx
-        usable = lambda i: entries[i][1].grad is not None and entries[i][1].requires_grad  # noqa: E731
-        chosen = [i for i in spread(idx, WITNESSES) if usable(i)]
+        chosen = [i for i in spread(idx, WITNESSES) if (p := entries[i][1]).grad is not None and p.requires_grad]
         if len(chosen) < min(WITNESSES, len(idx)) // 2:  # many without gradients: look at them all
-            chosen = spread([i for i in idx if usable(i)], WITNESSES)
-        watch = self._watch.setdefault(id(opt), {})
-        for i in [i for i in watch if i not in chosen]:
-            watch.pop(i)[0].remove()
+            chosen = spread([i for i in idx if (p := entries[i][1]).grad is not None and p.requires_grad], WITNESSES)
+        watch = self._watch.get(id(opt))
+        if watch is None:
+            watch = self._watch[id(opt)] = {}
+        if len(watch) != len(chosen) or any(i not in watch for i in chosen):  # (the same few, step after step)
+            for i in [i for i in watch if i not in chosen]:
+                watch.pop(i)[0].remove()
+            for i in chosen:
+                if i not in watch:
+                    watch[i] = self._hook(entries[i][1], id(opt))
+        seen = []
         for i in chosen:
-            if i not in watch:
-                watch[i] = self._hook(entries[i][1], id(opt))
+            _, state, param = watch[i]
             grad = entries[i][1].grad
-            watch[i][1][:] = [True, weakref.ref(grad), grad._version]
+            state[0], state[1], state[2] = True, weakref.ref(grad), grad._version
+            seen.append((param, state[1], state[2]))
+        return seen
 
     def _hook(self, p, key: int) -> tuple:
         state = [False, None, 0]  # armed, the consumed gradient, its version then
@@ -95,7 +103,7 @@ class StaleWatch:
                     else:
                         self.stale.add(key)
 
-        return p.register_hook(hook), state
+        return p.register_hook(hook), state, weakref.ref(p)
 
     def confirm(self, opt) -> None:
         """At a check that judges ``opt``'s parameters, or before its step: a suspected gradient
@@ -109,13 +117,13 @@ class StaleWatch:
     def clear(self) -> None:
         """Disarm every witness (at a check: the backward they watch is over)."""
         for watch in self._watch.values():
-            for _, state in watch.values():
+            for _, state, _ in watch.values():
                 state[0] = False
 
     def close(self) -> None:
         """Remove every hook."""
         for watch in self._watch.values():
-            for handle, _ in watch.values():
+            for handle, _, _ in watch.values():
                 handle.remove()
         self._watch.clear()
 
