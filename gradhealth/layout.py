@@ -67,7 +67,8 @@ class Layout:
                 out += part
             else:
                 got = part.numel()
-                out.append(part)
+                if got:  # (an empty slot adds nothing to read)
+                    out.append(part)
             if got != size:
                 raise ValueError(f"layout slot {name!r} holds {size} values; got {got}")
         return out
