@@ -65,6 +65,7 @@ def plan_groups(tensors: Sequence[Tensor]) -> list[tuple[torch.device, torch.dty
 
 
 _DTYPE, _LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("layout")
+_IS_FLOAT = operator.attrgetter("is_floating_point")
 #: on the CPU, tensors of one shape with at most this many elements are normed stacked (see
 #: ``_batches``), at most ``STACK_ELEMENTS`` elements a stack (its copy: 4 MiB of float32)
 STACK_NUMEL, STACK_ELEMENTS = 1 << 14, 1 << 20
@@ -214,13 +215,15 @@ def joined(parts: Sequence[Tensor]) -> Tensor:
     is moved without a sync), in a dtype that holds each of their values exactly: float32 when every
     part is a float of at most 32 bits (the norms, a loss: read back as the very same numbers),
     float64 otherwise (a count, a float64 value)."""
+    if all(map(_IS_FLOAT, map(_DTYPE, parts))):  # the common case: floats (stack promotes: exact)
+        if len(parts) == 1:
+            return parts[0].reshape(-1)
+        try:  # (scalars of one device; anything else fails here, and is joined below)
+            out = torch.stack(parts)
+            return out if out.dim() == 1 else out.reshape(-1)
+        except RuntimeError:
+            pass
     device = parts[0].device
-    for p in parts:  # the common case: scalars of one device, floats of at most 32 bits
-        dt = p.dtype
-        if p.dim() or dt.itemsize > 4 or not dt.is_floating_point or p.device != device:
-            break
-    else:
-        return torch.stack(parts) if len(parts) > 1 else parts[0].reshape(1)
     if len(parts) > 1 and any(p.numel() == 0 for p in parts):  # (an empty part holds nothing to read)
         return joined([p for p in parts if p.numel()] or parts[:1])
     wide = any(not p.dtype.is_floating_point or p.dtype.itemsize > 4 for p in parts)
