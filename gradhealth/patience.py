@@ -251,8 +251,6 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
     """The stage of a check: update ``persistence`` from ``report`` (its parameters, and its
     stacked experts as units of their own) and set its ``grad_streak``, ``grad_history`` and
     ``tolerated``; returns the TRANSIENT_GRAD / DEAD_EXPERT findings."""
-    from .judges import idle_experts, transient_grads  # (judges import the report module, which this one need not)
-
     status, not_ok, units = report.status, report.not_ok or [], report.expert_status
     if units:
         status = {**status, **units}
@@ -261,6 +259,8 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
     report.grad_streak = gaps
     if not gaps:
         return []
+    from .judges import idle_experts, transient_grads  # (judges import the report module, which this one need not)
+
     verdict = persistence.judge(gaps, patience, status)
     report.grad_history = verdict.history
     # a zero gradient explained by a trainable partner that is still exactly zero (LoRA's B before

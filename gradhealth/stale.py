@@ -23,8 +23,14 @@ WITNESSES = 8
 
 def witnesses(params, idx) -> list[tuple[weakref.ref, weakref.ref, int]]:
     """A few of these parameters' gradients as they are now: (parameter, gradient, version)."""
-    grads = [(params[i], grad_of(params[i])) for i in spread(idx, WITNESSES)]
-    return [(weakref.ref(p), weakref.ref(g), g._version) for p, g in grads if g is not None]
+    out = []
+    for i in spread(idx, WITNESSES):
+        p = params[i]
+        g = p.grad
+        if g is None and (g := grad_of(p)) is None:
+            continue
+        out.append((weakref.ref(p), weakref.ref(g), g._version))
+    return out
 
 
 def consumed_now(opt) -> list[tuple[weakref.ref, weakref.ref, int]]:

@@ -7,6 +7,7 @@ Each judge is a pure function of observed values (:mod:`.judges`, :mod:`.crossra
 from __future__ import annotations
 
 import logging
+import math
 
 from . import crossrank, experts, judges
 from .guards import output_maxima, uses_checkpointing
@@ -25,7 +26,8 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
     """The findings of monitor ``m``'s judges for ``report`` (``seen``: the output gradient the
     loss's backward left, as of the check's launch)."""
     step, o, carry, names = report.step, m.options, m.carry, m.view.names
-    nonfinite = not report.grads_finite
+    quiet = report.not_ok == [] and not report.expert_status  # (every parameter OK: the usual check)
+    nonfinite = not quiet and not report.grads_finite
     found = []
     if m.scaler is not None and obs.scale is not None:
         if nonfinite:
@@ -38,7 +40,8 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
     if across is None:
         found += judges.loss_cause(obs.loss_cause, step)
         found += judges.eval_mode(obs.eval_record, step)
-        found += judges.stale_grad(report.status, stale, step)
+        if stale:
+            found += judges.stale_grad(report.status, stale, step)
     else:  # what single ranks saw, said the same way on every rank
         where = lambda mask: crossrank.where(mask, across.world)  # noqa: E731
         if across.cause_mask:
@@ -51,23 +54,26 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
             f.kind == "AMP_SKIPPED" and f.level == "info" for f in found))  # (the scaler's own overflow)
         found += crossrank.replica_findings(across, obs, names, report.status, step, m.ranks.device,
                                             m.replicas, m._counts, m._fp, m._missed)
-    found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step, obs.loss_ranks)
+    if obs.valid or obs.loss is not None and not math.isfinite(obs.loss):
+        found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step, obs.loss_ranks)
     if nonfinite and report.expert_status:
         found += judges.nonfinite_experts(report.expert_status, step)
-    no_grad = [n for n, s in report.errors.items() if s is Status.NO_GRAD]
+    no_grad = [n for n, s in report.errors.items() if s is Status.NO_GRAD] if not quiet else []
     if m._watch is not None:  # NO_GRAD now: the next forwards look for a reentrant checkpoint
-        m._watch.probe = {module_of(n) for n, s in report.problems.items() if s is Status.NO_GRAD}
+        m._watch.probe = {module_of(n) for n, s in report.problems.items() if s is Status.NO_GRAD} if not quiet else set()
     if no_grad:  # only then: is the model checkpointing its layers?
         found += judges.checkpoint_no_grad(no_grad, uses_checkpointing(unwrap(m.model)), report.status, step,
                                            carry.reentrant)
-    if obs.eval_record is None:  # said once, at the first check after they ran (not beside an eval() mistake)
+    if obs.eval_record is None and (carry.frozen_norms or carry.norm_eval):  # said once, at the first check after they ran (not beside an eval() mistake)
         found += judges.norm_idioms(carry, step)
     if carry.checks == 0:  # at the first check: what is frozen, what trains beside it, which stacks
         for line in (frozen_summary(report.status), experts.describe_stacks(m.view.stacks)):
             if line:
                 log.info("%s", line)
-    found += judges.expect_frozen(report.status, o.expect_frozen, step)
-    found += judges.meta_params(m.view.meta_names, step)
+    if o.expect_frozen is not None:
+        found += judges.expect_frozen(report.status, o.expect_frozen, step)
+    if m.view.meta_names:
+        found += judges.meta_params(m.view.meta_names, step)
     found += traced(  # resolve the tracer armed after the last NaN; arm it after this one
         carry, m.model, report, nonfinite and o.trace_on_nonfinite and m.scaler is None)
     if nonfinite and across is None and m.scaler is None:  # one process's output; under a scaler, the scale
