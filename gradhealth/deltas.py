@@ -320,11 +320,14 @@ class UpdateTracker:
 
     def _light(self, opt) -> StepStats | None:
         """A step between change tests: only what the learning rates decide (lr 0 in SGD/Adam/AdamW
-        changes nothing, exactly); every other parameter is undecided."""
+        changes nothing, exactly); every other parameter is undecided. None when nothing is decided
+        and nothing skipped the step (the usual light step: no numbers for the check to read)."""
         plan = self._plans.get(id(opt)) or self._plan(opt)
         if plan is None:
             return None
         lr_zero = self._lr_zero(opt, plan)
+        if not any(lr_zero) and found_inf(opt) is None:
+            return None
         touched = [not z for z in lr_zero] if rule_of(opt) is not None and any(lr_zero) else None
         device = self.entries[plan.idx[0]][1].device  # (the plan's aliases may predate a .to())
         if plan.empty is None or plan.empty.device != device:
