@@ -34,6 +34,12 @@ class ForwardRecord:
     eval_modules: tuple[str, ...] = ()
 
 
+@functools.lru_cache(maxsize=None)
+def _record(grad_enabled: bool, inference: bool, training: bool) -> ForwardRecord:
+    """The forward's record (frozen: one instance per combination, not one per forward)."""
+    return ForwardRecord(grad_enabled, inference, training)
+
+
 def diagnose_loss(loss, model: nn.Module | None = None, forward: ForwardRecord | None = None) -> str | None:
     """Why ``loss.backward()`` cannot train ``model``, or None for a healthy loss.
 
@@ -207,6 +213,9 @@ class ForwardWatch:
     def _before(self, i: int, watched: list, children: list, module, args) -> None:
         if not torch.is_grad_enabled():
             return
+        hooked = self._hooked[i]
+        if not hooked and not self.probe and all(m.training for _, m in watched):
+            return  # (the usual forward: everything in training mode, nothing hooked, nothing probed)
         want = {id(m): (n, m) for n, m in watched if not m.training}
         if self.probe and self.root.training:
             want.update({id(m): (n, m) for n, m in children + self._probe_modules()})
@@ -228,7 +237,7 @@ class ForwardWatch:
         return self._probed[1]
 
     def _on_model(self, module, args, output) -> None:
-        self.carry.forward = ForwardRecord(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.root.training)
+        self.carry.forward = _record(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.root.training)
         if torch.is_grad_enabled() and self.root.training:
             for t in _first_grad_tensor(output):  # was a NaN in the gradient before it entered the model?
                 if t.numel() <= KEEP_OUTPUT and not t.is_leaf:  # kept; autograd keeps its gradient (no kernel)

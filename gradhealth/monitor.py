@@ -54,6 +54,7 @@ from .wrappers import unwrap
 __all__ = ["GradHealth"]
 
 log = logging.getLogger("gradhealth")
+_NO_CONTEXT = contextlib.nullcontext()  # (reusable)
 
 
 class GradHealth:
@@ -138,7 +139,7 @@ class GradHealth:
         if s is None:
             return None
         try:  # (inside inference_mode, the check's own tensors must be ordinary ones: they are updated later)
-            with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+            with torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NO_CONTEXT:
                 if self._deferred is not None:  # (lag=1: this check launched, the previous one's report)
                     return self._deferred.check(s, loss, optimizer)
                 report = self._build(s, loss, optimizer)

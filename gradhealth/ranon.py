@@ -54,5 +54,9 @@ class RanOn:
         """At a check of the ``judged`` optimizers: (whether a step already ran on the gradients it
         reads, the norms the steps inside backward took since the last check, by parameter id)."""
         captured, self.captured = self.captured, {}
-        ran = bool(judged) and (bool(captured) or {id(o) for o in self.consumed()} >= {id(o) for o in judged})
-        return ran, captured
+        if not judged:
+            return False, captured
+        if captured:
+            return True, captured
+        consumed = self.consumed()  # (the usual check: none, the next backward made new gradients)
+        return bool(consumed) and {id(o) for o in consumed} >= {id(o) for o in judged}, captured
