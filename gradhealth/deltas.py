@@ -289,10 +289,9 @@ class UpdateTracker:
                 self._count_unarmed(flag)
                 if getattr(opt, "skips_in_a_row", 0):
                     self._unarmed.cause = opt.skip_info()
-        seen = None
-        if self.armed_step is not None:
-            plan = self._plans.get(id(opt)) or self._plan(opt)
-            seen = self.witness.arm(opt, plan.idx if plan else [], self.entries)
+        armed = self.armed_step is not None  # (the stale witnesses, and what the one-call-step test keeps)
+        plan = (self._plans.get(id(opt)) or self._plan(opt)) if armed else None
+        seen = self.witness.arm(opt, plan.idx if plan else [], self.entries) if armed else None
         self.ran.stepped(opt, seen or None)
 
     @staticmethod
@@ -319,9 +318,8 @@ class UpdateTracker:
             mine.packed = mine.packed + flag.to(mine.packed.device)
 
     def _light(self, opt) -> StepStats | None:
-        """A step between change tests: only what the learning rates decide (lr 0 in SGD/Adam/AdamW
-        changes nothing, exactly); every other parameter is undecided. None when nothing is decided
-        and nothing skipped the step (the usual light step: no numbers for the check to read)."""
+        """A step between change tests: what the learning rates decide (lr 0 in SGD/Adam/AdamW changes
+        nothing, exactly), or None (the usual one: nothing decided or skipped, nothing to read)."""
         plan = self._plans.get(id(opt)) or self._plan(opt)
         if plan is None:
             return None
