@@ -218,11 +218,11 @@ def joined(parts: Sequence[Tensor]) -> Tensor:
     if all(map(_IS_FLOAT, map(_DTYPE, parts))):  # the common case: floats (stack promotes: exact)
         if len(parts) == 1:
             return parts[0].reshape(-1)
-        try:  # (scalars of one device; anything else fails here, and is joined below)
-            out = torch.stack(parts)
-            return out if out.dim() == 1 else out.reshape(-1)
-        except RuntimeError:
-            pass
+        if parts[0].dim() == 0 and parts[-1].dim() == 0:
+            try:  # (scalars of one device; a vector among them fails here, and is joined below)
+                return torch.stack(parts)
+            except RuntimeError:
+                pass
     device = parts[0].device
     if len(parts) > 1 and any(p.numel() == 0 for p in parts):  # (an empty part holds nothing to read)
         return joined([p for p in parts if p.numel()] or parts[:1])
