@@ -21,6 +21,7 @@ class Layout:
     def __init__(self) -> None:
         self.slots: dict[str, tuple[int, int]] = {}  # name -> (start, size)
         self.size = 0
+        self.parts: list[Tensor] = []  # what :meth:`put` was given, in order
 
     def add(self, name: str, size: int = 1) -> Layout:
         if name in self.slots:
@@ -54,24 +55,19 @@ class Layout:
             return torch.zeros(0, dtype=torch.float64, device=device)
         return flat[0] if len(flat) == 1 else torch.cat(flat)
 
-    def pieces(self, **parts) -> list[Tensor]:
-        """The slots' device tensors in layout order, as they are (0-d for a one-value slot is fine):
-        for :func:`gradhealth.stats.joined`, which reads them back exactly in the fewest kernels."""
-        if parts.keys() != self.slots.keys():
-            raise ValueError(f"layout pieces: slots {list(self.slots)}; got {list(parts)}")
-        out = []
-        for name, (_, size) in self.slots.items():
-            part = parts[name]
-            if isinstance(part, list):  # (a slot given as several tensors, in order)
-                got = sum(p.numel() for p in part)
-                out += part
-            else:
-                got = part.numel()
-                if got:  # (an empty slot adds nothing to read)
-                    out.append(part)
-            if got != size:
-                raise ValueError(f"layout slot {name!r} holds {size} values; got {got}")
-        return out
+    def put(self, name: str, part, size: int | None = None) -> None:
+        """A slot and its device numbers at once: ``part`` is a tensor (0-d for one value is fine)
+        or several whose values, in order, fill the slot; they are kept in ``parts`` as they are, for
+        :func:`gradhealth.stats.joined`, which reads them back exactly in the fewest kernels (an
+        empty part adds nothing to read)."""
+        several = isinstance(part, list)
+        if size is None:
+            size = sum(p.numel() for p in part) if several else part.numel()
+        self.add(name, size)
+        if several:
+            self.parts += part
+        elif size:
+            self.parts.append(part)
 
     def unpack(self, values) -> dict[str, list[float]]:
         """Each slot's values (a list, or a slice of a tensor when ``values`` is one), by name."""

@@ -120,44 +120,36 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
 
     loss_t = loss.detach() if isinstance(loss, Tensor) and loss.numel() == 1 else None
     scale_t = scaler._scale if scaler is not None and scaler.is_enabled() and getattr(scaler, "_scale", None) is not None else None
-    lay = Layout()
-    parts: dict[str, Tensor] = {}
+    lay = Layout()  # the extras, each in a named slot
     if loss_t is not None:
-        lay.add("loss")
-        parts["loss"] = loss_t
+        lay.put("loss", loss_t, 1)
     for j, name in enumerate(valid):
-        lay.add(f"valid{j}")
-        parts[f"valid{j}"] = valid[name]
+        lay.put(f"valid{j}", valid[name], 1)
     for j, u in enumerate(updates):
-        lay.add(f"update{j}", u.size)
-        parts[f"update{j}"] = u.packed  # (a tensor, or several)
+        lay.put(f"update{j}", u.packed, u.size)  # (a tensor, or several)
     if scale_t is not None:
-        lay.add("scale")
-        parts["scale"] = scale_t
+        lay.put("scale", scale_t, 1)
     # gradients an optimizer step inside backward freed: their norms, taken then (see UpdateTracker)
     freed = [i for i in sel.idx if grad_of(params[i]) is None and view.pids[i] in captured] if captured else []
     if freed:
         if distributed:  # (a ZeRO fragment's norm, taken before the step freed it, is a shard's too)
             sharded.update(i for i in freed if is_fragment(params[i]))
-        lay.add("freed", len(freed))
-        parts["freed"] = torch.stack([captured[view.pids[i]] for i in freed])
+        lay.put("freed", torch.stack([captured[view.pids[i]] for i in freed]))
     if router:
-        lay.add("router", sum(c.numel() for c in router))
-        parts["router"] = torch.cat([c.reshape(-1).to(router[0].device) for c in router])
+        lay.put("router", torch.cat([c.reshape(-1).to(router[0].device) for c in router]))
     # stacked experts: their slices' norms replace the tensor's own (one pass), read in the same transfer
     stacked = [k for k, i in enumerate(with_grad) if i in view.stacks and grads[k].layout is torch.strided
                and not grads[k].is_complex()] if view.stacks else []
     # (a shard holds some experts whole, or part of every expert: its own slices, summed across ranks later)
     local = {k: experts.local_stack(view.stacks[with_grad[k]], grads[k], cut.get(with_grad[k])) for k in stacked}
     if stacked:
-        lay.add("slices", sum(local[k][0].count for k in stacked))
-        parts["slices"] = torch.cat([experts.slice_norms(grads[k], local[k][0]) for k in stacked])
+        lay.put("slices", torch.cat([experts.slice_norms(grads[k], local[k][0]) for k in stacked]),
+                sum(local[k][0].count for k in stacked))
         whole = set(stacked)
         plain = [g for k, g in enumerate(grads) if k not in whole]
     else:
         plain = grads
-    extras = lay.pieces(**parts) if parts else []
-    launched = stats.Launched(plain, extras, plan, maxima=deferred)
+    launched = stats.Launched(plain, lay.parts, plan, maxima=deferred)
     plan = launched.plan
 
     def finish(norms: list[float], flat: list[float]) -> Observation:

@@ -71,11 +71,25 @@ class StaleWatch:
         self._suspect: dict[int, list[tuple]] = {}  # optimizer id -> (parameter, the gradient added onto)
         self._watch: dict[int, dict[int, tuple]] = {}  # per optimizer id: entry -> (handle, state)
         self._idx: dict[int, list[int]] = {}  # per optimizer id: the entries it holds
+        #: per optimizer id: (its entries, [(parameter ref, parameter, state)]) when last time every
+        #: one of the few spread over them had a gradient: the usual step re-arms those, nothing else
+        self._same: dict[int, tuple | None] = {}
 
     def arm(self, opt, idx: list[int], entries) -> list[tuple[weakref.ref, weakref.ref, int]]:
         """After ``opt``'s step: watch a few of its consumed gradients (``idx``: its entries).
         Returns them as :func:`consumed_now` would: (parameter, gradient, version)."""
         self._idx[id(opt)] = idx
+        same = self._same.get(id(opt))
+        if same is not None and same[0] is idx:
+            seen = []
+            for param, p, state in same[1]:
+                grad = p.grad
+                if grad is None or not p.requires_grad:
+                    break  # (chosen again below)
+                state[0], state[1], state[2] = True, weakref.ref(grad), grad._version
+                seen.append((param, state[1], state[2]))
+            else:
+                return seen
         chosen = [i for i in spread(idx, WITNESSES) if (p := entries[i][1]).grad is not None and p.requires_grad]
         if len(chosen) < min(WITNESSES, len(idx)) // 2:  # many without gradients: look at them all
             chosen = spread([i for i in idx if (p := entries[i][1]).grad is not None and p.requires_grad], WITNESSES)
@@ -94,6 +108,8 @@ class StaleWatch:
             grad = entries[i][1].grad
             state[0], state[1], state[2] = True, weakref.ref(grad), grad._version
             seen.append((param, state[1], state[2]))
+        self._same[id(opt)] = ((idx, [(watch[i][2], entries[i][1], watch[i][1]) for i in chosen])
+                               if chosen == spread(idx, WITNESSES) else None)
         return seen
 
     def _hook(self, p, key: int) -> tuple:
@@ -132,6 +148,7 @@ class StaleWatch:
             for handle, _, _ in watch.values():
                 handle.remove()
         self._watch.clear()
+        self._same.clear()
 
     def take(self, entries, judged, before_step: bool = False) -> set[int]:
         """Entry indices of the parameters (with gradients) of the ``judged`` optimizers found
