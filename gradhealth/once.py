@@ -50,9 +50,11 @@ class Once:
         self._open: dict = {}  # per optimizer index: {problem: (first step, checks in a row, words)}
 
     def update(self, report) -> Said:
-        now = problems_of(report)
         key = report.optimizer_index
         before = self._open.get(key, {})
+        if not before and report.not_ok == [] and not report.findings:  # (nothing open, nothing now)
+            return Said()
+        now = problems_of(report)
         said = Said()
         said.resolved = _resolved(before, now)
         current = {}

@@ -44,12 +44,15 @@ def discarded(seen, exact: bool = False) -> bool:
     """Were the gradients ``witnesses`` saw thrown away since (set to None, replaced, or zeroed and
     written again)? One backward adding onto them (accumulation) is not, unless ``exact``: then
     any write counts."""
+    slack = 0 if exact else 1
     for param, ref, version in seen:
         p = param()
         if p is None:
             return True
-        g = grad_of(p)
-        if g is None or g is not ref() or g._version > version + (0 if exact else 1):
+        g = p.grad
+        if g is None and (g := grad_of(p)) is None:
+            return True
+        if g is not ref() or g._version > version + slack:
             return True
     return False
 
