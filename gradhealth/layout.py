@@ -1,12 +1,15 @@
-"""``Layout``: named slots of one flat float64 vector, for the single transfer and the all_reduce.
+"""``Layout``: named slots of one flat vector, for the single transfer and the all_reduce.
 
 Everything a check reads back, or reduces across ranks, is packed into one vector; a layout says
 where each named value lives, so packing and unpacking are by name and adding a value is one
 ``add`` call on both sides::
 
     lay = Layout().add("norms", n).add("loss", 1)
-    flat = lay.pack(norms=norms_tensor, loss=loss.reshape(1))   # device tensors, one cat
+    flat = lay.pack(norms=norms_tensor, loss=loss.reshape(1))   # float64 (the all_reduce), one cat
     got = lay.unpack(flat.tolist())                              # {"norms": [...], "loss": [x]}
+
+or, for the check's own transfer, ``lay.put(name, part)`` per slot and ``stats.joined(lay.parts)``:
+the parts as they are, joined in the fewest kernels.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Gradients are grouped by (device, dtype) and reduced with one ``torch._foreach_norm`` per group,
 accumulating in float32 (float64 for float64 tensors). The per-tensor norms, plus any small extra
-values the caller wants on the host (a loss, valid counts), are packed into one float64 tensor and
-read with a single transfer. Only tensors whose fused norm came back 0 or inf are looked at again:
+values the caller wants on the host (a loss, valid counts), are joined into one tensor (one
+``stack`` of the scalars: float32 where every part is, else float64, exact either way) and read with
+a single transfer. Only tensors whose fused norm came back 0 or inf are looked at again:
 that is where a naive norm lies (squares of 1e20 overflow float32, squares of 1e-30 underflow), and
 the re-check computes a scaled float64 norm that is exact there. A NaN norm needs no re-check: finite
 values cannot produce one.
