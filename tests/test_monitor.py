@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import gradhealth as gh
 from conftest import naive_classify
@@ -252,3 +253,38 @@ def _save(obj):
     torch.save(obj, buf)
     buf.seek(0)
     return buf
+
+
+def test_the_usual_check_launches_three_torch_ops(one_thread):
+    """The check between change tests: one fused norm, the loss detached, one stack of the norms with
+    the loss, read back at once (the one number a user logs instead launches nine)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x, y = torch.randn(8, 32), torch.randn(8, 1)
+    counts = []
+    with gh.GradHealth(model, opt, on_problem="raise") as mon:
+        for k in range(4):
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            with Ops() as ops:
+                mon.check(loss=loss)
+            counts.append(dict(ops.seen))
+            opt.step()
+    # checks 2 and 3: the step before was a light one (nothing to read), the step after is light too
+    for seen in counts[2:]:
+        assert seen == {"aten._foreach_norm.Scalar": 1, "aten.detach.default": 1, "aten.stack.default": 1}
