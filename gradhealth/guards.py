@@ -262,6 +262,12 @@ class ForwardWatch:
         if seen is None:
             self.carry.output_grad = [item]
             return
+        for k, old in enumerate(seen):  # an output no backward reached is not kept past the next forward
+            if isinstance(old, Tensor) and old.grad is None:  # (its graph: no longer than the loop's own variable)
+                old.register_hook(functools.partial(self._output_grad, _largest(old.detach())))
+                seen[k] = None
+        if None in seen:
+            seen[:] = [s for s in seen if s is not None]
         if len(seen) >= 64:  # (many forwards between two checks: the earlier ones folded, a rare pass)
             folded = output_maxima(seen)
             seen[:] = [folded] if folded is not None else []

@@ -155,3 +155,30 @@ def test_a_small_output_is_watched_without_a_kernel_or_a_hook(one_thread):
         assert mon.carry.output_grad == [out]
         mon.check()
         assert mon.carry.output_grad is None
+
+
+def test_a_kept_output_no_backward_reached_is_let_go_at_the_next_forward(one_thread):
+    """A training-mode forward whose output never gets a backward (a metric computed under grad) is
+    not kept past the next forward: its graph lives no longer than the loop's own variable would
+    keep it; and if a backward does reach it later, the loss-side origin still sees it."""
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with gh.GradHealth(model, torch.optim.SGD(model.parameters(), lr=0.1), on_problem="ignore",
+                       trace_on_nonfinite=False) as mon:
+        out1 = model(torch.randn(8, 4))
+        gone = weakref.ref(out1)
+        del out1
+        assert gone() is not None  # the premise: the monitor keeps it for now
+        out2 = model(torch.randn(8, 4))
+        assert gone() is None and mon.carry.output_grad == [out2]
+        # a backward that reaches an output let go still counts: 0/0 in the loss of the first forward
+        a = model(torch.randn(8, 4))
+        b = model(torch.randn(8, 4))  # (a is let go here, before its backward)
+        mask = torch.zeros(8, dtype=torch.bool)
+        ((a.square().sum(1) * mask).sum() / mask.sum() + b.square().mean()).backward()
+        r = mon.check()
+    assert not r.grads_finite and torch.isfinite(a).all()  # the premise
+    [f] = _origins(r)
+    assert "made in the loss" in f.message
