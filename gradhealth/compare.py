@@ -79,11 +79,12 @@ class Packed:
         return out
 
     def changed(self, snap: list[Tensor]) -> list[Tensor]:
-        """Per tensor, in order: a number that is 0 exactly when no element differs from the
-        snapshot (NaN counts as a change), as tensors whose concatenation is that vector. With one
-        (device, dtype) group and the snapshot of :meth:`snapshot`, each tensor's max |now - then|
-        from two fused kernels and no copy (two distinct floats never subtract to 0), read back as
-        they are; otherwise the count of elements that differ (``!=``)."""
+        """Per tensor, in order: a number > 0 when an element differs from the snapshot, 0 when none
+        does, NaN when undecided, as tensors whose concatenation is that vector. With one (device,
+        dtype) group and the snapshot of :meth:`snapshot`, each tensor's max |now - then| from two
+        fused kernels and no copy (two distinct finite floats never subtract to 0; an inf or NaN
+        element makes it NaN: undecided, so a constant -inf mask is never "changed"), read back as
+        they are; otherwise the count of elements that differ (``!=``, NaN != NaN a change)."""
         if self._fused and snap[0] is self._slots[0][0][0]:
             return list(torch._foreach_norm(torch._foreach_sub(self.groups[0][1], self._slots[0][0][1]), math.inf))
         now = self.snapshot(1)

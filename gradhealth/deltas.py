@@ -359,13 +359,13 @@ class UpdateTracker:
                 parts += counts
             else:
                 moved = torch.zeros(n, dtype=torch.bool, device=device)
-                moved[ks[0] : ks[-1] + 1] = joined(counts) != 0
+                moved[ks[0] : ks[-1] + 1] = joined(counts) > 0
                 tested = set(ks)
                 if copies is not None:  # the exact copies decide their parameters
                     copied, packed, before = copies
                     where = torch.tensor(copied, device=device)
                     # (no boolean-mask indexing: its size would need a host sync)
-                    moved = moved.index_copy(0, where, moved.index_select(0, where) | (joined(packed.changed(before)) != 0).to(device))
+                    moved = moved.index_copy(0, where, moved.index_select(0, where) | (joined(packed.changed(before)) > 0).to(device))
                     tested |= set(copied)
                     if measure:
                         exact_norms = packed.diff_norms(before)

@@ -58,7 +58,8 @@ class StepStats:
         # touched: undecided unless tested; untouched: unchanged
         changed = [math.nan] * n if self.touched is None else [math.nan if t else 0.0 for t in self.touched]
         for j, k in enumerate(self.flag_pos):
-            changed[k] = 1.0 if values[j] != 0 else (0.0 if self.sure[j] else math.nan)  # (NaN: changed)
+            v = values[j]  # (> 0 changed, 0 unchanged, NaN undecided: Packed.changed)
+            changed[k] = 1.0 if v > 0 else (0.0 if v == 0 and self.sure[j] else math.nan)
         self.changed = changed
         self.decided = bool(self.flag_pos) or self.touched is not None
         if self.measured:

@@ -306,12 +306,15 @@ def test_zero_grad_between_backward_and_step_is_named(opt_cls):
 
 def test_the_fused_change_test_equals_an_exact_comparison_of_every_sample(one_thread):
     """The change test's two fused kernels (max |now - then| per tensor) decide exactly what ``!=``
-    on every sampled element decides: sub-ulp steps that change nothing, a change in one element
-    (smallest possible: one ulp), a NaN, a tensor left alone, and an empty sample (the general path)."""
+    on every sampled element decides for finite tensors: sub-ulp steps that change nothing, a change
+    in one element (smallest possible: one ulp), a tensor left alone; a tensor holding inf or NaN is
+    undecided (NaN), never "changed" (a constant -inf mask: FROZEN_BUT_CHANGED would be a false alarm);
+    the general path (an empty sample) counts ``!=``."""
     from gradhealth.compare import Packed
 
     torch.manual_seed(0)
-    ts = [torch.randn(50), torch.randn(7, 3), torch.full((4,), float("nan")), torch.randn(300), torch.randn(5)]
+    ts = [torch.randn(50), torch.randn(7, 3), torch.full((4,), float("nan")), torch.randn(300), torch.randn(5),
+          torch.tensor([float("-inf"), 0.0, float("inf")])]
     for empty in (False, True):
         views = [t.view(-1) for t in ts] + ([torch.zeros(0)] if empty else [])
         packed = Packed(views, reuse=True)
@@ -323,5 +326,41 @@ def test_the_fused_change_test_equals_an_exact_comparison_of_every_sample(one_th
         ts[3].add_(1.0)
         counts = torch.cat([c.reshape(-1) for c in packed.changed(before)]).tolist()
         exact = [bool((v != r).any()) for v, r in zip(views, ref)]
-        assert exact[:5] == [False, True, True, True, False]  # the premise (NaN != NaN)
-        assert [c != 0 for c in counts] == exact
+        assert exact[:6] == [False, True, True, True, False, False]  # the premise (NaN != NaN; inf == inf)
+        if empty:  # the general path: the count of elements that differ
+            assert [c > 0 for c in counts] == exact
+        else:
+            finite = [0, 1, 3, 4]
+            assert [counts[k] > 0 for k in finite] == [exact[k] for k in finite]
+            assert [counts[k] == 0 for k in finite] == [not exact[k] for k in finite]
+            assert math.isnan(counts[2]) and math.isnan(counts[5])  # undecided, not "changed"
+
+
+def test_a_frozen_infinite_mask_in_a_fused_optimizer_is_not_frozen_but_changed(one_thread):
+    """A frozen parameter holding -inf (an attention mask kept as an nn.Parameter) given to a fused
+    optimizer (no version counters: every parameter is compared) stays silent under "raise"."""
+    torch.manual_seed(0)
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+            self.mask = nn.Parameter(torch.tensor([float("-inf"), 0.0, 0.0, 0.0]), requires_grad=False)
+
+        def forward(self, x):
+            return self.lin(x).masked_fill(torch.isinf(self.mask), 0.0)
+
+    model = Masked()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    losses = []
+    with gh.GradHealth(model, opt, on_problem="raise", change_every=1) as mon:
+        for _ in range(12):
+            opt.zero_grad()
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            r = mon.check(loss=loss)
+            opt.step()
+            losses.append(loss.item())
+    assert torch.isinf(model.mask).any() and r.status["mask"] == "FROZEN"  # the premise
+    assert losses[-1] < losses[0]
