@@ -210,7 +210,8 @@ class Carry:
         elif changed_any:
             self.still = 0
         gone, self.gone = target.step in self.gone, {s for s in self.gone if s > target.step}
-        found = judges.not_updated(target.status, unchanged, target.step, self.still, self.patience, gone) if unchanged else []
+        found = (judges.not_updated(target.status, unchanged, target.step, self.still, self.patience, gone)
+                 if unchanged else [])
         if moved:
             found += judges.frozen_but_changed(target.status, moved, target.step)
         return Delivery(target, found)

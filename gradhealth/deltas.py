@@ -365,7 +365,8 @@ class UpdateTracker:
                     copied, packed, before = copies
                     where = torch.tensor(copied, device=device)
                     # (no boolean-mask indexing: its size would need a host sync)
-                    moved = moved.index_copy(0, where, moved.index_select(0, where) | (joined(packed.changed(before)) > 0).to(device))
+                    now = (joined(packed.changed(before)) > 0).to(device)
+                    moved = moved.index_copy(0, where, moved.index_select(0, where) | now)
                     tested |= set(copied)
                     if measure:
                         exact_norms = packed.diff_norms(before)
@@ -416,5 +417,3 @@ class UpdateTracker:
         self.witness.close()
         self._inflight.clear()
         self._plans.clear()
-
-

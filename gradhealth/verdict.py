@@ -60,11 +60,12 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
         found += judges.nonfinite_experts(report.expert_status, step)
     no_grad = [n for n, s in report.errors.items() if s is Status.NO_GRAD] if not quiet else []
     if m._watch is not None:  # NO_GRAD now: the next forwards look for a reentrant checkpoint
-        m._watch.probe = {module_of(n) for n, s in report.problems.items() if s is Status.NO_GRAD} if not quiet else set()
+        m._watch.probe = set() if quiet else {module_of(n) for n, s in report.problems.items() if s is Status.NO_GRAD}
     if no_grad:  # only then: is the model checkpointing its layers?
         found += judges.checkpoint_no_grad(no_grad, uses_checkpointing(unwrap(m.model)), report.status, step,
                                            carry.reentrant)
-    if obs.eval_record is None and (carry.frozen_norms or carry.norm_eval):  # said once, at the first check after they ran (not beside an eval() mistake)
+    # said once, at the first check after they ran (not beside an eval() mistake)
+    if obs.eval_record is None and (carry.frozen_norms or carry.norm_eval):
         found += judges.norm_idioms(carry, step)
     if carry.checks == 0:  # at the first check: what is frozen, what trains beside it, which stacks
         for line in (frozen_summary(report.status), experts.describe_stacks(m.view.stacks)):
