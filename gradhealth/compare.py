@@ -81,12 +81,16 @@ class Packed:
     def changed(self, snap: list[Tensor]) -> list[Tensor]:
         """Per tensor, in order: a number > 0 when an element differs from the snapshot, 0 when none
         does, NaN when undecided, as tensors whose concatenation is that vector. With one (device,
-        dtype) group and the snapshot of :meth:`snapshot`, each tensor's max |now - then| from two
-        fused kernels and no copy (two distinct finite floats never subtract to 0; an inf or NaN
-        element makes it NaN: undecided, so a constant -inf mask is never "changed"), read back as
-        they are; otherwise the count of elements that differ (``!=``, NaN != NaN a change)."""
+        dtype) group and the snapshot of :meth:`snapshot`, each tensor's max |then - now|, computed in
+        the snapshot's own buffer (which it spends): three kernels, nothing allocated but the
+        maxima (two distinct finite floats never subtract to 0; an inf or NaN element makes it NaN:
+        undecided, so a constant -inf mask is never "changed"), read back as they are; otherwise the
+        count of elements that differ (``!=``, NaN != NaN a change)."""
         if self._fused and snap[0] is self._slots[0][0][0]:
-            return list(torch._foreach_norm(torch._foreach_sub(self.groups[0][1], self._slots[0][0][1]), math.inf))
+            buf, then = self._slots[0][0]
+            torch._foreach_sub_(then, self.groups[0][1])
+            buf.abs_()
+            return list(torch._foreach_max(then))
         now = self.snapshot(1)
         return [self._per_tensor([a != b for a, b in zip(now, snap)], torch.float32)]
 

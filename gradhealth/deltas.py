@@ -10,7 +10,7 @@ step the parameters do not change.
 
 **Did it change? (exact, no copy of θ).** Every step, a learning rate of 0 in SGD/Adam/AdamW is
 seen on the host (θ - 0·u is θ, exactly). The change test proper runs at the step after every
-``change_every``-th check (default 4), at every step after a step that changed none of the
+``change_every``-th check (default 8), at every step after a step that changed none of the
 parameters it decided (so an update rule that stops working is an error within
 ``change_every + 2`` steps), and at every step while a frozen parameter still holds a gradient
 (momentum or weight decay may move it). The steps between are undecided: no finding either way.
@@ -62,7 +62,7 @@ SAMPLE = 256
 UPDATE_EVERY = 100
 #: default: the change test (version counters, samples, exact copies) runs on the step after every
 #: this many checks; a learning rate of 0 is seen at every step
-CHANGE_EVERY = 4
+CHANGE_EVERY = 8
 #: the change test compares the samples of at most this many tensors per step, in turns: on the
 #: CPU every tensor touched costs a kernel launch, as much as a small tensor's whole norm
 WINDOW, _VERSION = 64, operator.attrgetter("_version")

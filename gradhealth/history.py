@@ -41,8 +41,12 @@ def _column_medians(rows, width: int, warmup: int) -> list[float]:
     """Each column's median over ``rows`` as ``torch.nanmedian`` gives it (the lower middle value;
     NaN and a short row's missing columns left out), NaN with fewer than ``warmup`` values."""
     out = []
-    for c in range(width):
-        vals = sorted([r[c] for r in rows if c < len(r) and r[c] == r[c]])
+    if rows and min(map(len, rows)) >= width:  # the usual table: whole columns, sorted in C
+        columns = [list(col) for col in zip(*rows)][:width]
+    else:
+        columns = [[r[c] for r in rows if c < len(r)] for c in range(width)]
+    for col in columns:
+        vals = sorted([v for v in col if v == v] if any(map(math.isnan, col)) else col)
         out.append(vals[(len(vals) - 1) // 2] if len(vals) >= warmup else math.nan)
     return out
 

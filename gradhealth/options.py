@@ -181,7 +181,7 @@ class Options:
     expect_frozen: Any = None
     deltas: str = "auto"
     update_every: int = 100
-    change_every: int = 4
+    change_every: int = 8
     history: Any = True
     amp_skip_alarm: int = 3
     amp_scale_floor: float = 1.0

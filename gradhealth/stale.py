@@ -17,8 +17,10 @@ from .naming import spread
 __all__ = ["StaleWatch", "WITNESSES", "witnesses", "discarded", "consumed_now"]
 
 #: gradients watched per optimizer for STALE_GRAD and skipped steps: zero_grad clears all of an
-#: optimizer's gradients together, so a few, spread over the parameter list, tell the same as all
-WITNESSES = 8
+#: optimizer's gradients together, so a few, spread over the parameter list (its start, a third and
+#: two thirds in: one in each end of a model whose half alone is zeroed), tell the same as all. Each
+#: is a Python hook in every backward (about as much as a small tensor's norm on the CPU)
+WITNESSES = 3
 
 
 def witnesses(params, idx) -> list[tuple[weakref.ref, weakref.ref, int]]:

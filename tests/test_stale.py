@@ -59,3 +59,24 @@ def test_missing_zero_grad_is_stale():
         assert f, kinds(reports)
         assert set(f[0].params) == {n for n, _ in MLP().named_parameters()}
         assert f[0].message.startswith("all 6 parameters") and "zero_grad" in f[0].message
+
+
+def test_a_half_left_unzeroed_is_stale_whichever_half():
+    """The few witnesses are spread over the optimizer's parameters: a loop that zeroes only one
+    half of the model (``encoder.zero_grad()`` where the whole model trains) is still named."""
+    for zeroed in ("front", "back"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])  # 12 tensors
+        front, back = model[:3], model[3:]
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        mon = gh.GradHealth(model, opt, on_problem="ignore")
+        found = []
+        for step in range(3):
+            (front if zeroed == "front" else back).zero_grad()
+            before = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+            model(torch.randn(4, 8)).square().mean().backward()
+            kept = [b is not None and b.abs().sum() > 0 for b in before]  # the premise: a half kept its gradients
+            assert step == 0 or sum(kept) == 6, (zeroed, kept)
+            found.append(mon.check().findings_of("STALE_GRAD"))
+            opt.step()
+        assert found[0] == [] and found[1] and found[2], (zeroed, found)
