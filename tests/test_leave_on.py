@@ -238,7 +238,7 @@ def _switch_run(breaks_at: int, steps: int, make_broken):
 
 
 def test_an_update_rule_that_stops_working_between_change_tests_is_an_error_within_a_few_steps():
-    """The change test runs at every 4th step, then at every step after one that changed nothing:
+    """The change test runs at every 8th step, then at every step after one that changed nothing:
     a rule broken at step 9 (between tests) is an error within change_every + 2 steps."""
     def idle(opt):  # every step still touches every parameter (versions move), changing none
         def step(closure=None):
@@ -247,8 +247,8 @@ def test_an_update_rule_that_stops_working_between_change_tests_is_an_error_with
                     p.mul_(1.0)
         opt.step = step
 
-    errors, every = _switch_run(9, 20, idle)
-    assert every == 4 and errors and errors[0] >= 9 and errors[0] <= 9 + every + 2, errors
+    errors, every = _switch_run(9, 24, idle)
+    assert every == 8 and errors and errors[0] >= 9 and errors[0] <= 9 + every + 2, errors
 
 
 def test_a_learning_rate_set_to_zero_between_change_tests_is_an_error_at_the_next_step():
