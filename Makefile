@@ -11,7 +11,7 @@ demo: deps
 	$(PYTHON) -m gradhealth demo
 
 test: deps
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=30
 
 bench: deps
 	$(PYTHON) -m gradhealth bench
