@@ -364,3 +364,23 @@ def test_a_frozen_infinite_mask_in_a_fused_optimizer_is_not_frozen_but_changed(o
             losses.append(loss.item())
     assert torch.isinf(model.mask).any() and r.status["mask"] == "FROZEN"  # the premise
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_change_test_sees_a_one_ulp_change_in_a_low_precision_tensor(one_thread, dtype):
+    """The change test subtracts in the tensor's own dtype (in the snapshot's buffer): a change of one
+    ulp, at a large value and at the smallest subnormal, is still a change, and an untouched tensor
+    is exactly 0."""
+    from gradhealth.compare import Packed
+
+    tiny = torch.finfo(dtype).smallest_normal / 4  # a subnormal
+    ts = [torch.tensor([1000.0, -3.0, 0.5], dtype=dtype), torch.tensor([0.0, tiny, 1.0], dtype=dtype),
+          torch.tensor([2.0, 4.0], dtype=dtype)]
+    packed = Packed([t.view(-1) for t in ts], reuse=True)
+    assert packed._fused
+    before = packed.snapshot()
+    ts[0][0] = torch.nextafter(ts[0][0:1], torch.tensor([math.inf], dtype=dtype))[0]
+    ts[1][1] = torch.nextafter(ts[1][1:2], torch.tensor([0.0], dtype=dtype))[0]  # a subnormal one ulp down
+    assert ts[0][0] != 1000.0 and ts[1][1] != tiny  # the premise: both really moved
+    values = [float(c) for c in packed.changed(before)]
+    assert values[0] > 0 and values[1] > 0 and values[2] == 0.0, values
