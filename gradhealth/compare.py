@@ -53,9 +53,10 @@ class Packed:
         # foreach copy each (half the time of a cat on the CPU); a snapshot then lives until
         # the next snapshot() of this Packed
         self._slots = [[self._slot(vs) for _, vs, _, _ in self.groups] for _ in range(2)] if reuse else None
-        #: :meth:`changed` in three kernels: one group in order, no empty view (no max of nothing)
+        #: :meth:`changed` in three kernels: one group in order, no empty view (no max of nothing),
+        #: real (no in-place abs of a complex tensor)
         self._fused = (reuse and len(self.groups) == 1 and self.groups[0][0] == list(range(self.n))
-                       and all(v.numel() for v in views))
+                       and all(v.numel() for v in views) and not views[0].is_complex())
 
     @staticmethod
     def _slot(vs: list[Tensor]) -> tuple[Tensor, list[Tensor]]:

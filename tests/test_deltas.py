@@ -384,3 +384,15 @@ def test_the_change_test_sees_a_one_ulp_change_in_a_low_precision_tensor(one_thr
     assert ts[0][0] != 1000.0 and ts[1][1] != tiny  # the premise: both really moved
     values = [float(c) for c in packed.changed(before)]
     assert values[0] > 0 and values[1] > 0 and values[2] == 0.0, values
+
+
+def test_a_complex_parameter_takes_the_general_change_test(one_thread):
+    """No in-place abs of a complex tensor: complex samples are compared with ``!=``."""
+    from gradhealth.compare import Packed
+
+    ts = [torch.randn(5, dtype=torch.complex64), torch.randn(3, dtype=torch.complex64)]
+    packed = Packed([t.view(-1) for t in ts], reuse=True)
+    assert not packed._fused
+    before = packed.snapshot()
+    ts[0][1] += 1j
+    assert [c > 0 for c in torch.cat([c.reshape(-1) for c in packed.changed(before)]).tolist()] == [True, False]
