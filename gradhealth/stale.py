@@ -10,23 +10,28 @@ being added onto the consumed one. The monitor disarms the hooks at its next che
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 from .gradients import grad_of
-from .naming import spread
 
-__all__ = ["StaleWatch", "WITNESSES", "witnesses", "discarded", "consumed_now"]
+__all__ = ["StaleWatch", "WITNESSES", "witnesses", "discarded", "consumed_now", "ends"]
 
 #: gradients watched per optimizer for STALE_GRAD and skipped steps: zero_grad clears all of an
-#: optimizer's gradients together, so a few, spread over the parameter list (its start, a third and
-#: two thirds in: one in each end of a model whose half alone is zeroed), tell the same as all. Each
-#: is a Python hook in every backward (about as much as a small tensor's norm on the CPU)
-WITNESSES = 3
+#: optimizer's gradients together, so two, the first and the last of its parameter list (one in each
+#: end of a model whose front or back alone is zeroed), tell the same as all. Each is a Python hook
+#: in every backward (about as much as a small tensor's norm on the CPU)
+WITNESSES = 2
+
+
+def ends(items: Sequence) -> list:
+    """The first and the last of ``items`` (the witnesses' places; one item: itself)."""
+    return [items[0], items[-1]] if len(items) > 1 else list(items)
 
 
 def witnesses(params, idx) -> list[tuple[weakref.ref, weakref.ref, int]]:
     """A few of these parameters' gradients as they are now: (parameter, gradient, version)."""
     out = []
-    for i in spread(idx, WITNESSES):
+    for i in ends(idx):
         p = params[i]
         g = p.grad
         if g is None and (g := grad_of(p)) is None:
@@ -37,9 +42,9 @@ def witnesses(params, idx) -> list[tuple[weakref.ref, weakref.ref, int]]:
 
 def consumed_now(opt) -> list[tuple[weakref.ref, weakref.ref, int]]:
     """After ``opt``'s step: a few of the gradients it consumed, as they are now."""
-    groups = opt.param_groups  # (a few spread over the list, not a pass over it: this runs at every step)
+    groups = opt.param_groups  # (its two ends, not a pass over the list: this runs at every step)
     params = groups[0]["params"] if len(groups) == 1 else [p for g in groups for p in g["params"]]
-    return [(weakref.ref(p), weakref.ref(p.grad), p.grad._version) for p in spread(params, WITNESSES) if p.grad is not None]
+    return [(weakref.ref(p), weakref.ref(p.grad), p.grad._version) for p in ends(params) if p.grad is not None]
 
 
 def discarded(seen, exact: bool = False) -> bool:
@@ -77,7 +82,7 @@ class StaleWatch:
         self._watch: dict[int, dict[int, tuple]] = {}  # per optimizer id: entry -> (handle, state)
         self._idx: dict[int, list[int]] = {}  # per optimizer id: the entries it holds
         #: per optimizer id: (its entries, [(parameter ref, parameter, state)]) when last time every
-        #: one of the few spread over them had a gradient: the usual step re-arms those, nothing else
+        #: one of its two ends had a gradient: the usual step re-arms those, nothing else
         self._same: dict[int, tuple | None] = {}
 
     def arm(self, opt, idx: list[int], entries) -> list[tuple[weakref.ref, weakref.ref, int]]:
@@ -95,9 +100,9 @@ class StaleWatch:
                 seen.append((param, state[1], state[2]))
             else:
                 return seen
-        chosen = [i for i in spread(idx, WITNESSES) if (p := entries[i][1]).grad is not None and p.requires_grad]
+        chosen = [i for i in ends(idx) if (p := entries[i][1]).grad is not None and p.requires_grad]
         if len(chosen) < min(WITNESSES, len(idx)) // 2:  # many without gradients: look at them all
-            chosen = spread([i for i in idx if (p := entries[i][1]).grad is not None and p.requires_grad], WITNESSES)
+            chosen = ends([i for i in idx if (p := entries[i][1]).grad is not None and p.requires_grad])
         watch = self._watch.get(id(opt))
         if watch is None:
             watch = self._watch[id(opt)] = {}
@@ -114,7 +119,7 @@ class StaleWatch:
             state[0], state[1], state[2] = True, weakref.ref(grad), grad._version
             seen.append((param, state[1], state[2]))
         self._same[id(opt)] = ((idx, [(watch[i][2], entries[i][1], watch[i][1]) for i in chosen])
-                               if chosen == spread(idx, WITNESSES) else None)
+                               if chosen == ends(idx) else None)
         return seen
 
     def _hook(self, p, key: int) -> tuple:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
+from itertools import repeat
 
 import torch
 from torch import Tensor
@@ -240,7 +241,8 @@ def joined(parts: Sequence[Tensor]) -> Tensor:
 
 def fetch(parts: Sequence[Tensor]) -> list[float]:
     """Concatenate small device tensors (:func:`joined`) and read them with ONE host transfer."""
-    parts = [p for p in parts if p is not None]
+    if any(map(operator.is_, parts, repeat(None))):
+        parts = [p for p in parts if p is not None]
     if not parts:
         return []
     return joined(parts).tolist()

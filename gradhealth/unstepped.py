@@ -16,9 +16,9 @@ optimizer steps at all is the skipped step's case (NOT_UPDATED, :func:`.judges.s
 from __future__ import annotations
 
 from .findings import Finding, FindingKind
-from .naming import agree, plural, spread
+from .naming import agree, plural
 from .report import describe_names
-from .stale import WITNESSES, discarded, witnesses
+from .stale import WITNESSES, discarded, ends, witnesses
 
 __all__ = ["Unstepped"]
 
@@ -58,8 +58,8 @@ class Unstepped:
                     self.streak[k] = 0
                 elif total != seen[2] and discarded(seen[0]):
                     self.streak[k] = self.streak.get(k, 0) + 1
-            # a few spread over its parameters; all of them only when many have no gradient
-            with_grad = [i for i in spread(members[k], WITNESSES) if params[i].grad is not None]
+            # the two ends of its parameters; all of them only when many have no gradient
+            with_grad = [i for i in ends(members[k]) if params[i].grad is not None]
             if len(with_grad) < min(WITNESSES, len(members[k])) // 2:
                 with_grad = [i for i in members[k] if params[i].grad is not None]
             self._seen[k] = (witnesses(params, with_grad), mine, total) if with_grad else None

@@ -22,11 +22,23 @@ __all__ = ["judge"]
 log = logging.getLogger("gradhealth")
 
 
+def _nothing_seen(obs, carry, m, o) -> bool:
+    """The usual check of one process: nothing but the numbers to judge, and they are fine (every
+    judge below would say nothing and change nothing)."""
+    return (not obs.stale and obs.loss_cause is None and obs.eval_record is None and not obs.valid
+            and (obs.loss is None or math.isfinite(obs.loss)) and not carry.frozen_norms and not carry.norm_eval
+            and carry.checks > 0 and o.expect_frozen is None and not m.view.meta_names)
+
+
 def judge(m, report, obs, across, sel, seen=None) -> list:
     """The findings of monitor ``m``'s judges for ``report`` (``seen``: the output gradient the
     loss's backward left, as of the check's launch)."""
     step, o, carry, names = report.step, m.options, m.carry, m.view.names
     quiet = report.not_ok == [] and not report.expert_status  # (every parameter OK: the usual check)
+    if quiet and across is None and m.scaler is None and _nothing_seen(obs, carry, m, o):
+        if m._watch is not None and m._watch.probe:
+            m._watch.probe = set()
+        return traced(carry, m.model, report, False) if carry.tracer is not None else []
     nonfinite = not quiet and not report.grads_finite
     found = []
     if m.scaler is not None and obs.scale is not None:
