@@ -45,6 +45,9 @@ class Said:
         return self.new or bool(self.reminder) or bool(self.resolved)
 
 
+_SILENT = Said()  # (what most checks get: shared, never changed)
+
+
 class Once:
     def __init__(self):
         self._open: dict = {}  # per optimizer index: {problem: (first step, checks in a row, words)}
@@ -53,7 +56,7 @@ class Once:
         key = report.optimizer_index
         before = self._open.get(key, {})
         if not before and report.not_ok == [] and not report.findings:  # (nothing open, nothing now)
-            return Said()
+            return _SILENT
         now = problems_of(report)
         said = Said()
         said.resolved = _resolved(before, now)
