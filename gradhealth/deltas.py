@@ -83,6 +83,10 @@ class _OptPlan:
     empty: Tensor | None = None  # the numbers of a step between change tests: none
 
 
+#: the in-flight state of a step between change tests (its learning rates are read, nothing else)
+_LIGHT = (None, None, None, None, False)
+
+
 class UpdateTracker:
     """Installs a step post-hook on each optimizer; measures the steps that follow a check."""
 
@@ -109,7 +113,7 @@ class UpdateTracker:
         self._arms: dict[int, int] = {}  # per optimizer: checks that armed its step
         self._tests: dict[int, int] = {}  # per optimizer: change tests armed (the windows take turns)
         self._turn: dict[int, int] = {}  # per optimizer: where the next generic exact copy starts
-        self._last_lr: dict[tuple[int, int], float] = {}
+        self._zero_lr: set[tuple[int, int]] = set()  # (optimizer id, group) whose lr was 0 at its last step
         self._inflight: dict[int, tuple] = {}
         self.ran = RanOn()  # which gradients a step already ran on (one-call steps, steps inside backward)
         self._plans: dict[int, _OptPlan] = {}
@@ -197,7 +201,7 @@ class UpdateTracker:
             self._arms[id(opt)] = k + 1
             measure = exact or k % self.update_every == 0
             if not (forced or measure or k % self.change_every == 0):  # a light step: the plan is not even re-validated
-                self._inflight[id(opt)] = (None, None, None, None, False)
+                self._inflight[id(opt)] = _LIGHT
                 continue
             tests = self._tests[id(opt)] = self._tests.get(id(opt), -1) + 1
             plan = self._plan(opt)
@@ -269,14 +273,15 @@ class UpdateTracker:
                 pass
 
     def _post(self, opt, args, kwargs) -> None:
-        self._in_step.pop(id(opt), None)
+        key = id(opt)
+        self._in_step.pop(key, None)
         self.steps_since_check += 1
-        self.stepped[id(opt)] = self.stepped.get(id(opt), 0) + 1
+        self.stepped[key] = self.stepped.get(key, 0) + 1
         self.total_steps += 1
-        state = self._inflight.pop(id(opt), None)
+        state = self._inflight.pop(key, None)
         if state is not None:
             try:
-                stats = self._measure(opt, *state) if state[0] is not None else self._light(opt)
+                stats = self._light(opt) if state is _LIGHT else self._measure(opt, *state)
                 if stats is not None:
                     self.pending.append(self._with_found_inf(opt, stats))
             except Exception as exc:  # inside the user's optimizer.step(): never break it
@@ -289,9 +294,10 @@ class UpdateTracker:
                 self._count_unarmed(flag)
                 if getattr(opt, "skips_in_a_row", 0):
                     self._unarmed.cause = opt.skip_info()
-        armed = self.armed_step is not None  # (the stale witnesses, and what the one-call-step test keeps)
-        plan = (self._plans.get(id(opt)) or self._plan(opt)) if armed else None
-        seen = self.witness.arm(opt, plan.idx if plan else [], self.entries) if armed else None
+        seen = None
+        if self.armed_step is not None:  # (the stale witnesses, and what the one-call-step test keeps)
+            plan = self._plans.get(key) or self._plan(opt)
+            seen = self.witness.arm(opt, plan.idx if plan else [], self.entries)
         self.ran.stepped(opt, seen or None)
 
     @staticmethod
@@ -320,6 +326,13 @@ class UpdateTracker:
     def _light(self, opt) -> StepStats | None:
         """A step between change tests: what the learning rates decide (lr 0 in SGD/Adam/AdamW changes
         nothing, exactly), or None (the usual one: nothing decided or skipped, nothing to read)."""
+        if not self._zero_lr and getattr(opt, "found_inf", None) is None:  # (the usual step: every lr a
+            for g in opt.param_groups:  # positive float, no lr 0 before, no grad scaler's flag)
+                lr = g["lr"]
+                if lr.__class__ is not float or not lr > 0:
+                    break
+            else:
+                return None
         plan = self._plans.get(id(opt)) or self._plan(opt)
         if plan is None:
             return None
@@ -404,8 +417,11 @@ class UpdateTracker:
             if isinstance(lr, Tensor):  # a device lr (capturable optimizers): reading it would sync every step
                 lr = float(lr) if lr.device.type == "cpu" else math.nan
             key = (id(opt), gi)
-            words.append("" if lr != 0 else ("again" if self._last_lr.get(key) == 0 else "new"))
-            self._last_lr[key] = lr
+            words.append("" if lr != 0 else ("again" if key in self._zero_lr else "new"))
+            if lr == 0:
+                self._zero_lr.add(key)
+            else:
+                self._zero_lr.discard(key)
         if not any(words):
             return [""] * len(plan.group_of)
         return [words[g] for g in plan.group_of]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 import sys
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ class ForwardRecord:
     training: bool
     #: submodules with dropout or batch norm that were in eval() mode while the model ran
     eval_modules: tuple[str, ...] = ()
+
+
+_TRAINING = operator.attrgetter("training")
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,17 +208,17 @@ class ForwardWatch:
             under = [(n, w) for n, w in watched if not top or n == "" or n == top or n.startswith(top + ".")]
             self._hooked.append({})
             self.handles.append(m.register_forward_pre_hook(functools.partial(
-                self._before, i, under, [(n, w) for n, w in under if n in children])))
+                self._before, i, under, [(n, w) for n, w in under if n in children], [w for _, w in under])))
         #: look for a reentrant checkpoint at the next forwards, in these modules (the monitor sets
         #: the modules of the NO_GRAD parameters; their forward runs inside the checkpoint, however deep)
         self.probe: set[str] = set()
         self._probed: tuple = (frozenset(), [])
 
-    def _before(self, i: int, watched: list, children: list, module, args) -> None:
+    def _before(self, i: int, watched: list, children: list, modules: list, module, args) -> None:
         if not torch.is_grad_enabled():
             return
         hooked = self._hooked[i]
-        if not hooked and not self.probe and all(m.training for _, m in watched):
+        if not hooked and not self.probe and all(map(_TRAINING, modules)):
             return  # (the usual forward: everything in training mode, nothing hooked, nothing probed)
         want = {id(m): (n, m) for n, m in watched if not m.training}
         if self.probe and self.root.training:

@@ -68,10 +68,10 @@ class ParamView:
         self.modules = list(dict.fromkeys(module_of(n) for n in self.names))
         slot = {m: k for k, m in enumerate(self.modules)}
         self.module_index = [slot[module_of(n)] for n in self.names]
-        #: (start, end) entries of each module when every module's entries are consecutive (the usual
-        #: ``named_parameters()`` order), else None
+        #: the entries of each module as a ``slice`` when every module's entries are consecutive (the
+        #: usual ``named_parameters()`` order), else None
         mi = self.module_index
-        self.module_runs = ([(mi.index(k), len(mi) - mi[::-1].index(k)) for k in range(len(self.modules))]
+        self.module_runs = ([slice(mi.index(k), len(mi) - mi[::-1].index(k)) for k in range(len(self.modules))]
                             if all(a <= b for a, b in zip(mi, mi[1:])) else None)
         everything = list(range(len(self.entries)))
         self.everything = Selection(None, everything, self.names, None)

@@ -140,6 +140,8 @@ class StaleWatch:
     def confirm(self, opt) -> None:
         """At a check that judges ``opt``'s parameters, or before its step: a suspected gradient
         still there (not set to None since, as ``zero_grad()`` does) is about to be applied: stale."""
+        if not self._suspect:
+            return
         for param, grad in self._suspect.pop(id(opt), ()):
             p = param()
             if p is not None and p.grad is not None and p.grad is grad():

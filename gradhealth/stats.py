@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from itertools import repeat
+from itertools import repeat, starmap
 
 import torch
 from torch import Tensor
@@ -363,19 +363,18 @@ def _maxima(views: Sequence[Tensor], plan: NormPlan) -> Tensor:
 
 
 def module_norms(with_grad: Sequence[int], norms: Sequence[float], module_of: Sequence[int],
-                 modules: Sequence[str], runs: Sequence[tuple[int, int]] | None = None) -> dict[str, float]:
+                 modules: Sequence[str], runs: Sequence[slice] | None = None) -> dict[str, float]:
     """Each module's own gradient norm from its parameters' (entry ``i`` belongs to module
     ``modules[module_of[i]]``): squares summed in float64, in plain Python (a few hundred floats:
     cheaper than any tensor round trip); a module with a norm outside [1e-150, 1e150] (a square
     would underflow or overflow) or a NaN is combined by :func:`combine_norms` instead.
 
-    ``runs`` (each module's consecutive entries, :attr:`ParamView.module_runs`) with a norm for
-    every entry: one :func:`combine_norms` per module, read off slices."""
+    ``runs`` (each module's consecutive entries as a slice, :attr:`ParamView.module_runs`) with a
+    norm for every entry: one :func:`combine_norms` per module, read off slices."""
     if runs is not None and len(norms) == len(module_of):
-        hypot = math.hypot
-        values = [hypot(*norms[a:b]) for a, b in runs]
+        values = list(starmap(math.hypot, map(norms.__getitem__, runs)))
         if math.inf in values:  # an inf module may hide a NaN: combine_norms says which
-            values = [combine_norms(norms[a:b]) if v == math.inf else v for v, (a, b) in zip(values, runs)]
+            values = [combine_norms(norms[r]) if v == math.inf else v for v, r in zip(values, runs)]
         return dict(zip(modules, values))
     acc: dict[int, float] = {}
     odd: set[int] = set()

@@ -108,7 +108,7 @@ def test_module_norms_read_off_runs_equal_the_general_sum():
         first: dict[int, int] = {}
         module_of = [first.setdefault(m, len(first)) for m in sorted(rng.randint(0, 4) for _ in range(n))]
         modules = [f"m{k}" for k in range(len(first))]
-        runs = [(module_of.index(k), n - module_of[::-1].index(k)) for k in range(len(modules))]
+        runs = [slice(module_of.index(k), n - module_of[::-1].index(k)) for k in range(len(modules))]
         norms = [rng.choice([0.0, 1e-200, 1e200, math.inf, math.nan, rng.random()]) for _ in range(n)]
         general = stats.module_norms(list(range(n)), norms, module_of, modules)
         fast = stats.module_norms(list(range(n)), norms, module_of, modules, runs)
@@ -132,7 +132,7 @@ def test_a_model_whose_modules_interleave_has_no_runs():
 
     view = ParamView(Odd(), [])
     assert view.module_index == [0, 1, 0, 1] and view.module_runs is None
-    assert ParamView(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), []).module_runs == [(0, 2), (2, 4)]
+    assert ParamView(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), []).module_runs == [slice(0, 2), slice(2, 4)]
     model = Odd()  # and a check over it combines each module from its own entries
     (model.a(torch.ones(1, 2)).sum() + 2 * model.b(torch.ones(1, 2)).sum()).backward()
     r = gh.GradHealth(model, on_problem="ignore").check()
