@@ -51,7 +51,7 @@ from .rules import rule_norms, rule_of
 from .ranon import RanOn
 from .stale import WITNESSES, StaleWatch
 from .stats import joined, plan_groups
-from .steps import StepStats, found_inf
+from .steps import StepStats, found_inf, unarmed_skip, with_found_inf
 
 __all__ = ["UpdateTracker", "StepStats", "WITNESSES", "SAMPLE", "UPDATE_EVERY", "CHANGE_EVERY"]
 
@@ -283,45 +283,18 @@ class UpdateTracker:
             try:
                 stats = self._light(opt) if state is _LIGHT else self._measure(opt, *state)
                 if stats is not None:
-                    self.pending.append(self._with_found_inf(opt, stats))
+                    self.pending.append(with_found_inf(opt, stats))
             except Exception as exc:  # inside the user's optimizer.step(): never break it
                 warnings.warn(f"gradhealth: measuring the update of {type(opt).__name__}.step() failed "
                               f"({type(exc).__name__}: {exc}); this step's update is not reported",
                               GradHealthInternalWarning, stacklevel=3)
         else:  # a step no check armed (every_n_steps): count its skip
-            flag = found_inf(opt)
-            if flag is not None:
-                self._count_unarmed(flag)
-                if getattr(opt, "skips_in_a_row", 0):
-                    self._unarmed.cause = opt.skip_info()
+            self._unarmed = unarmed_skip(opt, self.pending, self._unarmed)
         seen = None
         if self.armed_step is not None:  # (the stale witnesses, and what the one-call-step test keeps)
             plan = self._plans.get(key) or self._plan(opt)
             seen = self.witness.arm(opt, plan.idx if plan else [], self.entries)
         self.ran.stepped(opt, seen or None)
-
-    @staticmethod
-    def _with_found_inf(opt, stats: StepStats) -> StepStats:
-        """A fused optimizer under a grad scaler runs its step (and these hooks) even when the scaler
-        found inf and skips inside the kernel: the scaler's flag rides with the step's numbers
-        (no host sync), so the check treats that step as skipped, not as one that changed nothing."""
-        flag = found_inf(opt)
-        if flag is not None:
-            stats.packed = [*stats.pieces, flag.to(stats.pieces[0].device)]
-            stats.scaler_flag = True
-            if getattr(opt, "skips_in_a_row", 0):  # (a MasterView whose wrapper skipped this step)
-                stats.cause = opt.skip_info()
-        return stats
-
-    def _count_unarmed(self, flag: Tensor) -> None:
-        """The skips of steps no check armed add up on the device in one pending entry (no
-        indices), read with the next check: such a skipped step did not run either."""
-        mine = self._unarmed
-        if mine is None or not any(u is mine for u in self.pending):
-            self._unarmed = StepStats([], flag, scaler_flag=True)
-            self.pending.append(self._unarmed)
-        else:
-            mine.packed = mine.packed + flag.to(mine.packed.device)
 
     def _light(self, opt) -> StepStats | None:
         """A step between change tests: what the learning rates decide (lr 0 in SGD/Adam/AdamW changes

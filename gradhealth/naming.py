@@ -7,7 +7,7 @@ import functools
 import re
 from collections.abc import Iterable, Sequence
 
-__all__ = ["terminal_safe", "ROOT", "module_of", "matches", "plural", "on_ranks", "spread"]
+__all__ = ["terminal_safe", "ROOT", "module_of", "matches", "plural", "on_ranks"]
 
 _CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
@@ -50,8 +50,3 @@ def plural(n: int, word: str, many: str | None = None) -> str:
 def on_ranks(ranks: Sequence[int]) -> str:
     """``rank 1`` or ``ranks 0, 2``."""
     return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
-
-
-def spread(items: Sequence, k: int) -> list:
-    """At most about ``k`` items spread evenly over ``items`` (the first one included)."""
-    return list(items[:: max(1, len(items) // k)])

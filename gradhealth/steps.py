@@ -1,5 +1,5 @@
 """One optimizer step's numbers: ``StepStats`` (host facts, and device numbers until a check
-fetches them), and the grad scaler's skip flag of a fused step."""
+fetches them), and the grad scaler's skip flag of a fused step, which rides with those numbers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["StepStats", "found_inf"]
+__all__ = ["StepStats", "found_inf", "with_found_inf", "unarmed_skip"]
 
 
 @dataclass
@@ -83,3 +83,33 @@ def found_inf(opt) -> Tensor | None:
     if isinstance(flag, Tensor) and getattr(opt, "_step_supports_amp_scaling", False):
         return (flag.detach() > 0).to(torch.float64).reshape(1)
     return None
+
+
+def with_found_inf(opt, stats: StepStats) -> StepStats:
+    """A fused optimizer under a grad scaler runs its step (and its step hooks) even when the scaler
+    found inf and skips inside the kernel: the scaler's flag rides with the step's numbers (no host
+    sync), so the check treats that step as skipped, not as one that changed nothing."""
+    flag = found_inf(opt)
+    if flag is not None:
+        stats.packed = [*stats.pieces, flag.to(stats.pieces[0].device)]
+        stats.scaler_flag = True
+        if getattr(opt, "skips_in_a_row", 0):  # (a MasterView whose wrapper skipped this step)
+            stats.cause = opt.skip_info()
+    return stats
+
+
+def unarmed_skip(opt, pending: list[StepStats], mine: StepStats | None) -> StepStats | None:
+    """A step no check armed (``every_n_steps``): its grad scaler's skip adds up on the device in one
+    entry of ``pending`` (no indices), ``mine``, read with the next check: a skipped step did not run
+    either. Returns that entry (``mine`` unchanged when the step has no scaler flag)."""
+    flag = found_inf(opt)
+    if flag is None:
+        return mine
+    if mine is None or not any(u is mine for u in pending):
+        mine = StepStats([], flag, scaler_flag=True)
+        pending.append(mine)
+    else:
+        mine.packed = mine.packed + flag.to(mine.packed.device)
+    if getattr(opt, "skips_in_a_row", 0):
+        mine.cause = opt.skip_info()
+    return mine
