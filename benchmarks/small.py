@@ -6,7 +6,9 @@ read), the default monitor, and the deferred monitor (``lag=1``). Blocks interle
 whole-step section (a variant's cost is its block minus the plain blocks around it); the ratio
 columns ("x one") are each variant's cost over the one number's, from block means (they count the
 periodic steps: the change test every ``change_every`` checks, the update norms every
-``update_every``) and from block medians (the usual step).
+``update_every``) and from block medians (the usual step). Then where each variant's cost lands: the
+median of each part of its steps (zero_grad, forward, backward, the check or the clip, the optimizer
+step) above the plain step's: the monitor's hooks run inside the user's own calls.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradhealth.benchmarks.whole_step import measure
+from gradhealth.benchmarks.whole_step import PHASES, measure
 
 __all__ = ["SMALL", "bench_small"]
 
@@ -72,7 +74,7 @@ def bench_small(rounds: int, steps: int = 30) -> dict:
     out = {}
     for label, (make, batch) in SMALL.items():
         torch.manual_seed(0)
-        res = measure(make, batch(), rounds, steps, VARIANTS, clips={"clip_grad_norm_().item()": "item"})
+        res = measure(make, batch(), rounds, steps, VARIANTS, clips={"clip_grad_norm_().item()": "item"}, phases=True)
         plain = res["plain step"]
         print(f"\n{label}: plain step {plain['mean'] * 1e3:.3f} ms mean, {plain['median'] * 1e3:.3f} ms median")
         print(f"  {'':<28}{'mean +ms':>9}{'% step':>8}{'x one':>7}   {'median +ms':>10}{'% step':>8}{'x one':>7}")
@@ -82,5 +84,12 @@ def bench_small(rounds: int, steps: int = 30) -> dict:
                 extra, one = res[name][f"extra_{key}"], max(res["clip_grad_norm_().item()"][f"extra_{key}"], 1e-9)
                 cells.append(f"{extra * 1e3:>+{len(key) + 5}.3f}{extra / plain[key] * 100:>7.0f}%{extra / one:>7.2f}")
             print(f"  {name:<28}" + "   ".join(cells))
+        base = plain["phases"]
+        print("  where it goes (each part's median, µs: the plain step's, then each variant's above it)")
+        print(f"  {'':<28}" + "".join(f"{k:>10}" for k in PHASES))
+        print(f"  {'plain step':<28}" + "".join(f"{base[k] * 1e6:>10.0f}" for k in PHASES))
+        for name in list(VARIANTS)[1:]:
+            mine = res[name]["phases"]
+            print(f"  {'  ' + name:<28}" + "".join(f"{(mine[k] - base[k]) * 1e6:>+10.0f}" for k in PHASES))
         out[label] = res
     return out

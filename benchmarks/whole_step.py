@@ -65,8 +65,12 @@ def _no_witnesses(monitor: GradHealth) -> None:
     monitor.tracker.witness.arm = lambda *a, **k: None
 
 
+#: the parts of a step that ``measure(..., phases=True)`` times apart
+PHASES = ("zero_grad", "forward", "backward", "check", "step")
+
+
 def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=VARIANTS,
-            clips=None) -> dict[str, dict[str, float]]:
+            clips=None, phases: bool = False) -> dict[str, dict[str, float]]:
     """Per variant: ``mean`` and ``median`` seconds of a whole step, ``extra_mean`` and
     ``extra_median`` (what it costs above the plain step, from the sandwiches below) and ``floor``
     (seconds of one fused norm pass, measured in the plain run). Returns ``{variant: {...}}``.
@@ -76,7 +80,9 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
     variant's cost in a round is its block minus the mean of the two plain blocks around it, so a
     machine that slows down or speeds up between blocks cancels out. ``clips``: variant -> "torch"
     (torch's clip after the backward), "shared" (the monitor's) or "item" (torch's clip and its
-    total read on the host: the one number a user logs); default :data:`CLIPS`."""
+    total read on the host: the one number a user logs); default :data:`CLIPS`. ``phases``: each
+    variant also gets ``phases``, the median seconds of each part of its steps (:data:`PHASES`:
+    ``check`` is the check and the clip, the rest the user's own calls, our hooks inside them)."""
     clips = CLIPS if clips is None else clips
     torch.manual_seed(0)
     base = make_model()
@@ -97,15 +103,20 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
             if name == "stale witnesses off":
                 _no_witnesses(monitor)
         runs[name] = (model, opt, monitor, [], clips.get(name))
+    parts: dict[str, list[list[float]]] = {name: [[] for _ in PHASES] for name in runs}
     floors: list[float] = []
     with torch.no_grad():
         target = torch.randn_like(base(batch))  # a regression target: every layer gets a gradient
 
-    def step(model, opt, monitor, times, clip=None, timed_floor=False):
-        t0 = time.perf_counter()
+    def step(model, opt, monitor, times, clip=None, timed_floor=False, split=None):
+        clock = time.perf_counter
+        t0 = clock()
         opt.zero_grad(set_to_none=True)
+        t1 = clock() if split is not None else 0.0
         loss = nn.functional.mse_loss(model(batch), target)
+        t2 = clock() if split is not None else 0.0
         loss.backward()
+        t3 = clock() if split is not None else 0.0
         if monitor is not None:
             monitor.check(loss=loss)
         if clip == "torch":
@@ -114,8 +125,13 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
             monitor.clip_grad_norm_(MAX_NORM)
         elif clip == "item":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+        t4 = clock() if split is not None else 0.0
         opt.step()
-        times.append(time.perf_counter() - t0)
+        t5 = clock()
+        times.append(t5 - t0)
+        if split is not None:
+            for part, a, b in zip(split, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
+                part.append(b - a)
         if timed_floor:  # one fused norm pass, where the check would run (after a backward)
             opt.zero_grad(set_to_none=True)
             nn.functional.mse_loss(model(batch), target).backward()
@@ -126,8 +142,9 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
     def block(name) -> tuple[float, float]:
         model, opt, monitor, times, clip = runs[name]
         mine: list[float] = []
+        split = parts[name] if phases else None
         for _ in range(steps):
-            step(model, opt, monitor, mine, clip)
+            step(model, opt, monitor, mine, clip, split=split)
         times += mine
         return statistics.fmean(mine), statistics.median(mine)
 
@@ -153,6 +170,8 @@ def measure(make_model, batch: torch.Tensor, rounds: int, steps: int, variants=V
         out[name] = {"mean": statistics.fmean(t), "median": statistics.median(t),
                      "extra_mean": statistics.fmean(d[0] for d in diffs),
                      "extra_median": statistics.median(d[1] for d in diffs)}
+        if phases:
+            out[name]["phases"] = {k: statistics.median(v) for k, v in zip(PHASES, parts[name])}
     for model, opt, monitor, _, _ in runs.values():
         if monitor is not None:
             monitor.close()

@@ -202,3 +202,10 @@ def test_bench_small_section_prints_the_ratio_to_the_one_number(capsys):
         row = res[label]
         assert {"plain step", "clip_grad_norm_().item()", "default monitor", "deferred monitor (lag=1)"} <= set(row)
         assert row["plain step"]["median"] > 0
+        # where the cost lands: the one number's own call is the check part; the plain step has none
+        phases = {name: v["phases"] for name, v in row.items()}
+        assert set(phases["plain step"]) == {"zero_grad", "forward", "backward", "check", "step"}
+        assert min(phases["plain step"][k] for k in ("forward", "backward", "step")) > 0
+        assert phases["clip_grad_norm_().item()"]["check"] > 10 * phases["plain step"]["check"]
+        assert phases["default monitor"]["check"] > 10 * phases["plain step"]["check"]
+    assert "where it goes" in out
