@@ -2,7 +2,8 @@
 its norm pass, is what the user pays. A 6-tensor MLP, a small CNN and a 2-block transformer, each
 trained step by step (zero_grad, forward, backward, [check], optimizer.step) with: nothing, the one
 number a user logs instead (``clip_grad_norm_(..., max_norm).item()``: one fused norm and one host
-read), the default monitor, and the deferred monitor (``lag=1``). Blocks interleaved as in the
+read), the default monitor, the deferred monitor (``lag=1``), and the default monitor with each of
+its parts off in turn (what that part's verdicts cost on a tiny model). Blocks interleaved as in the
 whole-step section (a variant's cost is its block minus the plain blocks around it); the ratio
 columns ("x one") are each variant's cost over the one number's, from block means (they count the
 periodic steps: the change test every ``change_every`` checks, the update norms every
@@ -18,7 +19,7 @@ from torch import nn
 
 from gradhealth.benchmarks.whole_step import PHASES, measure
 
-__all__ = ["SMALL", "bench_small"]
+__all__ = ["PARTS", "SMALL", "bench_small"]
 
 
 class MLP(nn.Module):  # 6 tensors
@@ -65,20 +66,31 @@ VARIANTS = {
     "default monitor": {},
     "deferred monitor (lag=1)": {"lag": 1},
 }
+#: the default monitor with one part off: what each part's verdicts cost on a tiny model (names and
+#: options as in the whole-step section; "stale witnesses off" has no option, the bench removes them)
+PARTS = {
+    "forward watch off": {"watch_forward": False},
+    "update tracking off": {"deltas": "off"},
+    "history off": {"history": False},
+    "stale witnesses off": {},
+}
 
 
-def bench_small(rounds: int, steps: int = 30) -> dict:
-    print("\nsmall models: a whole step with the one number a user logs instead, the default monitor and the "
-          "deferred one\n(cost = the variant's block minus the plain blocks around it; x one number: that cost over "
+def bench_small(rounds: int, steps: int = 30, parts: bool = True) -> dict:
+    """``parts``: the default monitor with each part off in turn too (:data:`PARTS`), in the same rounds."""
+    print("\nsmall models: a whole step with the one number a user logs instead, the default monitor, the "
+          "deferred one" + (" and the default with each part off in turn" if parts else "") +
+          "\n(cost = the variant's block minus the plain blocks around it; x one number: that cost over "
           "clip_grad_norm_().item()'s)")
+    variants = {**VARIANTS, **PARTS} if parts else VARIANTS
     out = {}
     for label, (make, batch) in SMALL.items():
         torch.manual_seed(0)
-        res = measure(make, batch(), rounds, steps, VARIANTS, clips={"clip_grad_norm_().item()": "item"}, phases=True)
+        res = measure(make, batch(), rounds, steps, variants, clips={"clip_grad_norm_().item()": "item"}, phases=True)
         plain = res["plain step"]
         print(f"\n{label}: plain step {plain['mean'] * 1e3:.3f} ms mean, {plain['median'] * 1e3:.3f} ms median")
         print(f"  {'':<28}{'mean +ms':>9}{'% step':>8}{'x one':>7}   {'median +ms':>10}{'% step':>8}{'x one':>7}")
-        for name in list(VARIANTS)[1:]:
+        for name in list(variants)[1:]:
             cells = []
             for key in ("mean", "median"):
                 extra, one = res[name][f"extra_{key}"], max(res["clip_grad_norm_().item()"][f"extra_{key}"], 1e-9)
@@ -88,7 +100,7 @@ def bench_small(rounds: int, steps: int = 30) -> dict:
         print("  where it goes (each part's median, µs: the plain step's, then each variant's above it)")
         print(f"  {'':<28}" + "".join(f"{k:>10}" for k in PHASES))
         print(f"  {'plain step':<28}" + "".join(f"{base[k] * 1e6:>10.0f}" for k in PHASES))
-        for name in list(VARIANTS)[1:]:
+        for name in list(variants)[1:]:
             mine = res[name]["phases"]
             print(f"  {'  ' + name:<28}" + "".join(f"{(mine[k] - base[k]) * 1e6:>+10.0f}" for k in PHASES))
         out[label] = res

@@ -192,7 +192,7 @@ def test_the_demo_keeps_problems_of_different_modules_apart(capsys):
 
 
 def test_bench_small_section_prints_the_ratio_to_the_one_number(capsys):
-    from gradhealth.benchmarks.small import SMALL, bench_small
+    from gradhealth.benchmarks.small import PARTS, SMALL, bench_small
 
     res = bench_small(rounds=1, steps=3)
     out = capsys.readouterr().out
@@ -200,7 +200,7 @@ def test_bench_small_section_prints_the_ratio_to_the_one_number(capsys):
     for label in SMALL:
         assert label in out
         row = res[label]
-        assert {"plain step", "clip_grad_norm_().item()", "default monitor", "deferred monitor (lag=1)"} <= set(row)
+        assert {"plain step", "clip_grad_norm_().item()", "default monitor", "deferred monitor (lag=1)", *PARTS} == set(row)
         assert row["plain step"]["median"] > 0
         # where the cost lands: the one number's own call is the check part; the plain step has none
         phases = {name: v["phases"] for name, v in row.items()}
@@ -208,4 +208,7 @@ def test_bench_small_section_prints_the_ratio_to_the_one_number(capsys):
         assert min(phases["plain step"][k] for k in ("forward", "backward", "step")) > 0
         assert phases["clip_grad_norm_().item()"]["check"] > 10 * phases["plain step"]["check"]
         assert phases["default monitor"]["check"] > 10 * phases["plain step"]["check"]
-    assert "where it goes" in out
+        for name in PARTS:  # the default monitor with one part off: a row of the ratio table and of the split
+            assert phases[name]["check"] > 10 * phases["plain step"]["check"]
+            assert out.count(f"  {name}") == 2 * len(SMALL) and f"    {name}" in out
+    assert "where it goes" in out and "each part off in turn" in out
