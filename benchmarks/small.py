@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradhealth.benchmarks.whole_step import PHASES, measure
+from gradhealth.benchmarks.whole_step import PARTS, PHASES, measure
 
 __all__ = ["PARTS", "SMALL", "bench_small"]
 
@@ -65,14 +65,6 @@ VARIANTS = {
     "clip_grad_norm_().item()": None,
     "default monitor": {},
     "deferred monitor (lag=1)": {"lag": 1},
-}
-#: the default monitor with one part off: what each part's verdicts cost on a tiny model (names and
-#: options as in the whole-step section; "stale witnesses off" has no option, the bench removes them)
-PARTS = {
-    "forward watch off": {"watch_forward": False},
-    "update tracking off": {"deltas": "off"},
-    "history off": {"history": False},
-    "stale witnesses off": {},
 }
 
 

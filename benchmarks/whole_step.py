@@ -28,16 +28,21 @@ from gradhealth.benchmarks.core import SHAPES, build_model, floor_pass
 from gradhealth.benchmarks.many import Wide
 from gradhealth.monitor import GradHealth
 
-__all__ = ["VARIANTS", "bench_whole_step", "measure"]
+__all__ = ["PARTS", "VARIANTS", "bench_whole_step", "measure"]
 
-#: name -> monitor options (None: no monitor at all); "stale witnesses off" and the sink are set up below
-VARIANTS = {
-    "plain step": None,
-    "default monitor": {},
+#: the default monitor with one part off: what each part's verdicts cost ("stale witnesses off" has
+#: no option: :func:`measure` removes them)
+PARTS = {
     "forward watch off": {"watch_forward": False},
     "update tracking off": {"deltas": "off"},
     "history off": {"history": False},
     "stale witnesses off": {},
+}
+#: name -> monitor options (None: no monitor at all); "stale witnesses off" and the sink are set up below
+VARIANTS = {
+    "plain step": None,
+    "default monitor": {},
+    **PARTS,
     "+ TensorBoardSink": {},
     "every_n_steps=10": {"every_n_steps": 10},
     "plain + torch's clip": None,
