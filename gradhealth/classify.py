@@ -56,7 +56,7 @@ def named_parameters(model: nn.Module, *, validate: bool = True, meta: bool = Fa
 
 def is_lazy(p) -> bool:
     """A lazy module's parameter before its first forward (no shape, no data yet)."""
-    return isinstance(p, nn.parameter.UninitializedParameter)
+    return nn.parameter.is_lazy(p)
 
 
 def lazy_names(model: nn.Module) -> list[str]:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.parameter import is_lazy
 
 from .distributed import dtensor_type, to_local
 from .errors import GradHealthInternalWarning
@@ -158,7 +159,10 @@ class UpdateTracker:
         groups = opt.param_groups
         ps = groups[0]["params"] if len(groups) == 1 else [p for g in groups for p in g["params"]]
         ids = array("Q", map(id, ps))  # raw addresses: compared without touching an int object each
-        ptrs = array("Q", map(Tensor.data_ptr, ps))
+        try:
+            ptrs = array("Q", map(Tensor.data_ptr, ps))
+        except ValueError:  # an uninitialised (lazy) parameter has no data yet: address 0 until materialised
+            ptrs = array("Q", (0 if is_lazy(p) else p.data_ptr() for p in ps))
         plan = self._plans.get(id(opt))
         if plan is not None and plan.ids == ids and plan.ptrs == ptrs:
             return plan

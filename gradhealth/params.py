@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch.nn.modules.module as module_hooks
 from torch import nn
 
-from .classify import lazy_names, named_parameters, optimizer_param_ids
+from .classify import is_lazy, lazy_names, named_parameters, optimizer_param_ids
 from .experts import find_stacks
-from .naming import module_of
+from .findings import Finding, FindingKind
+from .naming import agree, module_of
 from .report import ParamMeta
 from .wrappers import unwrap
 
@@ -136,6 +137,10 @@ class ModelChanges:
         self.model = model
         self.dirty = False
         self.lazy = lazy_names(model)
+        #: per lazy parameter name: checks in a row at which it was still uninitialised although
+        #: its optimizer stepped since the check before (:meth:`judge_lazy`)
+        self.lazy_gaps: dict[str, int] = {}
+        self._steps_seen = 0
         _install()
         _LIVE.add(self)
 
@@ -152,11 +157,36 @@ class ModelChanges:
         self.dirty, self.lazy = False, lazy_names(self.model)
         return True
 
+    def judge_lazy(self, optimizers: list, total_steps: int, patience: int, step: int) -> list[Finding]:
+        """A lazy parameter that is still uninitialised while its optimizer keeps stepping: its
+        module never ran. Named (NO_GRAD) once that has lasted ``patience`` checks with a step between."""
+        stepped, self._steps_seen = total_steps > self._steps_seen, total_steps
+        held = optimizer_param_ids(optimizers) if optimizers else set()
+        lazy = dict(zip(self.lazy, (p for _, p in _lazy_params(self.model))))
+        gaps = {n: self.lazy_gaps.get(n, 0) + stepped for n, p in lazy.items() if id(p) in held}
+        self.lazy_gaps = gaps
+        names = [n for n, g in gaps.items() if g >= patience]
+        if not names:
+            return []
+        modules = list(dict.fromkeys(module_of(n) for n in names))
+        return [Finding(FindingKind.LAZY_NEVER_RAN,
+                        f"NO_GRAD: {', '.join(names)} of lazy module{agree(modules, 's', '')} {', '.join(map(repr, modules))} "
+                        f"{agree(names, 'are', 'is')} still uninitialised after {max(gaps[n] for n in names)} checks at "
+                        f"which {agree(names, 'their', 'its')} optimizer stepped: the lazy module never ran (no batch "
+                        "reached it), so it has no weights and cannot train. Run it once on a dummy batch before "
+                        "training if it should train (a PyTorch Geometric relation that no batch holds, a branch "
+                        "never taken), or leave it out of the model and the optimizer",
+                        params=tuple(names), step=step, data={"status": "NO_GRAD"})]
+
     def close(self) -> None:
         _LIVE.discard(self)
         if not _LIVE:  # the last live monitor: the global hooks go with it
             while _HOOKS:
                 _HOOKS.pop().remove()
+
+
+def _lazy_params(model: nn.Module) -> list:
+    return [(n, p) for n, p in unwrap(model).named_parameters() if is_lazy(p)]
 
 
 # One pair of global hooks for the whole process, however many monitors: each registration marks
