@@ -10,9 +10,40 @@ then removes its hooks: nothing keeps running at every forward, backward and ste
 
 from __future__ import annotations
 
+import functools
+import warnings
 import weakref
 
-__all__ = ["Owned"]
+from .errors import GradHealthError, GradHealthInternalWarning
+
+__all__ = ["Owned", "guarded"]
+
+
+def guarded(fn, what: str, said: set | None = None):
+    """``fn`` as a hook that never raises into the user's loop: an exception from it (not a
+    :class:`GradHealthError` said on purpose, ``on_problem="raise"``) is said once per ``what``
+    (``said``: the set an owner shares among its hooks) as a :class:`GradHealthInternalWarning`,
+    and the hook returns None (a tensor or forward hook then leaves the value as it was): what it
+    would have measured at that call is not measured."""
+    said = set() if said is None else said
+
+    def hook(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except GradHealthError:
+            raise
+        except Exception as exc:
+            if what not in said:
+                said.add(what)
+                warnings.warn(f"gradhealth: its {what} failed ({type(exc).__name__}: {exc}); what it measures is not "
+                              "reported at that call, training continues (said once)", GradHealthInternalWarning,
+                              stacklevel=2)
+            return None
+
+    try:
+        return functools.wraps(fn)(hook)
+    except (AttributeError, TypeError):  # (a partial without a name)
+        return hook
 
 
 class Owned:

@@ -31,6 +31,8 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from .hooks import guarded
+
 __all__ = ["MasterView", "Masters", "LossScale", "find_view", "view_for", "master_of"]
 
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # wrapper -> its view (one per wrapper)
@@ -229,7 +231,7 @@ class MasterView:
         #: called at its start to take their norms for the check that follows (:mod:`.ranon`)
         self.read = False
         self.unread_step = None
-        self._handles = [inner.register_step_post_hook(self._inner_post)]
+        self._handles = [inner.register_step_post_hook(guarded(self._inner_post, "inner optimizer's step hook"))]
         self._patched = "step" not in vars(wrapper)
         if self._patched:
             original = wrapper.step

@@ -14,6 +14,7 @@ from torch import nn
 from .classify import is_lazy, lazy_names, named_parameters, optimizer_param_ids
 from .experts import find_stacks
 from .findings import Finding, FindingKind
+from .hooks import guarded
 from .naming import agree, module_of
 from .report import ParamMeta
 from .wrappers import unwrap
@@ -202,5 +203,7 @@ def _mark_all(*_args) -> None:
 
 def _install() -> None:
     if not _HOOKS:
-        _HOOKS.append(module_hooks.register_module_parameter_registration_hook(_mark_all))
-        _HOOKS.append(module_hooks.register_module_module_registration_hook(_mark_all))
+        said: set = set()  # (looked up at each call: the one function both hooks run)
+        mark = guarded(lambda *args: _mark_all(*args), "parameter registration hook", said)
+        _HOOKS.append(module_hooks.register_module_parameter_registration_hook(mark))
+        _HOOKS.append(module_hooks.register_module_module_registration_hook(mark))

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .classify import check_model
+from .hooks import guarded
 from .wrappers import user_modules
 from .naming import ROOT
 from .opwatch import graph_nodes as _graph_nodes, source_of as _source
@@ -142,6 +143,7 @@ class NonFiniteTracer:
         self._inputs: dict[str, tuple] = {}
         self._watched: dict[int, tuple] = {}
         self._armed = False
+        self._said: set = set()  # (each hook's own failure said once: :func:`.hooks.guarded`)
 
     def __repr__(self) -> str:
         parts = [f"armed={self._armed}", f"forward_origin={self.forward_origin!r}", f"backward_origin={self.backward_origin!r}"]
@@ -170,10 +172,12 @@ class NonFiniteTracer:
         self._inputs.clear()
         for name, module in user_modules(self.root).items():  # (the user's names, under wrappers inside the model)
             name = name or ROOT
-            self._handles.append(module.register_forward_hook(self._post(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(guarded(self._post(name), "NaN tracer's forward hook",
+                                                                      self._said), with_kwargs=True))
             for p in module.parameters(recurse=False):
                 if p.requires_grad:
-                    self._handles.append(p.register_hook(self._grad_hook([(name, "param")])))
+                    self._handles.append(p.register_hook(guarded(self._grad_hook([(name, "param")]),
+                                                                 "NaN tracer's gradient hook", self._said)))
         return self
 
     def disarm(self) -> None:
@@ -203,7 +207,7 @@ class NonFiniteTracer:
         if entry is None or entry[0] is not t:
             pairs: list[tuple[str, str]] = []
             self._watched[id(t)] = (t, pairs)
-            t.register_hook(self._grad_hook(pairs))
+            t.register_hook(guarded(self._grad_hook(pairs), "NaN tracer's gradient hook", self._said))
         else:
             pairs = entry[1]
         pairs.append((name, kind))
