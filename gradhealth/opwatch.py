@@ -25,6 +25,20 @@ __all__ = ["OpWatch", "graph_nodes", "source_of"]
 
 LIMIT = 200_000  # operations recorded at most (a runaway block keeps working, unrecorded)
 
+#: torch's operations that write a value they are given rather than compute one: creation
+#: (``empty``, ``full``, ``zeros``, the ``*_like`` and ``new_*`` families) and fills. A NaN/inf in
+#: their output is a fresh allocation's contents or a constant put there on purpose (an inf sentinel,
+#: a -inf attention mask), never a NaN born from the data; what a later operation makes of it is.
+_WRITES = frozenset({"empty", "empty_strided", "empty_permuted", "full", "zeros", "ones", "scalar_tensor", "fill",
+                     "fill_", "masked_fill", "masked_fill_", "index_fill", "index_fill_", "resize_", "set_"})
+
+
+def writes_a_given_value(op: str) -> bool:
+    """Is ``op`` (a torch function's name, or a dispatcher op such as ``aten.empty.memory_format``)
+    one of :data:`_WRITES`?"""
+    name = op.split(".")[1] if op.startswith("aten.") and op.count(".") >= 1 else op
+    return name in _WRITES or name.endswith("_like") or name.startswith("new_")
+
 
 def _floats(obj) -> list:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
@@ -69,6 +83,7 @@ class OpWatch:
         self.records: list[tuple] = []  # (flag, phase, op, node)
         self._modes: list = []
         self._anomaly = None
+        self.paused = 0  # (another block's replay runs: what it does is not this block's)
 
     def start(self) -> OpWatch:
         if self._modes:
@@ -89,8 +104,8 @@ class OpWatch:
             self._anomaly = None
 
     def note(self, phase: str, op: str, args, kwargs, out, node) -> None:
-        if len(self.records) >= LIMIT or op == "__get__":  # attribute reads (p.grad, .data) make nothing
-            return
+        if self.paused or len(self.records) >= LIMIT or op == "__get__" or writes_a_given_value(op):
+            return  # (attribute reads, p.grad or .data, make nothing)
         outs = _floats(out)
         if not outs:
             return

@@ -170,14 +170,14 @@ class ModelChanges:
         if not names:
             return []
         modules = list(dict.fromkeys(module_of(n) for n in names))
-        return [Finding(FindingKind.LAZY_NEVER_RAN,
+        return [Finding(FindingKind.META_PARAM,
                         f"NO_GRAD: {', '.join(names)} of lazy module{agree(modules, 's', '')} {', '.join(map(repr, modules))} "
                         f"{agree(names, 'are', 'is')} still uninitialised after {max(gaps[n] for n in names)} checks at "
                         f"which {agree(names, 'their', 'its')} optimizer stepped: the lazy module never ran (no batch "
                         "reached it), so it has no weights and cannot train. Run it once on a dummy batch before "
                         "training if it should train (a PyTorch Geometric relation that no batch holds, a branch "
                         "never taken), or leave it out of the model and the optimizer",
-                        params=tuple(names), step=step, data={"status": "NO_GRAD"})]
+                        params=tuple(names), step=step, data={"status": "NO_GRAD", "lazy": True})]
 
     def close(self) -> None:
         _LIVE.discard(self)

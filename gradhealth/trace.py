@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import math
 import types
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -36,6 +37,8 @@ from .naming import ROOT
 from .opwatch import graph_nodes as _graph_nodes, source_of as _source
 
 __all__ = ["NonFiniteTracer", "trace_nonfinite", "REPAIRS"]
+
+_ARMED: weakref.WeakSet = weakref.WeakSet()  # every armed tracer (:meth:`NonFiniteTracer.alone`)
 
 REPAIRS = (
     "mask or clamp *before* the dangerous operation (gh.safe_div, gh.safe_log, gh.safe_sqrt, "
@@ -144,6 +147,7 @@ class NonFiniteTracer:
         self._watched: dict[int, tuple] = {}
         self._armed = False
         self._said: set = set()  # (each hook's own failure said once: :func:`.hooks.guarded`)
+        self._paused = 0  # (:meth:`alone`)
 
     def __repr__(self) -> str:
         parts = [f"armed={self._armed}", f"forward_origin={self.forward_origin!r}", f"backward_origin={self.backward_origin!r}"]
@@ -163,6 +167,7 @@ class NonFiniteTracer:
         if self._armed:
             return self
         self._armed = True
+        _ARMED.add(self)
         self.watched_ops = ops
         if ops:
             from .opwatch import OpWatch
@@ -188,6 +193,24 @@ class NonFiniteTracer:
         self._handles.clear()
         self._watched.clear()
         self._armed = False
+        _ARMED.discard(self)
+
+    @contextlib.contextmanager
+    def alone(self):
+        """Inside the block only this tracer records: every other armed one (the monitor's, armed
+        for the next step) is paused, so a replay neither feeds nor arms another step's trace."""
+        others = [t for t in list(_ARMED) if t is not self]
+        for t in others:
+            t._paused += 1
+            if t._ops is not None:
+                t._ops.paused += 1
+        try:
+            yield self
+        finally:
+            for t in others:
+                t._paused -= 1
+                if t._ops is not None:
+                    t._ops.paused -= 1
 
     @property
     def armed(self) -> bool:
@@ -195,7 +218,7 @@ class NonFiniteTracer:
 
     def _grad_hook(self, pairs: list[tuple[str, str]]):
         def hook(grad):
-            if grad is not None and grad.is_floating_point() and grad.numel():
+            if not self._paused and grad is not None and grad.is_floating_point() and grad.numel():
                 for name, kind in pairs:
                     self._events.append(_Event(name, kind, grad))
 
@@ -216,6 +239,8 @@ class NonFiniteTracer:
         # One hook per module, after its forward: it sees the inputs too, which halves the hook
         # overhead of a pre-hook + post-hook pair.
         def hook(module, args, kwargs, output):
+            if self._paused:
+                return
             self._inputs[name] = (args, kwargs)
             grad_on = torch.is_grad_enabled()
             events = self._events

@@ -1,5 +1,5 @@
 """Lazy (uninitialised) parameters: left out until their first forward, then judged; one whose
-module never runs while its optimizer steps is named (LAZY_NEVER_RAN, NO_GRAD words)."""
+module never runs while its optimizer steps is named (META_PARAM with data["lazy"], in NO_GRAD words)."""
 
 import warnings
 
@@ -40,9 +40,9 @@ def test_a_lazy_module_never_run_trains_the_rest_and_is_named_after_patience():
     for r in reports[:3]:  # left out, and not named before grad_patience checks with a step between
         assert set(r.status) == {"used.weight", "used.bias"} and r.ok
     for r in reports[3:]:
-        [f] = r.findings_of("LAZY_NEVER_RAN")
+        [f] = r.findings_of("META_PARAM")
         assert f.level == "error" and set(f.params) == {"lazy.weight", "lazy.bias"}
-        assert "NO_GRAD" in f.message and "never ran" in f.message and f.data["status"] == "NO_GRAD"
+        assert "NO_GRAD" in f.message and "never ran" in f.message and f.data["status"] == "NO_GRAD" and f.data["lazy"]
 
 
 def test_a_lazy_module_materialised_later_is_judged_from_that_step_on():
@@ -61,7 +61,7 @@ def test_a_lazy_module_materialised_later_is_judged_from_that_step_on():
     assert set(reports[1].status) == {"used.weight", "used.bias"}
     for r in reports[2:]:
         assert r.status == naive_classify(m, opt) or set(r.status) == set(dict(m.named_parameters()))
-        assert all(s is gh.Status.OK for s in r.status.values()) and not r.findings_of("LAZY_NEVER_RAN")
+        assert all(s is gh.Status.OK for s in r.status.values()) and not r.findings_of("META_PARAM")
     assert reports[-1].grad_norm["lazy.weight"] > 0
 
 
@@ -86,7 +86,7 @@ def test_pyg_heteroconv_with_a_relation_no_batch_holds():
 
     reports, losses = _run(conv, opt, 4, loss_fn, on_problem="ignore", grad_patience=2)
     assert losses[-1] < losses[0]
-    named = set(reports[-1].findings_of("LAZY_NEVER_RAN")[0].params)
+    named = set(reports[-1].findings_of("META_PARAM")[0].params)
     assert named and all("rare" in n for n in named) and pyg is not None
     # the materialised parameters are judged as the naive loop judges them (the rare relation's bias,
     # an ordinary parameter, really gets no gradient: NO_GRAD)
