@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import stats
+from .foreign import foreign_view, has_hook_api, refuse
 from .masters import view_for
 from .status import Status
 from .wrappers import unwrap, user_names
@@ -77,9 +78,11 @@ def unwrap_optimizer(optimizer):
         if inner is None or inner is optimizer:
             inner = getattr(optimizer, "_optimizer", None)
         if inner is None or inner is optimizer or not isinstance(getattr(inner, "param_groups", None), list):
-            return optimizer
+            break
         optimizer = inner
-    return optimizer
+    if hasattr(optimizer, "__dict__") and inner_optimizers(optimizer):  # (it stands for those it steps)
+        return optimizer
+    return foreign_view(optimizer) or optimizer  # (an optimizer that is not torch's: :mod:`.foreign`)
 
 
 def wrapper_scaler(optimizer):
@@ -115,12 +118,13 @@ def as_optimizers(optimizer) -> list:
     items = [x for o in items for x in (inner_optimizers(o) if hasattr(o, "__dict__") else None) or [o]]
     for i, opt in enumerate(items):
         groups = getattr(opt, "param_groups", None)
-        if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups) \
+                or not has_hook_api(opt):
             where = "optimizer" if len(items) == 1 and not isinstance(optimizer, (list, tuple)) else f"optimizer[{i}]"
-            raise TypeError(
-                f"{where} must be a torch.optim.Optimizer (anything with param_groups), a list of "
-                f"them, or None; got {type(opt).__name__}"
-            )
+            if isinstance(opt, (int, float, str, bytes, bool)) or opt is None:
+                raise TypeError(f"{where} must be a torch.optim.Optimizer (anything with param_groups), a list of "
+                                f"them, or None; got {type(opt).__name__}")
+            raise TypeError(refuse(opt) if where == "optimizer" else f"{where}: {refuse(opt)}")
     return items
 
 

@@ -31,6 +31,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from .foreign import StepView
 from .hooks import guarded
 
 __all__ = ["MasterView", "Masters", "LossScale", "find_view", "view_for", "master_of"]
@@ -150,6 +151,7 @@ class Masters:
 
     def __init__(self, optimizers: list):
         self.views = [x for x in optimizers if isinstance(x, MasterView)]
+        self.foreign = [x for x in optimizers if isinstance(x, StepView)]  # (their step put back at close)
 
     def loss_scale(self) -> LossScale | None:
         """The first view's own loss scale, when it scales (dynamic, or static but not 1)."""
@@ -190,7 +192,9 @@ class Masters:
     def close(self) -> None:
         for v in self.views:
             v.close()
-        self.views = []
+        for v in self.foreign:
+            v.close()
+        self.views, self.foreign = [], []
 
 
 class _Handle:
