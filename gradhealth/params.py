@@ -83,6 +83,8 @@ class ParamView:
         self.all_inside = True  # (with optimizer_ids) every parameter is in some optimizer
         #: stacked-expert tensors by entry index (:mod:`.experts`)
         self.stacks = find_stacks(unwrap(model), self.entries, experts)
+        #: names of the parameters that can never train (:func:`cannot_train`): never FROZEN trouble
+        self.cannot_train = cannot_train(model, self.entries)  # (the model as given: a framework's layer API is on it)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -184,6 +186,35 @@ class ModelChanges:
         if not _LIVE:  # the last live monitor: the global hooks go with it
             while _HOOKS:
                 _HOOKS.pop().remove()
+
+
+def cannot_train(root: nn.Module, entries) -> frozenset[str]:
+    """Names of parameters that can never train, by rule: a dtype that is not floating point or
+    complex (no gradient exists for it: a seed generator's int32 state, a step counter), and a
+    framework's non-trainable *state*: a tensor a layer that itself trains declares non-trainable
+    (the Keras layer API, ``trainable`` and ``non_trainable_variables``, whose variables Keras
+    registers as torch Parameters: BatchNorm's moving statistics). A layer frozen on purpose
+    (``trainable`` False) declares all its variables non-trainable: those stay ordinary frozen
+    parameters, for ``expect_frozen`` to judge."""
+    state, frozen, seen = set(), set(), set()
+    stack = list(root.modules())
+    while stack:
+        layer = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        try:
+            trainable, declared = getattr(layer, "trainable", None), getattr(layer, "non_trainable_variables", None)
+            if not isinstance(trainable, bool) or not isinstance(declared, (list, tuple)):
+                continue
+            (state if trainable else frozen).update(id(getattr(v, "value", v)) for v in declared)
+            inner = getattr(layer, "layers", None)
+            if isinstance(inner, (list, tuple)):  # (nested layers that are not torch submodules)
+                stack.extend(inner)
+        except Exception:  # (a framework's property that cannot be read now: nothing declared)
+            continue
+    state -= frozen
+    return frozenset(n for n, p in entries if not (p.is_floating_point() or p.is_complex()) or id(p) in state)
 
 
 def _lazy_params(model: nn.Module) -> list:

@@ -85,7 +85,9 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
             if line:
                 log.info("%s", line)
     if o.expect_frozen is not None:
-        found += judges.expect_frozen(report.status, o.expect_frozen, step)
+        untrainable = m.view.cannot_train  # (an integer tensor, a framework's state: never frozen trouble)
+        status = {n: s for n, s in report.status.items() if n not in untrainable} if untrainable else report.status
+        found += judges.expect_frozen(status, o.expect_frozen, step)
     if m.view.meta_names:
         found += judges.meta_params(m.view.meta_names, step)
     if m._changes.lazy:
