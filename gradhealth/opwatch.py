@@ -83,7 +83,7 @@ class OpWatch:
         self.records: list[tuple] = []  # (flag, phase, op, node)
         self._modes: list = []
         self._anomaly = None
-        self.paused = 0  # (another block's replay runs: what it does is not this block's)
+        self._paused = 0  # (another block's replay runs: what it does is not this block's)
 
     def start(self) -> OpWatch:
         if self._modes:
@@ -104,7 +104,7 @@ class OpWatch:
             self._anomaly = None
 
     def note(self, phase: str, op: str, args, kwargs, out, node) -> None:
-        if self.paused or len(self.records) >= LIMIT or op == "__get__" or writes_a_given_value(op):
+        if self._paused or len(self.records) >= LIMIT or op == "__get__" or writes_a_given_value(op):
             return  # (attribute reads, p.grad or .data, make nothing)
         outs = _floats(out)
         if not outs:

@@ -200,17 +200,14 @@ class NonFiniteTracer:
         """Inside the block only this tracer records: every other armed one (the monitor's, armed
         for the next step) is paused, so a replay neither feeds nor arms another step's trace."""
         others = [t for t in list(_ARMED) if t is not self]
-        for t in others:
+        paused = others + [t._ops for t in others if t._ops is not None]  # (the tracers' hooks, their op watches)
+        for t in paused:
             t._paused += 1
-            if t._ops is not None:
-                t._ops.paused += 1
         try:
             yield self
         finally:
-            for t in others:
+            for t in paused:
                 t._paused -= 1
-                if t._ops is not None:
-                    t._ops.paused -= 1
 
     @property
     def armed(self) -> bool:
