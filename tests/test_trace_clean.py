@@ -135,3 +135,31 @@ def test_a_fresh_allocations_contents_are_never_the_origin():
         loss = (h * buf).sum() / (h > 1e9).sum()  # 0/0: the one real birth of a NaN
         loss.backward()
     assert t.outside is not None and "div" in t.outside[1].lower(), t.outside
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_after_deepspeed_skips_a_step_on_inf_the_next_clean_check_blames_nothing(tmp_path, precision):
+    pytest.importorskip("deepspeed")
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import free_port
+
+    here = Path(__file__).parent
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
+    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent), env.get("PYTHONPATH", "")])
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(here / "deepspeed_nan_once.py"), str(out), "1", precision], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    case = json.loads(out.read_text())
+    # the premise: a finite loss, two steps with inf gradients, and DeepSpeed skipped those two steps
+    assert case["finite_loss"] and case["finite"] == [True, True, False, False, True, True, True]
+    assert case["skipped_steps"] == 2
+    for step in (4, 5, 6):  # clean checks after the skipped steps (the first traced op by op): no origin blamed
+        assert not [f for f in case["findings"][step] if f[0] == "NONFINITE_ORIGIN" and f[1] == "error"], case["findings"][step]
+    assert [f[1] for f in case["findings"][4] if f[0] == "NONFINITE_ORIGIN"] == ["info"]
