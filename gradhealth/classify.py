@@ -121,10 +121,10 @@ def as_optimizers(optimizer) -> list:
         if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups) \
                 or not has_hook_api(opt):
             where = "optimizer" if len(items) == 1 and not isinstance(optimizer, (list, tuple)) else f"optimizer[{i}]"
-            if isinstance(opt, (int, float, str, bytes, bool)) or opt is None:
-                raise TypeError(f"{where} must be a torch.optim.Optimizer (anything with param_groups), a list of "
-                                f"them, or None; got {type(opt).__name__}")
-            raise TypeError(refuse(opt) if where == "optimizer" else f"{where}: {refuse(opt)}")
+            what = f"{where} must be a torch.optim.Optimizer (anything with param_groups and step), a list of them, or None"
+            if isinstance(opt, (int, float, str, bytes, bool, nn.Module)) or type(opt).__module__ == "builtins":
+                raise TypeError(f"{what}; got {type(opt).__name__}")
+            raise TypeError(f"{what}: {refuse(opt)}")  # (another framework's: say whose, and what to pass)
     return items
 
 

@@ -12,8 +12,10 @@ replay): every operation pays a Python call while it watches.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import types
 import sysconfig
 
 import torch
@@ -21,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["OpWatch", "graph_nodes", "source_of"]
+__all__ = ["OpWatch", "graph_nodes", "source_of", "tensors_in"]
 
 LIMIT = 200_000  # operations recorded at most (a runaway block keeps working, unrecorded)
 
@@ -129,6 +131,36 @@ class OpWatch:
                 if p == phase:
                     return p, op, node
         return None
+
+
+def tensors_in(obj, limit: int = 16) -> list[torch.Tensor]:
+    """The first ``limit`` tensors in a module's inputs or output (tuples, lists, dicts, dataclasses)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if type(obj) is tuple and all(isinstance(o, torch.Tensor) for o in obj):
+        return list(obj[:limit])
+    out: list[torch.Tensor] = []
+
+    def walk(o):
+        if len(out) >= limit:
+            return
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (list, tuple)):
+            for x in o:
+                walk(x)
+        elif isinstance(o, dict):  # HF ModelOutput is an OrderedDict
+            for x in o.values():
+                walk(x)
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            for f in dataclasses.fields(o):
+                walk(getattr(o, f.name, None))
+        elif isinstance(o, types.SimpleNamespace):
+            for x in vars(o).values():
+                walk(x)
+
+    walk(obj)
+    return out
 
 
 def graph_nodes(roots, stop_at) -> list:

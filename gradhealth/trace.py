@@ -21,9 +21,7 @@ reduction per (device, dtype) and one transfer. No hook exists outside the block
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-import types
 import weakref
 from typing import NamedTuple
 
@@ -34,7 +32,7 @@ from .classify import check_model
 from .hooks import guarded
 from .wrappers import user_modules
 from .naming import ROOT
-from .opwatch import graph_nodes as _graph_nodes, source_of as _source
+from .opwatch import graph_nodes as _graph_nodes, source_of as _source, tensors_in as _tensors
 
 __all__ = ["NonFiniteTracer", "trace_nonfinite", "REPAIRS"]
 
@@ -48,35 +46,6 @@ REPAIRS = (
     "sqrt(x**2) at 0, a norm at 0), rewrite the expression or give it its own backward "
     "(torch.autograd.Function)"
 )
-
-
-def _tensors(obj, limit: int = 16) -> list[Tensor]:
-    if isinstance(obj, Tensor):
-        return [obj]
-    if type(obj) is tuple and all(isinstance(o, Tensor) for o in obj):
-        return list(obj[:limit])
-    out: list[Tensor] = []
-
-    def walk(o):
-        if len(out) >= limit:
-            return
-        if isinstance(o, Tensor):
-            out.append(o)
-        elif isinstance(o, (list, tuple)):
-            for x in o:
-                walk(x)
-        elif isinstance(o, dict):  # HF ModelOutput is an OrderedDict
-            for x in o.values():
-                walk(x)
-        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
-            for f in dataclasses.fields(o):
-                walk(getattr(o, f.name, None))
-        elif isinstance(o, types.SimpleNamespace):
-            for x in vars(o).values():
-                walk(x)
-
-    walk(obj)
-    return out
 
 
 def _bad_one(t: Tensor) -> Tensor:
