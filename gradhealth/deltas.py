@@ -47,7 +47,7 @@ from torch.nn.parameter import is_lazy
 
 from .distributed import dtensor_type, to_local
 from .errors import GradHealthInternalWarning
-from .hooks import guarded
+from .hooks import step_hooks
 from .compare import Packed, apply, flat, norms, sample_view, versions_tell, water_fill
 from .rules import rule_norms, rule_of
 from .ranon import RanOn
@@ -126,11 +126,7 @@ class UpdateTracker:
         self.before_step = None
         #: called first, with the step hook's arguments (:class:`gradhealth.lockstep.MissedChecks`)
         self.on_step = None
-        self._said: set = set()  # (each hook's own failure said once: :func:`.hooks.guarded`)
-        self._handles = [opt.register_step_post_hook(guarded(self._post, "optimizer step post-hook", self._said))
-                         for opt in optimizers]
-        self._handles += [opt.register_step_pre_hook(guarded(self._pre, "optimizer step pre-hook", self._said))
-                          for opt in optimizers]
+        self._handles = step_hooks(self, optimizers)  # (guarded: :mod:`.hooks`)
 
     def rebind(self, entries) -> None:
         """The model's parameters changed (added, replaced, loaded with assign=True): follow them.
