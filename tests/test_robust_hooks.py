@@ -86,3 +86,33 @@ def test_a_failing_hook_never_breaks_the_run(monkeypatch, where, name, kind, how
     assert "training continues" in str(said[0].message)
     finite = [v for v in losses if v == v]
     assert finite[-1] < finite[0]  # the run went on and trained
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_failing_ddp_hooks_never_break_a_two_rank_run(tmp_path):
+    import json
+    import os
+    import time
+
+    import torch.multiprocessing as mp
+
+    import robust_workers
+    from conftest import free_port
+
+    ctx = mp.start_processes(robust_workers.run, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False,
+                             start_method="spawn")
+    deadline = time.time() + 180
+    while not ctx.join(timeout=1):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the ranks did not finish in 180s (a hang)")
+    for r in range(2):
+        data = json.load(open(os.path.join(str(tmp_path), f"{r}.json")))
+        assert "error" not in data, data.get("error")
+        assert data["losses"][-1] < data["losses"][0] and all(data["oks"])  # trained, and silent under "raise"
+        # each failing hook said once: the comm hook, the DDP module's forward hook, the monitor's forward pre-hook
+        assert len(data["said"]) == 3, data["said"]
+        assert sorted(s.split(" failed")[0] for s in data["said"]) == [
+            "gradhealth: its DDP communication hook", "gradhealth: its DDP forward hook", "gradhealth: its DDP forward pre-hook"]
