@@ -107,10 +107,11 @@ def inner_optimizers(optimizer) -> list | None:
     return None
 
 
-def as_optimizers(optimizer) -> list:
+def as_optimizers(optimizer, watch: bool = True) -> list:
     """Validate ``optimizer`` (None, one optimizer, or a list/tuple of them; wrappers such as
     Accelerate's ``AcceleratedOptimizer`` are unwrapped, and an optimizer that steps others in its
-    place stands for them) into a list of torch optimizers."""
+    place stands for them) into a list of torch optimizers. ``watch``: each must let its steps be
+    watched (step hooks: :mod:`.foreign`); a stateless classification only reads ``param_groups``."""
     if optimizer is None:
         return []
     items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -119,7 +120,7 @@ def as_optimizers(optimizer) -> list:
     for i, opt in enumerate(items):
         groups = getattr(opt, "param_groups", None)
         if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups) \
-                or not has_hook_api(opt):
+                or (watch and not has_hook_api(opt)):
             where = "optimizer" if len(items) == 1 and not isinstance(optimizer, (list, tuple)) else f"optimizer[{i}]"
             what = f"{where} must be a torch.optim.Optimizer (anything with param_groups and step), a list of them, or None"
             if isinstance(opt, (int, float, str, bytes, bool, nn.Module)) or type(opt).__module__ == "builtins":
@@ -154,7 +155,7 @@ def decide(requires_grad: bool, norm: float | None, in_optimizer: bool) -> Statu
 def classify(model: nn.Module, optimizer=None) -> dict[str, Status]:
     """Status of every parameter of ``model`` right now; ``optimizer`` may be one, a list, or None."""
     entries = named_parameters(model)
-    optimizers = as_optimizers(optimizer)
+    optimizers = as_optimizers(optimizer, watch=False)
     ids = optimizer_param_ids(optimizers) if optimizers else None
     with_grad = [i for i, (_, p) in enumerate(entries) if p.grad is not None]
     norms, _, _ = stats.grad_norms([entries[i][1].grad for i in with_grad])

@@ -93,16 +93,18 @@ def refuse(opt, why: str | None = None) -> str:
 
 
 class _Handle:
-    def __init__(self, hooks: dict, key: int):
-        self.hooks, self.key = hooks, key
+    def __init__(self, view: StepView, hooks: dict, key: int):
+        self.view, self.hooks, self.key = view, hooks, key
 
     def remove(self) -> None:
         self.hooks.pop(self.key, None)
+        self.view._release()
 
 
 class StepView:
     """An optimizer without torch's hook API, as the monitor sees it: its own ``param_groups``
-    (read live) and step hooks run around its ``step`` (wrapped on the instance)."""
+    (read live) and step hooks run around its ``step``, wrapped on the instance while a hook is
+    registered (and only then: ``gh.classify`` with such an optimizer leaves it untouched)."""
 
     def __init__(self, opt):
         self.wrapped = opt
@@ -110,7 +112,12 @@ class StepView:
         self._post: dict[int, object] = {}
         self._next = 0
         self.closed = False
-        self._patched = "step" not in vars(opt)
+        self._own = None  # the instance's own ``step`` attribute before the wrap (None: the class's)
+        self._patched = False
+
+    def _patch(self) -> None:
+        opt = self.wrapped
+        self._own = vars(opt).get("step")
         original = opt.step
 
         def step(*args, **kwargs):
@@ -122,7 +129,16 @@ class StepView:
             return out
 
         opt.step = step
-        self._original = original
+        self._patched = True
+
+    def _release(self) -> None:
+        """Put the object's own step back once no hook is left (another monitor may still hold one)."""
+        if self._patched and not self._pre and not self._post:
+            if self._own is None:
+                vars(self.wrapped).pop("step", None)
+            else:
+                self.wrapped.step = self._own
+            self._patched = False
 
     @property
     def param_groups(self) -> list[dict]:
@@ -132,15 +148,18 @@ class StepView:
     def state(self):
         return getattr(self.wrapped, "state", {})
 
-    def register_step_pre_hook(self, hook) -> _Handle:
+    def _register(self, hooks: dict, hook) -> _Handle:
         self._next += 1
-        self._pre[self._next] = hook
-        return _Handle(self._pre, self._next)
+        hooks[self._next] = hook
+        if not self._patched:
+            self._patch()
+        return _Handle(self, hooks, self._next)
+
+    def register_step_pre_hook(self, hook) -> _Handle:
+        return self._register(self._pre, hook)
 
     def register_step_post_hook(self, hook) -> _Handle:
-        self._next += 1
-        self._post[self._next] = hook
-        return _Handle(self._post, self._next)
+        return self._register(self._post, hook)
 
     def zero_grad(self, *args, **kwargs):
         return self.wrapped.zero_grad(*args, **kwargs)
@@ -149,11 +168,5 @@ class StepView:
         return self.wrapped.step(*args, **kwargs)
 
     def close(self) -> None:
-        """Put the object's own step back (once no hook is left: another monitor may share the view)."""
-        if self._pre or self._post or self.closed:
-            return
-        self.closed = True
-        if self._patched:
-            vars(self.wrapped).pop("step", None)
-        else:
-            self.wrapped.step = self._original
+        self._release()
+        self.closed = not self._patched

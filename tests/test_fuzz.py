@@ -259,3 +259,14 @@ def test_an_optimizer_that_cannot_be_watched_is_refused_at_construction(make, wh
     with pytest.raises(TypeError, match=why) as info:
         gh.GradHealth(model, make(model))
     assert "gh.GradHealth(model)" in str(info.value) and make.__name__ in str(info.value)
+
+
+def test_a_plain_optimizers_step_is_wrapped_only_while_a_monitor_holds_it():
+    model = mlp()
+    opt = PlainOptimizer(model.parameters(), lr=0.05)
+    gh.classify(model, opt)
+    assert "step" not in vars(opt)  # a stateless classify leaves it untouched
+    mon = gh.GradHealth(model, opt)
+    assert "step" in vars(opt)  # wrapped: the monitor's step hooks run around it
+    mon.close()
+    assert "step" not in vars(opt)  # put back
