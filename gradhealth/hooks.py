@@ -6,6 +6,10 @@ hook, and a share of torch's global registration hooks (:class:`gradhealth.param
 removed with the last live monitor). None of them refers to the monitor, so a monitor that is
 dropped without ``close()`` (a notebook cell run again) is collected, and a ``weakref.finalize``
 then removes its hooks: nothing keeps running at every forward, backward and step.
+
+Every one of those hooks is registered through :func:`guarded`: its own failure is said once as a
+``GradHealthInternalWarning`` and it stands down for that call; nothing but a verdict the user
+asked to raise (``on_problem="raise"``) leaves a hook into the user's loop.
 """
 
 from __future__ import annotations
