@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import stats
+from .foreign import foreign_view, has_hook_api, refuse
 from .masters import view_for
 from .status import Status
 from .wrappers import unwrap, user_names
@@ -56,7 +57,7 @@ def named_parameters(model: nn.Module, *, validate: bool = True, meta: bool = Fa
 
 def is_lazy(p) -> bool:
     """A lazy module's parameter before its first forward (no shape, no data yet)."""
-    return isinstance(p, nn.parameter.UninitializedParameter)
+    return nn.parameter.is_lazy(p)
 
 
 def lazy_names(model: nn.Module) -> list[str]:
@@ -77,9 +78,11 @@ def unwrap_optimizer(optimizer):
         if inner is None or inner is optimizer:
             inner = getattr(optimizer, "_optimizer", None)
         if inner is None or inner is optimizer or not isinstance(getattr(inner, "param_groups", None), list):
-            return optimizer
+            break
         optimizer = inner
-    return optimizer
+    if hasattr(optimizer, "__dict__") and inner_optimizers(optimizer):  # (it stands for those it steps)
+        return optimizer
+    return foreign_view(optimizer) or optimizer  # (an optimizer that is not torch's: :mod:`.foreign`)
 
 
 def wrapper_scaler(optimizer):
@@ -104,10 +107,11 @@ def inner_optimizers(optimizer) -> list | None:
     return None
 
 
-def as_optimizers(optimizer) -> list:
+def as_optimizers(optimizer, watch: bool = True) -> list:
     """Validate ``optimizer`` (None, one optimizer, or a list/tuple of them; wrappers such as
     Accelerate's ``AcceleratedOptimizer`` are unwrapped, and an optimizer that steps others in its
-    place stands for them) into a list of torch optimizers."""
+    place stands for them) into a list of torch optimizers. ``watch``: each must let its steps be
+    watched (step hooks: :mod:`.foreign`); a stateless classification only reads ``param_groups``."""
     if optimizer is None:
         return []
     items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -115,12 +119,13 @@ def as_optimizers(optimizer) -> list:
     items = [x for o in items for x in (inner_optimizers(o) if hasattr(o, "__dict__") else None) or [o]]
     for i, opt in enumerate(items):
         groups = getattr(opt, "param_groups", None)
-        if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups) \
+                or (watch and not has_hook_api(opt)):
             where = "optimizer" if len(items) == 1 and not isinstance(optimizer, (list, tuple)) else f"optimizer[{i}]"
-            raise TypeError(
-                f"{where} must be a torch.optim.Optimizer (anything with param_groups), a list of "
-                f"them, or None; got {type(opt).__name__}"
-            )
+            what = f"{where} must be a torch.optim.Optimizer (anything with param_groups and step), a list of them, or None"
+            if isinstance(opt, (int, float, str, bytes, bool, nn.Module)) or type(opt).__module__ == "builtins":
+                raise TypeError(f"{what}; got {type(opt).__name__}")
+            raise TypeError(f"{what}: {refuse(opt)}")  # (another framework's: say whose, and what to pass)
     return items
 
 
@@ -150,7 +155,7 @@ def decide(requires_grad: bool, norm: float | None, in_optimizer: bool) -> Statu
 def classify(model: nn.Module, optimizer=None) -> dict[str, Status]:
     """Status of every parameter of ``model`` right now; ``optimizer`` may be one, a list, or None."""
     entries = named_parameters(model)
-    optimizers = as_optimizers(optimizer)
+    optimizers = as_optimizers(optimizer, watch=False)
     ids = optimizer_param_ids(optimizers) if optimizers else None
     with_grad = [i for i, (_, p) in enumerate(entries) if p.grad is not None]
     norms, _, _ = stats.grad_norms([entries[i][1].grad for i in with_grad])

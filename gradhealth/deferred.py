@@ -40,6 +40,7 @@ from . import skipping
 from .stale import witnesses
 from .stats import joined
 from .status import Status
+from .hooks import guarded
 
 __all__ = ["Launch", "Transfer", "Deferred", "due_test"]
 
@@ -179,7 +180,7 @@ class Deferred:
                 device = next((p.device for g in opt.param_groups for p in g["params"]), flag.device)
                 opt.found_inf = flag.to(device, non_blocking=True)
                 if id(opt) not in self._handles:
-                    self._handles[id(opt)] = opt.register_step_post_hook(_forget_found_inf)
+                    self._handles[id(opt)] = opt.register_step_post_hook(guarded(_forget_found_inf, "step post-hook (lag=1)"))
         v = m.view
         inside = v.optimizer_ids() or set()  # (kept while the param_groups hold: no pass over them per check)
         if len(host) < len(judged) and not v.all_inside:  # gradients no optimizer consumes: emptied on the device

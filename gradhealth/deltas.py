@@ -43,9 +43,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.parameter import is_lazy
 
 from .distributed import dtensor_type, to_local
 from .errors import GradHealthInternalWarning
+from .hooks import step_hooks
 from .compare import Packed, apply, flat, norms, sample_view, versions_tell, water_fill
 from .rules import rule_norms, rule_of
 from .ranon import RanOn
@@ -124,8 +126,7 @@ class UpdateTracker:
         self.before_step = None
         #: called first, with the step hook's arguments (:class:`gradhealth.lockstep.MissedChecks`)
         self.on_step = None
-        self._handles = [opt.register_step_post_hook(self._post) for opt in optimizers]
-        self._handles += [opt.register_step_pre_hook(self._pre) for opt in optimizers]
+        self._handles = step_hooks(self, optimizers)  # (guarded: :mod:`.hooks`)
 
     def rebind(self, entries) -> None:
         """The model's parameters changed (added, replaced, loaded with assign=True): follow them.
@@ -158,7 +159,10 @@ class UpdateTracker:
         groups = opt.param_groups
         ps = groups[0]["params"] if len(groups) == 1 else [p for g in groups for p in g["params"]]
         ids = array("Q", map(id, ps))  # raw addresses: compared without touching an int object each
-        ptrs = array("Q", map(Tensor.data_ptr, ps))
+        try:
+            ptrs = array("Q", map(Tensor.data_ptr, ps))
+        except ValueError:  # an uninitialised (lazy) parameter has no data yet: address 0 until materialised
+            ptrs = array("Q", (0 if is_lazy(p) else p.data_ptr() for p in ps))
         plan = self._plans.get(id(opt))
         if plan is not None and plan.ids == ids and plan.ptrs == ptrs:
             return plan

@@ -11,6 +11,7 @@ import math
 import torch
 from torch import Tensor
 
+from .hooks import guarded
 from .wrappers import ddp_of, unwrap
 
 __all__ = ["active", "world_size", "rank", "to_local", "is_sharded", "RankOrigin", "Ranks", "ranks_of", "bit", "MASK_LIMIT"]
@@ -158,10 +159,11 @@ class RankOrigin:
         self._allreduce = allreduce_hook
         self.local: dict[int, Tensor] = {}
         self.enabled = True
+        self.said: set = set()
         ddp_model.register_comm_hook(self, RankOrigin._hook)
         self.ran = False  # the hook ran since the last check
         self.forwards = 0  # training forwards of the wrapped module since the last check
-        self._handle = ddp_model.module.register_forward_hook(self._forward)
+        self._handle = ddp_model.module.register_forward_hook(guarded(self._forward, "DDP forward hook"))
 
     def _forward(self, module, args, output) -> None:
         if torch.is_grad_enabled() and module.training:
@@ -178,12 +180,15 @@ class RankOrigin:
     def _hook(state: RankOrigin, bucket):
         state.ran = True
         if state.enabled:
-            grads = bucket.gradients()
-            if grads:
-                norms = torch._foreach_norm(grads)
-                for p, n in zip(bucket.parameters(), norms):
-                    state.local[id(p)] = n
+            guarded(state._note, "DDP communication hook", state.said)(bucket)  # (the all-reduce runs whatever happens)
         return state._allreduce(None, bucket)
+
+    def _note(self, bucket) -> None:
+        grads = bucket.gradients()
+        if grads:
+            norms = torch._foreach_norm(grads)
+            for p, n in zip(bucket.parameters(), norms):
+                self.local[id(p)] = n
 
     def take(self, params: list[Tensor], reduced: list[float | None]) -> tuple[list[float], list[float]] | None:
         """Per parameter: (non-finite before all-reduce, all-zero before all-reduce) as 0/1.
@@ -255,7 +260,7 @@ class Ranks:
         if found is not None:
             self._attach(found)
         # (every training forward: is the coming backward reduced; without a wrapper yet, look again once)
-        self._watch = unwrap(model).register_forward_pre_hook(self._forward)
+        self._watch = unwrap(model).register_forward_pre_hook(guarded(self._forward, "DDP forward pre-hook"))
         self._looked = found is not None
 
     def _forward(self, module, args) -> None:
@@ -294,7 +299,7 @@ class Ranks:
             if not ddp.require_backward_grad_sync or not self.forward_synced:
                 self.nosync_step = True
 
-        self._step_hooks = [opt.register_step_pre_hook(before) for opt in optimizers]
+        self._step_hooks = [opt.register_step_pre_hook(guarded(before, "DDP step pre-hook")) for opt in optimizers]
 
     def take_nosync_step(self) -> bool:
         out, self.nosync_step = self.nosync_step, False

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import GradModeError
+from .hooks import guarded
 from .naming import ROOT
 
 __all__ = ["ForwardRecord", "ForwardWatch", "diagnose_loss", "check_loss", "uses_checkpointing"]
@@ -202,13 +203,15 @@ class ForwardWatch:
         # where the modes are read: the model's own forward, or, for a LightningModule (its
         # training_step calls the inner modules, never its forward), each direct child's
         entries = [("", module)] if not callable(getattr(module, "training_step", None)) else list(children.items())
-        self.handles = [model.register_forward_hook(self._on_model)]
+        self._said: set = set()  # (each hook's own failure said once: :func:`.hooks.guarded`)
+        self.handles = [model.register_forward_hook(guarded(self._on_model, "forward hook (the model's output)", self._said))]
         self._hooked: list[dict[int, object]] = []  # per entry: id(module) -> its hook for these forwards
         for i, (top, m) in enumerate(entries):
             under = [(n, w) for n, w in watched if not top or n == "" or n == top or n.startswith(top + ".")]
             self._hooked.append({})
-            self.handles.append(m.register_forward_pre_hook(functools.partial(
-                self._before, i, under, [(n, w) for n, w in under if n in children], [w for _, w in under])))
+            self.handles.append(m.register_forward_pre_hook(guarded(functools.partial(
+                self._before, i, under, [(n, w) for n, w in under if n in children], [w for _, w in under]),
+                "forward pre-hook (the modes)", self._said)))
         #: look for a reentrant checkpoint at the next forwards, in these modules (the monitor sets
         #: the modules of the NO_GRAD parameters; their forward runs inside the checkpoint, however deep)
         self.probe: set[str] = set()
@@ -229,7 +232,8 @@ class ForwardWatch:
                 hooked.pop(key).remove()
             for key, (name, m) in want.items():
                 if key not in hooked:
-                    hooked[key] = m.register_forward_hook(functools.partial(self._on_module, name))
+                    hooked[key] = m.register_forward_hook(guarded(functools.partial(self._on_module, name),
+                                                                  "forward hook (a module in eval mode)", self._said))
 
     def _probe_modules(self) -> list:
         key = frozenset(self.probe)
@@ -248,7 +252,8 @@ class ForwardWatch:
                     t.retain_grad()
                     self._seen(t)
                 else:
-                    t.register_hook(functools.partial(self._output_grad, _largest(t.detach())))
+                    t.register_hook(guarded(functools.partial(self._output_grad, _largest(t.detach())),
+                                            "backward hook (the output's gradient)", self._said))
         if self.experts and torch.is_grad_enabled() and self.root.training:
             from .experts import router_counts
 
@@ -268,7 +273,8 @@ class ForwardWatch:
             return
         for k, old in enumerate(seen):  # an output no backward reached is not kept past the next forward
             if isinstance(old, Tensor) and old.grad is None:  # (its graph: no longer than the loop's own variable)
-                old.register_hook(functools.partial(self._output_grad, _largest(old.detach())))
+                old.register_hook(guarded(functools.partial(self._output_grad, _largest(old.detach())),
+                                          "backward hook (the output's gradient)", self._said))
                 seen[k] = None
         if None in seen:
             seen[:] = [s for s in seen if s is not None]
@@ -291,7 +297,8 @@ class ForwardWatch:
             (self.carry.frozen_norms if frozen else self.carry.norm_eval).add(name)
             return
         for t in _first_grad_tensor(output):
-            t.register_hook(functools.partial(self._backward_through, name))
+            t.register_hook(guarded(functools.partial(self._backward_through, name),
+                                    "backward hook (a module in eval mode)", self._said))
 
     def _backward_through(self, name: str, grad) -> None:
         seen = self.carry.eval_backward

@@ -31,6 +31,9 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from .foreign import StepView
+from .hooks import guarded
+
 __all__ = ["MasterView", "Masters", "LossScale", "find_view", "view_for", "master_of"]
 
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # wrapper -> its view (one per wrapper)
@@ -148,6 +151,7 @@ class Masters:
 
     def __init__(self, optimizers: list):
         self.views = [x for x in optimizers if isinstance(x, MasterView)]
+        self.foreign = [x for x in optimizers if isinstance(x, StepView)]  # (their step put back at close)
 
     def loss_scale(self) -> LossScale | None:
         """The first view's own loss scale, when it scales (dynamic, or static but not 1)."""
@@ -188,7 +192,9 @@ class Masters:
     def close(self) -> None:
         for v in self.views:
             v.close()
-        self.views = []
+        for v in self.foreign:
+            v.close()
+        self.views, self.foreign = [], []
 
 
 class _Handle:
@@ -229,7 +235,7 @@ class MasterView:
         #: called at its start to take their norms for the check that follows (:mod:`.ranon`)
         self.read = False
         self.unread_step = None
-        self._handles = [inner.register_step_post_hook(self._inner_post)]
+        self._handles = [inner.register_step_post_hook(guarded(self._inner_post, "inner optimizer's step hook"))]
         self._patched = "step" not in vars(wrapper)
         if self._patched:
             original = wrapper.step

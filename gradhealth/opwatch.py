@@ -12,8 +12,10 @@ replay): every operation pays a Python call while it watches.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import types
 import sysconfig
 
 import torch
@@ -21,9 +23,23 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["OpWatch", "graph_nodes", "source_of"]
+__all__ = ["OpWatch", "graph_nodes", "source_of", "tensors_in"]
 
 LIMIT = 200_000  # operations recorded at most (a runaway block keeps working, unrecorded)
+
+#: torch's operations that write a value they are given rather than compute one: creation
+#: (``empty``, ``full``, ``zeros``, the ``*_like`` and ``new_*`` families) and fills. A NaN/inf in
+#: their output is a fresh allocation's contents or a constant put there on purpose (an inf sentinel,
+#: a -inf attention mask), never a NaN born from the data; what a later operation makes of it is.
+_WRITES = frozenset({"empty", "empty_strided", "empty_permuted", "full", "zeros", "ones", "scalar_tensor", "fill",
+                     "fill_", "masked_fill", "masked_fill_", "index_fill", "index_fill_", "resize_", "set_"})
+
+
+def writes_a_given_value(op: str) -> bool:
+    """Is ``op`` (a torch function's name, or a dispatcher op such as ``aten.empty.memory_format``)
+    one of :data:`_WRITES`?"""
+    name = op.split(".")[1] if op.startswith("aten.") and op.count(".") >= 1 else op
+    return name in _WRITES or name.endswith("_like") or name.startswith("new_")
 
 
 def _floats(obj) -> list:
@@ -69,6 +85,7 @@ class OpWatch:
         self.records: list[tuple] = []  # (flag, phase, op, node)
         self._modes: list = []
         self._anomaly = None
+        self._paused = 0  # (another block's replay runs: what it does is not this block's)
 
     def start(self) -> OpWatch:
         if self._modes:
@@ -89,8 +106,8 @@ class OpWatch:
             self._anomaly = None
 
     def note(self, phase: str, op: str, args, kwargs, out, node) -> None:
-        if len(self.records) >= LIMIT or op == "__get__":  # attribute reads (p.grad, .data) make nothing
-            return
+        if self._paused or len(self.records) >= LIMIT or op == "__get__" or writes_a_given_value(op):
+            return  # (attribute reads, p.grad or .data, make nothing)
         outs = _floats(out)
         if not outs:
             return
@@ -114,6 +131,36 @@ class OpWatch:
                 if p == phase:
                     return p, op, node
         return None
+
+
+def tensors_in(obj, limit: int = 16) -> list[torch.Tensor]:
+    """The first ``limit`` tensors in a module's inputs or output (tuples, lists, dicts, dataclasses)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if type(obj) is tuple and all(isinstance(o, torch.Tensor) for o in obj):
+        return list(obj[:limit])
+    out: list[torch.Tensor] = []
+
+    def walk(o):
+        if len(out) >= limit:
+            return
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, (list, tuple)):
+            for x in o:
+                walk(x)
+        elif isinstance(o, dict):  # HF ModelOutput is an OrderedDict
+            for x in o.values():
+                walk(x)
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            for f in dataclasses.fields(o):
+                walk(getattr(o, f.name, None))
+        elif isinstance(o, types.SimpleNamespace):
+            for x in vars(o).values():
+                walk(x)
+
+    walk(obj)
+    return out
 
 
 def graph_nodes(roots, stop_at) -> list:

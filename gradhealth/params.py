@@ -11,9 +11,11 @@ from dataclasses import dataclass
 import torch.nn.modules.module as module_hooks
 from torch import nn
 
-from .classify import lazy_names, named_parameters, optimizer_param_ids
+from .classify import is_lazy, lazy_names, named_parameters, optimizer_param_ids
 from .experts import find_stacks
-from .naming import module_of
+from .findings import Finding, FindingKind
+from .hooks import guarded
+from .naming import agree, module_of
 from .report import ParamMeta
 from .wrappers import unwrap
 
@@ -81,6 +83,8 @@ class ParamView:
         self.all_inside = True  # (with optimizer_ids) every parameter is in some optimizer
         #: stacked-expert tensors by entry index (:mod:`.experts`)
         self.stacks = find_stacks(unwrap(model), self.entries, experts)
+        #: names of the parameters that can never train (:func:`cannot_train`): never FROZEN trouble
+        self.cannot_train = cannot_train(model, self.entries)  # (the model as given: a framework's layer API is on it)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -136,6 +140,10 @@ class ModelChanges:
         self.model = model
         self.dirty = False
         self.lazy = lazy_names(model)
+        #: per lazy parameter name: checks in a row at which it was still uninitialised although
+        #: its optimizer stepped since the check before (:meth:`judge_lazy`)
+        self.lazy_gaps: dict[str, int] = {}
+        self._steps_seen = 0
         _install()
         _LIVE.add(self)
 
@@ -152,11 +160,65 @@ class ModelChanges:
         self.dirty, self.lazy = False, lazy_names(self.model)
         return True
 
+    def judge_lazy(self, optimizers: list, total_steps: int, patience: int, step: int) -> list[Finding]:
+        """A lazy parameter that is still uninitialised while its optimizer keeps stepping: its
+        module never ran. Named (NO_GRAD) once that has lasted ``patience`` checks with a step between."""
+        stepped, self._steps_seen = total_steps > self._steps_seen, total_steps
+        held = optimizer_param_ids(optimizers) if optimizers else set()
+        lazy = dict(zip(self.lazy, (p for _, p in _lazy_params(self.model))))
+        gaps = {n: self.lazy_gaps.get(n, 0) + stepped for n, p in lazy.items() if id(p) in held}
+        self.lazy_gaps = gaps
+        names = [n for n, g in gaps.items() if g >= patience]
+        if not names:
+            return []
+        modules = list(dict.fromkeys(module_of(n) for n in names))
+        return [Finding(FindingKind.META_PARAM,
+                        f"NO_GRAD: {', '.join(names)} of lazy module{agree(modules, 's', '')} {', '.join(map(repr, modules))} "
+                        f"{agree(names, 'are', 'is')} still uninitialised after {max(gaps[n] for n in names)} checks at "
+                        f"which {agree(names, 'their', 'its')} optimizer stepped: the lazy module never ran (no batch "
+                        "reached it), so it has no weights and cannot train. Run it once on a dummy batch before "
+                        "training if it should train (a PyTorch Geometric relation that no batch holds, a branch "
+                        "never taken), or leave it out of the model and the optimizer",
+                        params=tuple(names), step=step, data={"status": "NO_GRAD", "lazy": True})]
+
     def close(self) -> None:
         _LIVE.discard(self)
         if not _LIVE:  # the last live monitor: the global hooks go with it
             while _HOOKS:
                 _HOOKS.pop().remove()
+
+
+def cannot_train(root: nn.Module, entries) -> frozenset[str]:
+    """Names of parameters that can never train, by rule: a dtype that is not floating point or
+    complex (no gradient exists for it: a seed generator's int32 state, a step counter), and a
+    framework's non-trainable *state*: a tensor a layer that itself trains declares non-trainable
+    (the Keras layer API, ``trainable`` and ``non_trainable_variables``, whose variables Keras
+    registers as torch Parameters: BatchNorm's moving statistics). A layer frozen on purpose
+    (``trainable`` False) declares all its variables non-trainable: those stay ordinary frozen
+    parameters, for ``expect_frozen`` to judge."""
+    state, frozen, seen = set(), set(), set()
+    stack = list(root.modules())
+    while stack:
+        layer = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        try:
+            trainable, declared = getattr(layer, "trainable", None), getattr(layer, "non_trainable_variables", None)
+            if not isinstance(trainable, bool) or not isinstance(declared, (list, tuple)):
+                continue
+            (state if trainable else frozen).update(id(getattr(v, "value", v)) for v in declared)
+            inner = getattr(layer, "layers", None)
+            if isinstance(inner, (list, tuple)):  # (nested layers that are not torch submodules)
+                stack.extend(inner)
+        except Exception:  # (a framework's property that cannot be read now: nothing declared)
+            continue
+    state -= frozen
+    return frozenset(n for n, p in entries if not (p.is_floating_point() or p.is_complex()) or id(p) in state)
+
+
+def _lazy_params(model: nn.Module) -> list:
+    return [(n, p) for n, p in unwrap(model).named_parameters() if is_lazy(p)]
 
 
 # One pair of global hooks for the whole process, however many monitors: each registration marks
@@ -172,5 +234,7 @@ def _mark_all(*_args) -> None:
 
 def _install() -> None:
     if not _HOOKS:
-        _HOOKS.append(module_hooks.register_module_parameter_registration_hook(_mark_all))
-        _HOOKS.append(module_hooks.register_module_module_registration_hook(_mark_all))
+        said: set = set()  # (looked up at each call: the one function both hooks run)
+        mark = guarded(lambda *args: _mark_all(*args), "parameter registration hook", said)
+        _HOOKS.append(module_hooks.register_module_parameter_registration_hook(mark))
+        _HOOKS.append(module_hooks.register_module_module_registration_hook(mark))

@@ -52,20 +52,26 @@ def traced(carry, model: nn.Module, report, arm: bool) -> list[Finding]:
         tracer.resolve()
         carry.tracer = None
         named = tracer.forward_origin or tracer.backward_origin or tracer.outside
-        if tracer.forward_origin or tracer.backward_origin:
+        # only a step whose own gradients (or loss) are non-finite can name an origin: a NaN/inf the
+        # hooks saw in a clean step never reached a gradient (masked inside an operation, a fresh
+        # allocation's contents, another code path's forward)
+        clean = report.grads_finite and (report.loss is None or math.isfinite(report.loss))
+        if clean:
+            named = None
+        elif tracer.forward_origin or tracer.backward_origin:
             carry.trace_ops = False
-        elif not report.grads_finite:
+        else:
             carry.trace_ops = True  # born outside the modules: the op watch names it at the next failing step
-        if not report.grads_finite and not named and not tracer.watched_ops:
-            found.append(Finding(FindingKind.NONFINITE_ORIGIN, f"traced at step {report.step} after NaN/inf gradients at step "
-                                 f"{carry.trace_from}: no module produced the NaN/inf, so it is born outside them (the "
-                                 "loss, functional code between modules); the next failing step is traced operation by "
-                                 "operation to name the operation and its source line", level="info", step=report.step))
-        elif report.grads_finite and not named:
+        if clean:
             found.append(Finding(FindingKind.NONFINITE_ORIGIN, f"the NaN/inf gradients of step {carry.trace_from} did not "
                                  f"recur at step {report.step} (traced): the cause is in that batch; run it again inside "
                                  "gh.trace_nonfinite(model), or use gh.replay_nonfinite, to name the operation and its line",
                                  level="info", step=report.step, data={"recurred": False}))
+        elif not named and not tracer.watched_ops:
+            found.append(Finding(FindingKind.NONFINITE_ORIGIN, f"traced at step {report.step} after NaN/inf gradients at step "
+                                 f"{carry.trace_from}: no module produced the NaN/inf, so it is born outside them (the "
+                                 "loss, functional code between modules); the next failing step is traced operation by "
+                                 "operation to name the operation and its source line", level="info", step=report.step))
         else:
             found.append(origin_finding(tracer, report.step, f"traced at step {report.step} after NaN/inf gradients at "
                                                              f"step {carry.trace_from}: "))
@@ -143,7 +149,7 @@ def _replay_one(model: nn.Module, run: Callable[[], object], rng: dict | None) -
         for p in params:
             p.grad = None
         tracer.arm(ops=True)
-        with torch.enable_grad():
+        with torch.enable_grad(), tracer.alone():  # (the monitor's tracer, armed for the next step, sees nothing)
             run()
         tracer.resolve()
         norms, _, _ = stats.grad_norms([p.grad for p in params if p.grad is not None])

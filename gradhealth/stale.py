@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Sequence
 
 from .gradients import grad_of
+from .hooks import guarded
 
 __all__ = ["StaleWatch", "WITNESSES", "witnesses", "discarded", "consumed_now", "ends"]
 
@@ -84,6 +85,7 @@ class StaleWatch:
         #: per optimizer id: (its entries, [(parameter ref, parameter, state)]) when last time every
         #: one of its two ends had a gradient: the usual step re-arms those, nothing else
         self._same: dict[int, tuple | None] = {}
+        self._said: set = set()
 
     def arm(self, opt, idx: list[int], entries) -> list[tuple[weakref.ref, weakref.ref, int]]:
         """After ``opt``'s step: watch a few of its consumed gradients (``idx``: its entries).
@@ -127,15 +129,19 @@ class StaleWatch:
 
         def hook(_):
             if state[0]:
-                state[0] = False
-                current = p.grad
-                if current is not None and current is state[1]() and current._version == state[2]:
-                    if self.defer:
-                        self._suspect.setdefault(key, []).append((weakref.ref(p), state[1]))
-                    else:
-                        self.stale.add(key)
+                self._fired(p, key, state)
 
-        return p.register_hook(hook), state, weakref.ref(p)
+        return p.register_hook(guarded(hook, "stale-gradient hook", self._said)), state, weakref.ref(p)
+
+    def _fired(self, p, key: int, state: list) -> None:
+        """A backward reached ``p`` after a step consumed its gradient: is that gradient still there?"""
+        state[0] = False
+        current = p.grad
+        if current is not None and current is state[1]() and current._version == state[2]:
+            if self.defer:
+                self._suspect.setdefault(key, []).append((weakref.ref(p), state[1]))
+            else:
+                self.stale.add(key)
 
     def confirm(self, opt) -> None:
         """At a check that judges ``opt``'s parameters, or before its step: a suspected gradient

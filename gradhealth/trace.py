@@ -21,20 +21,22 @@ reduction per (device, dtype) and one transfer. No hook exists outside the block
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-import types
+import weakref
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from .classify import check_model
+from .hooks import guarded
 from .wrappers import user_modules
 from .naming import ROOT
-from .opwatch import graph_nodes as _graph_nodes, source_of as _source
+from .opwatch import graph_nodes as _graph_nodes, source_of as _source, tensors_in as _tensors
 
 __all__ = ["NonFiniteTracer", "trace_nonfinite", "REPAIRS"]
+
+_ARMED: weakref.WeakSet = weakref.WeakSet()  # every armed tracer (:meth:`NonFiniteTracer.alone`)
 
 REPAIRS = (
     "mask or clamp *before* the dangerous operation (gh.safe_div, gh.safe_log, gh.safe_sqrt, "
@@ -44,35 +46,6 @@ REPAIRS = (
     "sqrt(x**2) at 0, a norm at 0), rewrite the expression or give it its own backward "
     "(torch.autograd.Function)"
 )
-
-
-def _tensors(obj, limit: int = 16) -> list[Tensor]:
-    if isinstance(obj, Tensor):
-        return [obj]
-    if type(obj) is tuple and all(isinstance(o, Tensor) for o in obj):
-        return list(obj[:limit])
-    out: list[Tensor] = []
-
-    def walk(o):
-        if len(out) >= limit:
-            return
-        if isinstance(o, Tensor):
-            out.append(o)
-        elif isinstance(o, (list, tuple)):
-            for x in o:
-                walk(x)
-        elif isinstance(o, dict):  # HF ModelOutput is an OrderedDict
-            for x in o.values():
-                walk(x)
-        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
-            for f in dataclasses.fields(o):
-                walk(getattr(o, f.name, None))
-        elif isinstance(o, types.SimpleNamespace):
-            for x in vars(o).values():
-                walk(x)
-
-    walk(obj)
-    return out
 
 
 def _bad_one(t: Tensor) -> Tensor:
@@ -142,6 +115,8 @@ class NonFiniteTracer:
         self._inputs: dict[str, tuple] = {}
         self._watched: dict[int, tuple] = {}
         self._armed = False
+        self._said: set = set()  # (each hook's own failure said once: :func:`.hooks.guarded`)
+        self._paused = 0  # (:meth:`alone`)
 
     def __repr__(self) -> str:
         parts = [f"armed={self._armed}", f"forward_origin={self.forward_origin!r}", f"backward_origin={self.backward_origin!r}"]
@@ -161,6 +136,7 @@ class NonFiniteTracer:
         if self._armed:
             return self
         self._armed = True
+        _ARMED.add(self)
         self.watched_ops = ops
         if ops:
             from .opwatch import OpWatch
@@ -170,10 +146,12 @@ class NonFiniteTracer:
         self._inputs.clear()
         for name, module in user_modules(self.root).items():  # (the user's names, under wrappers inside the model)
             name = name or ROOT
-            self._handles.append(module.register_forward_hook(self._post(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(guarded(self._post(name), "NaN tracer's forward hook",
+                                                                      self._said), with_kwargs=True))
             for p in module.parameters(recurse=False):
                 if p.requires_grad:
-                    self._handles.append(p.register_hook(self._grad_hook([(name, "param")])))
+                    self._handles.append(p.register_hook(guarded(self._grad_hook([(name, "param")]),
+                                                                 "NaN tracer's gradient hook", self._said)))
         return self
 
     def disarm(self) -> None:
@@ -184,6 +162,21 @@ class NonFiniteTracer:
         self._handles.clear()
         self._watched.clear()
         self._armed = False
+        _ARMED.discard(self)
+
+    @contextlib.contextmanager
+    def alone(self):
+        """Inside the block only this tracer records: every other armed one (the monitor's, armed
+        for the next step) is paused, so a replay neither feeds nor arms another step's trace."""
+        others = [t for t in list(_ARMED) if t is not self]
+        paused = others + [t._ops for t in others if t._ops is not None]  # (the tracers' hooks, their op watches)
+        for t in paused:
+            t._paused += 1
+        try:
+            yield self
+        finally:
+            for t in paused:
+                t._paused -= 1
 
     @property
     def armed(self) -> bool:
@@ -191,7 +184,7 @@ class NonFiniteTracer:
 
     def _grad_hook(self, pairs: list[tuple[str, str]]):
         def hook(grad):
-            if grad is not None and grad.is_floating_point() and grad.numel():
+            if not self._paused and grad is not None and grad.is_floating_point() and grad.numel():
                 for name, kind in pairs:
                     self._events.append(_Event(name, kind, grad))
 
@@ -203,7 +196,7 @@ class NonFiniteTracer:
         if entry is None or entry[0] is not t:
             pairs: list[tuple[str, str]] = []
             self._watched[id(t)] = (t, pairs)
-            t.register_hook(self._grad_hook(pairs))
+            t.register_hook(guarded(self._grad_hook(pairs), "NaN tracer's gradient hook", self._said))
         else:
             pairs = entry[1]
         pairs.append((name, kind))
@@ -212,6 +205,8 @@ class NonFiniteTracer:
         # One hook per module, after its forward: it sees the inputs too, which halves the hook
         # overhead of a pre-hook + post-hook pair.
         def hook(module, args, kwargs, output):
+            if self._paused:
+                return
             self._inputs[name] = (args, kwargs)
             grad_on = torch.is_grad_enabled()
             events = self._events

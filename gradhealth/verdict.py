@@ -27,7 +27,8 @@ def _nothing_seen(obs, carry, m, o) -> bool:
     judge below would say nothing and change nothing)."""
     return (not obs.stale and obs.loss_cause is None and obs.eval_record is None and not obs.valid
             and (obs.loss is None or math.isfinite(obs.loss)) and not carry.frozen_norms and not carry.norm_eval
-            and carry.checks > 0 and o.expect_frozen is None and not m.view.meta_names)
+            and carry.checks > 0 and o.expect_frozen is None and not m.view.meta_names
+            and not m._changes.lazy)
 
 
 def judge(m, report, obs, across, sel, seen=None) -> list:
@@ -84,9 +85,14 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
             if line:
                 log.info("%s", line)
     if o.expect_frozen is not None:
-        found += judges.expect_frozen(report.status, o.expect_frozen, step)
+        untrainable = m.view.cannot_train  # (an integer tensor, a framework's state: never frozen trouble)
+        status = {n: s for n, s in report.status.items() if n not in untrainable} if untrainable else report.status
+        found += judges.expect_frozen(status, o.expect_frozen, step)
     if m.view.meta_names:
         found += judges.meta_params(m.view.meta_names, step)
+    if m._changes.lazy:
+        found += m._changes.judge_lazy(m.optimizers, m.tracker.total_steps if m.tracker is not None else 0,
+                                       o.grad_patience, step)
     found += traced(  # resolve the tracer armed after the last NaN; arm it after this one
         carry, m.model, report, nonfinite and o.trace_on_nonfinite and m.scaler is None)
     if nonfinite and across is None and m.scaler is None:  # one process's output; under a scaler, the scale

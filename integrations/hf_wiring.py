@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 from transformers.trainer_callback import CallbackHandler
 
+from gradhealth.hooks import guarded
+
 __all__ = ["callback_list", "trainer_of", "share_trainer_clip", "around", "move_before_reporters", "tensorboard_writer"]
 
 
@@ -58,6 +60,9 @@ def around(obj, name: str, before: Callable, after: Callable | None = None) -> C
     original = getattr(obj, name, None) if obj is not None else None
     if not callable(original):
         return None
+    said: set = set()  # (the callback's own failure is said once; a GradModeError said on purpose still raises)
+    before = guarded(before, f"hook around {type(obj).__name__}.{name}", said)
+    after = guarded(after, f"hook after {type(obj).__name__}.{name}", said) if after is not None else None
 
     def wrapped(*args, **kwargs):
         before(*args, **kwargs)

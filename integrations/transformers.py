@@ -71,6 +71,7 @@ from transformers.trainer_callback import ExportableState
 
 from gradhealth.errors import GradHealthInternalWarning, GradModeError
 from gradhealth.findings import Finding
+from gradhealth.hooks import guarded
 from gradhealth.metrics import PREFIX, clip_metrics, report_metrics, update_metrics
 from gradhealth.monitor import GradHealth
 from gradhealth.options import ON_PROBLEM, Options, check_choice
@@ -192,7 +193,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self.replay_on_nonfinite = bool(replay_on_nonfinite)
         #: this step's micro-batches: [args, kwargs, random state, autocast dtype or None, has a loss]
         self._batches = MicroBatches()  # this step's micro-batches, for the replay
-        self._pre_hook = None
+        self._pre_hook, self._said = None, set()  # (each hook's own failure said once: gradhealth.hooks.guarded)
         self._callbacks: list | None = None  # Trainer's callback list (found at on_train_begin)
         self._tb_sink = None
         self.monitor: GradHealth | None = None
@@ -244,10 +245,11 @@ class GradHealthCallback(TrainerCallback, ExportableState):
                 warnings.warn(f"gradhealth: the callback state in this checkpoint was not restored ({exc}); the "
                               "norm history starts afresh", GradHealthInternalWarning, stacklevel=2)
         self._pending_state = None
-        self._hook = model.register_forward_hook(self._on_forward)
+        self._hook = model.register_forward_hook(guarded(self._on_forward, "Trainer callback's forward hook", self._said))
         if self.replay_on_nonfinite:
             self._batches.device = next(iter(model.parameters()), torch.empty(0)).device.type  # (autocast's device type)
-            self._pre_hook = model.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True)
+            self._pre_hook = model.register_forward_pre_hook(
+                guarded(self._on_forward_pre, "Trainer callback's forward pre-hook", self._said), with_kwargs=True)
         self._callbacks = callback_list(self)
         trainer = trainer_of(self._callbacks)
         self._undo = [u for u in (share_trainer_clip(trainer, self.monitor),
@@ -349,7 +351,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
                     raise GradModeError(message)
         if tensor is None or not _sync_gradients():
             return
-        tensor.register_hook(self._on_backward)
+        tensor.register_hook(guarded(self._on_backward, "Trainer callback's backward hook", self._said))
 
     def _on_loss(self, loss, *_args, **_kwargs) -> None:  # (under DeepSpeed Trainer passes scale_wrt_gas=...)
         """The loss Trainer backpropagates (``accelerator.backward``), whatever ``compute_loss`` made it
@@ -370,7 +372,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
                 raise GradModeError(message)
             return
         if _sync_gradients():
-            loss.register_hook(self._on_backward)
+            loss.register_hook(guarded(self._on_backward, "Trainer callback's backward hook", self._said))
 
     def _on_backward(self, grad):
         if not self._queued:
