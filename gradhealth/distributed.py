@@ -11,6 +11,7 @@ import math
 import torch
 from torch import Tensor
 
+from . import accumulation
 from .wrappers import ddp_of, unwrap
 
 __all__ = ["active", "world_size", "rank", "to_local", "is_sharded", "RankOrigin", "Ranks", "ranks_of", "bit", "MASK_LIMIT"]
@@ -249,6 +250,8 @@ class Ranks:
         self._step_hooks: list = []
         self.ddp, self.origin = None, None
         self._watch = None
+        # an engine that owns its accumulation (DeepSpeed's, on one process too): checks between its boundaries wait
+        self.accumulation = accumulation.watch(model)
         if not self.active:
             return
         found = ddp_model if ddp_model is not None else ddp_of(model)
@@ -306,6 +309,10 @@ class Ranks:
         checked."""
         return self.ddp is not None and not (self.ddp.require_backward_grad_sync and self.forward_synced)
 
+    def between_boundaries(self) -> bool:
+        """The last backward is a part of an engine's accumulation window (:mod:`.accumulation`)."""
+        return self.accumulation is not None and self.accumulation.between()
+
     def host_group(self):
         """A gloo group of the same ranks, for a collective on numbers already on the host (a
         deferred check's: through NCCL they would travel to the device and back, a synchronisation).
@@ -316,6 +323,9 @@ class Ranks:
         return self._host_group
 
     def close(self) -> None:
+        if self.accumulation is not None:
+            self.accumulation.close()
+            self.accumulation = None
         for h in self._step_hooks:
             h.remove()
         self._step_hooks = []

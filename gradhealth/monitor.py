@@ -2,7 +2,7 @@
 
 A check, in order (each stage lives in its own module):
 
-1. gate: ``every_n_steps``, DDP ``no_sync`` (here);
+1. gate: ``every_n_steps``, DDP ``no_sync``, an engine's accumulation window (here);
 2. gather and ONE transfer: the judged gradients' exact norms with the loss, valid counts, the
    previous optimizer step's update numbers and the scaler's scale (:mod:`.observe`);
 3. under ``torch.distributed``, ONE all_reduce of a packed vector (:mod:`.crossrank`);
@@ -125,7 +125,7 @@ class GradHealth:
         if self._closed:
             warnings.warn("gradhealth: check() on a closed monitor does nothing", GradHealthInternalWarning, stacklevel=3)
             return None
-        if self.ranks.in_no_sync():
+        if self.ranks.in_no_sync() or self.ranks.between_boundaries():  # (partial gradients: the boundary judges them)
             return None
         if self._changes.stale():
             self._refresh()
