@@ -117,12 +117,12 @@ class MoENet(nn.Module):
         super().__init__()
         self.inp = nn.Linear(8, 16)
         self.moe = MoE(hidden_size=16, expert=nn.Sequential(nn.Linear(16, 16), nn.ReLU()), num_experts=4, ep_size=ep_size,
-                       k=1, capacity_factor=4.0, min_capacity=64, use_rts=False, drop_tokens=False)
+                       k=1, capacity_factor=4.0, min_capacity=4, use_rts=False, drop_tokens=False)
         self.head = nn.Linear(16, 1)
 
     def forward(self, x):
         h = torch.relu(self.inp(x))
-        h[:, 0] = 1.0  # (the gate's constant feature)
+        h = torch.cat([torch.ones_like(h[:, :1]), h[:, 1:]], dim=1)  # (the gate's constant feature)
         out, _aux, _counts = self.moe(h.unsqueeze(0))
         return self.head(out.squeeze(0))
 
@@ -137,10 +137,10 @@ def experts() -> dict:
     torch.manual_seed(0)
     model = MoENet(ep_size=2)
     gate = model.moe.deepspeed_moe.gate.wg
-    with torch.no_grad():
-        gate.weight.normal_(0, 0.1)
-        gate.weight[3].fill_(0.0)
-        gate.weight[3, 0] = -100.0  # the constant feature sends no token to expert 3
+    with torch.no_grad():  # experts 0-2 share the tokens about evenly; the constant feature sends none to expert 3
+        gate.weight.copy_(torch.randn(4, 16, generator=torch.Generator().manual_seed(0)))
+        gate.weight[:, 0] = torch.tensor([0.53, -0.92, 0.39, -100.0])
+        gate.weight[3, 1:] = 0.0
     gate.weight.requires_grad_(False)
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": [p for p in model.parameters() if p.requires_grad], "name": "all"})
