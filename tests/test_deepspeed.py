@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 pytest.importorskip("deepspeed")
 
@@ -38,7 +39,8 @@ def _env() -> dict:
 
 
 def _run(cmd: list[str], out: Path, ranks: int) -> list[dict]:
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    env = dict(_env(), MASTER_PORT=str(free_port()))  # (a free port: other DeepSpeed runs may share the machine)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     paths = [out] + [Path(f"{out}.rank{r}") for r in range(1, ranks)]
     return [json.loads(p.read_text()) for p in paths]
@@ -47,18 +49,13 @@ def _run(cmd: list[str], out: Path, ranks: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def one(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds") / "one.json"
-    env_port = {"MASTER_PORT": "29581"}
-    os.environ.update(env_port)
-    try:
-        return _run([sys.executable, str(HERE / "deepspeed_cases.py"), str(out), *ONE], out, 1)[0]
-    finally:
-        os.environ.pop("MASTER_PORT", None)
+    return _run([sys.executable, str(HERE / "deepspeed_cases.py"), str(out), *ONE], out, 1)[0]
 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds2") / "two.json"
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29583",
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                  str(HERE / "deepspeed_cases.py"), str(out), *TWO], out, 2)
 
 
@@ -72,7 +69,7 @@ def hf(tmp_path_factory):
         procs = []
         for k, case in enumerate(pair):
             out = root / f"{case}.json"
-            env = dict(_env(), MASTER_PORT=str(29591 + 2 * k))
+            env = dict(_env(), MASTER_PORT=str(free_port()))
             procs.append((out, subprocess.Popen([sys.executable, str(HERE / "deepspeed_hf.py"), str(out), case], env=env,
                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
         for out, proc in procs:
@@ -218,3 +215,114 @@ def test_a_dynamic_loss_scale_settling_is_info_and_the_norms_are_unscaled(one):
     assert not [f for f in case["findings"] if f[0] == "OPTIMIZER_SKIPPED"]
     for k in set(range(len(case["norms"]))) - set(overflowed):  # exact and unscaled (the gradients hold scale x g)
         assert case["problems"][k] == [] and _close(case["norms"][k], case["oracle"][k]), k
+
+
+# ---------------------------------------------------------------- the engine's own accumulation
+# (tests/deepspeed_accum_cases.py: "gradient_accumulation_steps": 4, engine.backward + engine.step on every micro-batch;
+# monitor ``every`` checks after each engine.backward, ``boundary`` only where the engine says it is its boundary)
+ACCUM = [f"{s}-{p}-{o}-healthy" for s in (1, 2, 3) for p in ("fp32", "bf16") for o in ("plain", "offload")]
+ACCUM_BUGS = ["1-bf16-offload-left", "2-fp32-plain-left", "3-bf16-offload-left",
+              "1-fp32-plain-inf", "2-bf16-offload-inf", "3-fp32-offload-inf", "3-bf16-plain-inf"]
+ACCUM_TWO = ["2-bf16-plain-healthy", "3-fp32-offload-healthy", "experts"]
+GAS, WINDOWS, INF_AT = 4, 6, 5
+
+
+@pytest.fixture(scope="module")
+def accum(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dsacc") / "accum.json"
+    return _run([sys.executable, str(HERE / "deepspeed_accum_cases.py"), str(out), *ACCUM, *ACCUM_BUGS], out, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def accum_two(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dsacc2") / "accum.json"
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                 str(HERE / "deepspeed_accum_cases.py"), str(out), *ACCUM_TWO], out, 2)
+
+
+def _windows(case: dict) -> None:
+    """Both loops: one report per window, at its boundary (the engine's), numbered by window; every
+    check between boundaries deferred (None); the same reports whether checked after every
+    micro-batch or at the boundary only."""
+    assert case["boundaries"] == [GAS * w + GAS - 1 for w in range(WINDOWS)]  # premise: the engine's boundaries
+    assert len(case["between"]) == (GAS - 1) * WINDOWS and all(case["between"])
+    for loop in ("every", "boundary"):
+        assert [r["step"] for r in case[loop]] == list(range(WINDOWS)), (loop, [r["step"] for r in case[loop]])
+    assert [r["total"] for r in case["every"]] == [r["total"] for r in case["boundary"]]
+    assert [r["problems"] for r in case["every"]] == [r["problems"] for r in case["boundary"]]
+
+
+def _accum_healthy(case: dict) -> None:
+    assert case["error"] is None, case["error"]
+    assert case["eval_after"] < 0.8 * case["eval_before"], (case["eval_before"], case["eval_after"])  # premise: it trains
+    assert case["skipped_steps"] == 0
+    _windows(case)
+    for loop in ("every", "boundary"):
+        assert all(r["problems"] == {} and not r["findings"] for r in case[loop]), case[loop]
+        for w, (r, engine, oracle) in enumerate(zip(case[loop], case["engine_norms"], case["oracle"])):
+            # the whole window's gradients: the engine's own norm of the step (its clip's), and DeepSpeed's accessor
+            assert _close(r["total"], engine), (loop, w, r["total"], engine)
+            assert _close(r["total"], math.sqrt(sum(v * v for v in oracle))), (loop, w, r["total"], oracle)
+            assert all(_close(r["grad_norm"][n], v) for n, v in zip(NAMES, oracle)), (loop, w)
+
+
+@pytest.mark.parametrize("case_id", ACCUM)
+def test_the_engines_accumulation_is_judged_per_window_at_every_stage(accum, case_id):
+    _accum_healthy(accum[case_id])
+
+
+@pytest.mark.parametrize("case_id", ["1-bf16-offload-left", "2-fp32-plain-left", "3-bf16-offload-left"])
+def test_a_layer_left_out_of_the_optimizer_is_named_under_the_engines_accumulation(accum, case_id):
+    case = accum[case_id]
+    _windows(case)
+    assert case["eval_after"] < case["eval_before"]  # premise: the rest trains
+    for loop in ("every", "boundary"):
+        assert all(r["problems"] == {"head.weight": "NOT_IN_OPTIMIZER", "head.bias": "NOT_IN_OPTIMIZER"}
+                   for r in case[loop]), case[loop]
+        assert not [f for r in case[loop] for f in r["findings"] if f[0] in ("NOT_UPDATED", "TRANSIENT_GRAD")]
+
+
+@pytest.mark.parametrize("case_id", ["1-fp32-plain-inf", "2-bf16-offload-inf", "3-fp32-offload-inf", "3-bf16-plain-inf"])
+def test_an_inf_gradient_inside_a_window_is_named_at_its_boundary(accum, case_id):
+    case = accum[case_id]
+    _windows(case)
+    assert case["skipped_steps"] == 1  # premise: the engine skipped the step of that window, and only it
+    bad = INF_AT // GAS
+    for loop in ("every", "boundary"):
+        reports = case[loop]
+        assert set(reports[bad]["problems"]) == set(NAMES)
+        assert set(reports[bad]["problems"].values()) == {"NON_FINITE_GRAD"}
+        assert all(r["problems"] == {} for k, r in enumerate(reports) if k != bad), loop
+        kinds = {(f[0], f[2]) for r in reports for f in r["findings"] if f[1] == "error"}
+        assert ("NONFINITE_ORIGIN", bad) in kinds and not [k for k in kinds if k[1] != bad], kinds
+        skipped = [f for r in reports for f in r["findings"] if f[0] == "OPTIMIZER_SKIPPED"]
+        assert skipped and all(f[2] == bad for f in skipped), skipped
+
+
+def test_two_ranks_judge_the_engines_accumulation_per_window(accum_two):
+    for r in accum_two:
+        for case_id in ("2-bf16-plain-healthy", "3-fp32-offload-healthy"):
+            _accum_healthy(r[case_id])  # (the oracle and the engine's norm: the whole gradients, every shard once)
+    assert [x["total"] for x in accum_two[0]["2-bf16-plain-healthy"]["every"]] == \
+        [x["total"] for x in accum_two[1]["2-bf16-plain-healthy"]["every"]]
+
+
+def test_an_expert_that_gets_no_tokens_on_rank_1_is_named_by_its_global_index(accum_two):
+    unit = "moe.deepspeed_moe.experts.deepspeed_experts[{}]".format
+    for rank, r in enumerate(accum_two):
+        case = r["experts"]
+        assert case["rank"] == rank
+        # premise: no rank's tokens go to expert 3 (rank 1's local expert 1); experts 0-2 get tokens at every step
+        assert all(t[3] == 0 for t in case["tokens"])
+        assert all(sum(x[e] for x in (a["experts"]["tokens"][k] for a in accum_two)) > 0
+                   for k in range(len(case["tokens"])) for e in range(3))
+        # every expert is its own: the norms of this rank's local experts, at their global index
+        for step, local in enumerate(case["local_norms"]):
+            norms = case["expert_norms_by_step"][step]
+            for k, v in enumerate(local):
+                assert _close(norms[unit(2 * rank + k)], v), (rank, step, k, norms, local)
+        assert case["expert_status"] == {unit(0): "OK", unit(1): "OK", unit(2): "OK", unit(3): "ZERO_GRAD"}
+        dead = [f for f in case["findings"] if f[0] == "DEAD_EXPERT"]
+        assert dead and all(unit(3) in f[3] and f[1] == "error" for f in dead), case["findings"]
+        assert not [f for f in dead if any(unit(e) in f[3] for e in range(3))]
+    assert accum_two[0]["experts"]["expert_status"] == accum_two[1]["experts"]["expert_status"]  # one verdict
