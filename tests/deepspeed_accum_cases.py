@@ -184,7 +184,7 @@ def main(argv: list[str]) -> None:
             results[case] = experts()
             continue
         s, p, o, k = case.split("-")
-        results[case] = run(int(s), p, o == "offload", k)
+        results[case] = dict(run(int(s), p, o == "offload", k), case=case)
     rank = int(os.environ.get("RANK", "0"))
     with open(path if rank == 0 else f"{path}.rank{rank}", "w") as f:
         json.dump(results, f)
