@@ -11,8 +11,10 @@ step and starts no NO_GRAD/ZERO_GRAD streak; the check at the boundary judges th
 The rule, with no class name looked at: the wrapper that runs the user's module (``.module``) and
 says whether a micro-batch is its accumulation boundary (``is_gradient_accumulation_boundary()``,
 with its micro-batch count ``micro_steps``). Its answer is about the micro-batch that has not
-stepped yet, so a check after a one-call step (Accelerate's ``backward`` runs ``engine.step()``
-too) reads the answer noted at that micro-batch's training forward. An engine whose caller owns
+stepped yet; a check may come after the step (Accelerate's ``backward`` runs ``engine.step()`` at
+its boundaries), so the answer is read where it stays the last backward's: the engine's optimizer's
+copy of it (DeepSpeed's ZeRO and bf16 optimizers keep one, set at each backward), else the
+engine's, or after a step the engine's answer noted at that micro-batch's training forward. An engine whose caller owns
 the boundary (``managed_gradient_accumulation()`` False) is never deferred: each check judges
 what is there.
 """
@@ -66,6 +68,9 @@ class Accumulation:
             managed = getattr(e, "managed_gradient_accumulation", None)
             if callable(managed) and not managed():
                 return False
+            mirror = getattr(getattr(e, "optimizer", None), "is_gradient_accumulation_boundary", None)
+            if callable(mirror):  # (its optimizer's copy of the answer, set at each backward: still true after the step)
+                return not mirror()
             seen = self.seen
             if seen is not None and seen[0] != e.micro_steps:  # its step already ran (a one-call step)
                 return not seen[1]
