@@ -130,7 +130,8 @@ def accelerate(stage: int, bug: bool, gas: int = 1) -> dict:
                 optimizer.zero_grad()
             if gas > 1 and report is None:
                 continue
-            norms.append(float(model.get_global_grad_norm()))
+            norm = model.get_global_grad_norm()  # (None before the engine's first step)
+            norms.append(float(norm) if norm is not None else None)
             if len(norms) == 12:
                 break
     except gh.GradHealthError as exc:
