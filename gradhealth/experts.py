@@ -167,7 +167,10 @@ def describe_stacks(stacks: dict[int, Stack]) -> str | None:
     by: dict[str, list[Stack]] = {}
     for s in stacks.values():
         by.setdefault(s.module, []).append(s)
-    parts = [f"{m} ({ss[0].count} experts: {', '.join(s.name.rpartition('.')[2] for s in ss)})" for m, ss in by.items()]
+    def tensor(s: Stack) -> str:  # (an expert module's: its name inside the expert)
+        return s.name.rpartition(".")[2] if s.place is None else s.name[len(s.module) + 1:].partition(".")[2]
+
+    parts = [f"{m} ({ss[0].count} experts: {', '.join(dict.fromkeys(map(tensor, ss)))})" for m, ss in by.items()]
     shown = ", ".join(parts[:4]) + (f" and {len(parts) - 4} more layers" if len(parts) > 4 else "")
     return terminal_safe(f"stacked experts judged per expert in {len(by)} layer{'s' if len(by) != 1 else ''}: {shown}")
 

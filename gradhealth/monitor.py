@@ -108,7 +108,8 @@ class GradHealth:
     def check(self, loss: Tensor | None = None, *, step: int | None = None, optimizer=None) -> Report | None:
         """Classify every parameter now (call after ``loss.backward()``).
 
-        Returns the :class:`Report`, or None on a call that ``every_n_steps`` skips. ``loss``, when
+        Returns the :class:`Report`, or None on a call that ``every_n_steps`` skips, inside DDP's
+        ``no_sync()`` or between an engine's accumulation boundaries (:mod:`.accumulation`). ``loss``, when
         given, is judged too (can it produce gradients? is it finite?) in the same transfer.
         ``step`` overrides the monitor's own count of calls (e.g. a trainer's global step).
         ``optimizer`` (one of the monitor's) judges only that optimizer's parameters: the check

@@ -127,7 +127,7 @@ class MoENet(nn.Module):
         return self.head(out.squeeze(0))
 
 
-def experts() -> dict:
+def experts(ep_size: int = 2) -> dict:
     """Expert parallelism on two ranks (ep_size=2): every rank's local experts 0 and 1 are the global
     experts 2r and 2r+1; the gate never picks expert 3 (rank 1's local expert 1)."""
     import deepspeed
@@ -135,7 +135,7 @@ def experts() -> dict:
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = MoENet(ep_size=2)
+    model = MoENet(ep_size=ep_size)
     gate = model.moe.deepspeed_moe.gate.wg
     with torch.no_grad():  # experts 0-2 share the tokens about evenly; the constant feature sends none to expert 3
         gate.weight.copy_(torch.randn(4, 16, generator=torch.Generator().manual_seed(0)))
@@ -180,8 +180,8 @@ def main(argv: list[str]) -> None:
     warnings.simplefilter("ignore")
     path, results = argv[0], {}
     for case in argv[1:]:
-        if case == "experts":
-            results[case] = experts()
+        if case.startswith("experts"):  # (experts: ep_size 2; experts-1: every expert on one rank)
+            results[case] = experts(1 if case == "experts-1" else 2)
             continue
         s, p, o, k = case.split("-")
         results[case] = dict(run(int(s), p, o == "offload", k), case=case)

@@ -235,7 +235,8 @@ GAS, WINDOWS, INF_AT = 4, 6, 5
 @pytest.fixture(scope="module")
 def accum(tmp_path_factory):
     out = tmp_path_factory.mktemp("dsacc") / "accum.json"
-    return _run([sys.executable, str(HERE / "deepspeed_accum_cases.py"), str(out), *ACCUM, *ACCUM_BUGS], out, 1)[0]
+    return _run([sys.executable, str(HERE / "deepspeed_accum_cases.py"), str(out), *ACCUM, *ACCUM_BUGS, "experts-1"],
+                out, 1)[0]
 
 
 @pytest.fixture(scope="module")
@@ -313,22 +314,35 @@ def test_two_ranks_judge_the_engines_accumulation_per_window(accum_two):
         [x["total"] for x in accum_two[1]["2-bf16-plain-healthy"]["every"]]
 
 
-def test_an_expert_that_gets_no_tokens_on_rank_1_is_named_by_its_global_index(accum_two):
+def _one_dead_expert(ranks: list[dict], case_id: str) -> None:
+    """Expert 3 gets no token (on two ranks: rank 1's local expert 1): named by its global index,
+    each expert's norm its own, the same verdict on every rank."""
     unit = "moe.deepspeed_moe.experts.deepspeed_experts[{}]".format
-    for rank, r in enumerate(accum_two):
-        case = r["experts"]
+    local_count = 4 // len(ranks)
+    for rank, r in enumerate(ranks):
+        case = r[case_id]
         assert case["rank"] == rank
-        # premise: no rank's tokens go to expert 3 (rank 1's local expert 1); experts 0-2 get tokens at every step
+        # premise: no rank's tokens go to expert 3; experts 0-2 get tokens at every step
         assert all(t[3] == 0 for t in case["tokens"])
-        assert all(sum(x[e] for x in (a["experts"]["tokens"][k] for a in accum_two)) > 0
+        assert all(sum(x[e] for x in (a[case_id]["tokens"][k] for a in ranks)) > 0
                    for k in range(len(case["tokens"])) for e in range(3))
-        # every expert is its own: the norms of this rank's local experts, at their global index
+        # every expert is its own: the norms of this rank's local experts (DeepSpeed's accessor), at their global index
         for step, local in enumerate(case["local_norms"]):
             norms = case["expert_norms_by_step"][step]
+            assert len(local) == local_count and len(norms) == 4
             for k, v in enumerate(local):
-                assert _close(norms[unit(2 * rank + k)], v), (rank, step, k, norms, local)
+                assert _close(norms[unit(local_count * rank + k)], v), (rank, step, k, norms, local)
         assert case["expert_status"] == {unit(0): "OK", unit(1): "OK", unit(2): "OK", unit(3): "ZERO_GRAD"}
         dead = [f for f in case["findings"] if f[0] == "DEAD_EXPERT"]
         assert dead and all(unit(3) in f[3] and f[1] == "error" for f in dead), case["findings"]
         assert not [f for f in dead if any(unit(e) in f[3] for e in range(3))]
-    assert accum_two[0]["experts"]["expert_status"] == accum_two[1]["experts"]["expert_status"]  # one verdict
+        assert not [f for f in case["findings"] if f[1] == "error" and f[0] != "DEAD_EXPERT"], case["findings"]
+    assert len({json.dumps(r[case_id]["expert_status"], sort_keys=True) for r in ranks}) == 1  # one verdict
+
+
+def test_an_expert_that_gets_no_tokens_on_rank_1_is_named_by_its_global_index(accum_two):
+    _one_dead_expert(accum_two, "experts")  # (ep_size=2: each rank's local experts 0 and 1 are experts 2r and 2r+1)
+
+
+def test_deepspeeds_experts_on_one_process_are_judged_per_expert(accum):
+    _one_dead_expert([accum], "experts-1")
