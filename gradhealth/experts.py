@@ -44,7 +44,7 @@ from .status import Status
 from .wrappers import user_modules
 
 __all__ = ["fill", "router_counts", "tokens_by_unit", "Stack", "find_stacks", "check_experts", "slice_norms", "finish_slices", "judge", "unit_name",
-           "CONFIG_KEYS", "describe_stacks"]
+           "CONFIG_KEYS", "describe_stacks", "per_rank"]
 
 #: model-config attributes that give the number of experts of a layer
 CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -158,6 +158,12 @@ def _placed(modules: dict[str, nn.Module], entry: int, name: str, p) -> Stack | 
             position, size, copies = _expert_group(modules, owner)
             return Stack(entry, name, listed, 0, size * local, position * local + int(parts[k]), copies)
     return None
+
+
+def per_rank(stack: Stack | None, world: int) -> bool:
+    """An expert module's tensor that is another expert on some other rank (expert parallelism): a
+    replica only within its ``copies`` ranks, never compared with every rank's."""
+    return stack is not None and stack.place is not None and stack.copies < world
 
 
 def describe_stacks(stacks: dict[int, Stack]) -> str | None:

@@ -118,6 +118,9 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
                         cut[i] = (shard, shards)
             if i in view.stacks and view.stacks[i].place is not None:  # (an expert module's: summed at its place)
                 cut[i] = (0, 1)
+                if i not in sharded and experts.per_rank(view.stacks[i], dist.world_size()):  # (not every rank's replica)
+                    sharded.add(i)
+                    holders[i] = view.stacks[i].copies
             grads[k] = dist.to_local(grads[k])
 
     loss_t = loss.detach() if isinstance(loss, Tensor) and loss.numel() == 1 else None

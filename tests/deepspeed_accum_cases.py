@@ -142,6 +142,10 @@ def experts(ep_size: int = 2) -> dict:
         gate.weight[:, 0] = torch.tensor([0.53, -0.92, 0.39, -100.0])
         gate.weight[3, 1:] = 0.0
     gate.weight.requires_grad_(False)
+    rank = int(os.environ.get("RANK", "0"))
+    with torch.no_grad():  # every expert its own initial weights (MoE deep-copies one): rank r's are not rank 0's
+        for k, e in enumerate(model.moe.deepspeed_moe.experts.deepspeed_experts):
+            e[0].weight.add_(0.01 * (model.moe.num_local_experts * rank + k))
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": [p for p in model.parameters() if p.requires_grad], "name": "all"})
     optimizer = torch.optim.AdamW(groups, lr=1e-2)
@@ -149,9 +153,10 @@ def experts(ep_size: int = 2) -> dict:
               "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     keep = dc.Keep()
-    monitor = gh.GradHealth(engine.module, engine.optimizer, on_problem="ignore", sinks=[keep])
-    out = {"tokens": [], "error": None, "local_norms": []}
-    rank = int(os.environ.get("RANK", "0"))
+    # (the replicas compared at every check: an expert is not a replica of another rank's)
+    monitor = gh.GradHealth(engine.module, engine.optimizer, on_problem="ignore", sinks=[keep], desync_every=1)
+    out = {"tokens": [], "error": None, "local_norms": [],
+           "first_weights": [float(e[0].weight.sum()) for e in model.moe.deepspeed_moe.experts.deepspeed_experts]}
     for step in range(8):
         x, y = dc.batch(step, "fp32")
         loss = ((engine(x).float() - y) ** 2).mean()

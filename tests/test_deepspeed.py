@@ -342,6 +342,8 @@ def _one_dead_expert(ranks: list[dict], case_id: str) -> None:
 
 def test_an_expert_that_gets_no_tokens_on_rank_1_is_named_by_its_global_index(accum_two):
     _one_dead_expert(accum_two, "experts")  # (ep_size=2: each rank's local experts 0 and 1 are experts 2r and 2r+1)
+    # premise: rank 1's local experts are other experts than rank 0's (not replicas: no DESYNC, checked every step)
+    assert all(a != b for a, b in zip(*(r["experts"]["first_weights"] for r in accum_two)))
 
 
 def test_deepspeeds_experts_on_one_process_are_judged_per_expert(accum):
