@@ -89,5 +89,8 @@ def watch(model: nn.Module) -> Accumulation | None:
     initialises it), else None."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
-    engine = engine_of(model)
-    return Accumulation(engine, unwrap(model)) if engine is not None else None
+    try:  # (looking never breaks the monitor's construction: without it, every check judges what is there)
+        engine = engine_of(model)
+        return Accumulation(engine, unwrap(model)) if engine is not None else None
+    except Exception:
+        return None
