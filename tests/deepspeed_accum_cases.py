@@ -127,7 +127,7 @@ class MoENet(nn.Module):
         return self.head(out.squeeze(0))
 
 
-def experts(ep_size: int = 2) -> dict:
+def experts(ep_size: int = 2, stage: int = 2) -> dict:
     """Expert parallelism on two ranks (ep_size=2): every rank's local experts 0 and 1 are the global
     experts 2r and 2r+1; the gate never picks expert 3 (rank 1's local expert 1)."""
     import deepspeed
@@ -150,7 +150,7 @@ def experts(ep_size: int = 2) -> dict:
         {"params": [p for p in model.parameters() if p.requires_grad], "name": "all"})
     optimizer = torch.optim.AdamW(groups, lr=1e-2)
     config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     keep = dc.Keep()
     # (the replicas compared at every check: an expert is not a replica of another rank's)
@@ -185,8 +185,8 @@ def main(argv: list[str]) -> None:
     warnings.simplefilter("ignore")
     path, results = argv[0], {}
     for case in argv[1:]:
-        if case.startswith("experts"):  # (experts: ep_size 2; experts-1: every expert on one rank)
-            results[case] = experts(1 if case == "experts-1" else 2)
+        if case.startswith("experts"):  # (experts: ep_size 2; experts-1: every expert on one rank; -z0: no ZeRO)
+            results[case] = experts(1 if case == "experts-1" else 2, 0 if case == "experts-z0" else 2)
             continue
         s, p, o, k = case.split("-")
         results[case] = dict(run(int(s), p, o == "offload", k), case=case)

@@ -228,7 +228,7 @@ ACCUM = [f"{s}-{p}-{o}-healthy" for s in (1, 2, 3) for p in ("fp32", "bf16") for
 ACCUM += ["0-fp32-plain-healthy", "0-bf16-plain-healthy"]  # (no ZeRO: the torch optimizer, DeepSpeed's bf16 one)
 ACCUM_BUGS = ["1-bf16-offload-left", "2-fp32-plain-left", "3-bf16-offload-left",
               "1-fp32-plain-inf", "2-bf16-offload-inf", "3-fp32-offload-inf", "3-bf16-plain-inf"]
-ACCUM_TWO = ["2-bf16-plain-healthy", "3-fp32-offload-healthy", "experts"]
+ACCUM_TWO = ["2-bf16-plain-healthy", "3-fp32-offload-healthy", "experts", "experts-z0"]
 GAS, WINDOWS, INF_AT = 4, 6, 5
 
 
@@ -340,10 +340,12 @@ def _one_dead_expert(ranks: list[dict], case_id: str) -> None:
     assert len({json.dumps(r[case_id]["expert_status"], sort_keys=True) for r in ranks}) == 1  # one verdict
 
 
-def test_an_expert_that_gets_no_tokens_on_rank_1_is_named_by_its_global_index(accum_two):
-    _one_dead_expert(accum_two, "experts")  # (ep_size=2: each rank's local experts 0 and 1 are experts 2r and 2r+1)
-    # premise: rank 1's local experts are other experts than rank 0's (not replicas: no DESYNC, checked every step)
-    assert all(a != b for a, b in zip(*(r["experts"]["first_weights"] for r in accum_two)))
+@pytest.mark.parametrize("case_id", ["experts", "experts-z0"], ids=["zero2", "zero0"])
+def test_an_expert_that_gets_no_tokens_on_rank_1_is_named_by_its_global_index(accum_two, case_id):
+    _one_dead_expert(accum_two, case_id)  # (ep_size=2: each rank's local experts 0 and 1 are experts 2r and 2r+1)
+    # premise: rank 1's local experts are other experts than rank 0's (not replicas: no DESYNC, no GRAD_DISAGREE,
+    # compared at every check; at ZeRO-0 their gradients are whole tensors on each rank, not ZeRO's fragments)
+    assert all(a != b for a, b in zip(*(r[case_id]["first_weights"] for r in accum_two)))
 
 
 def test_deepspeeds_experts_on_one_process_are_judged_per_expert(accum):
