@@ -4,7 +4,9 @@ deciding the boundary. Two monitors watch one engine: ``every`` checks after eac
 ``engine.backward``, ``boundary`` only where ``engine.is_gradient_accumulation_boundary()``; both
 before ``engine.step()``. Run by tests/test_deepspeed.py in a process of its own (one or two ranks,
 as tests/deepspeed_cases.py): ``python tests/deepspeed_accum_cases.py OUT.json CASE ...``, a case
-``<stage>-<precision>-<offload|plain>-<kind>`` (kind: healthy, left, inf) or ``experts``.
+``<stage>-<precision>-<offload|plain>-<kind>`` (kind: healthy, left, inf), or DeepSpeed's MoE:
+``experts`` (expert parallelism, ep_size 2, ZeRO-2), ``experts-z0`` (the same without ZeRO),
+``experts-1`` (every expert on one process).
 """
 
 from __future__ import annotations
