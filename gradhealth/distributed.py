@@ -11,6 +11,7 @@ import math
 import torch
 from torch import Tensor
 
+from . import accumulation
 from .hooks import guarded
 from .wrappers import ddp_of, unwrap
 
@@ -254,6 +255,8 @@ class Ranks:
         self._step_hooks: list = []
         self.ddp, self.origin = None, None
         self._watch = None
+        # an engine that owns its accumulation (DeepSpeed's, on one process too): checks between its boundaries wait
+        self.accumulation = accumulation.watch(model)
         if not self.active:
             return
         found = ddp_model if ddp_model is not None else ddp_of(model)
@@ -311,6 +314,10 @@ class Ranks:
         checked."""
         return self.ddp is not None and not (self.ddp.require_backward_grad_sync and self.forward_synced)
 
+    def between_boundaries(self) -> bool:
+        """The last backward is a part of an engine's accumulation window (:mod:`.accumulation`)."""
+        return self.accumulation is not None and self.accumulation.between()
+
     def host_group(self):
         """A gloo group of the same ranks, for a collective on numbers already on the host (a
         deferred check's: through NCCL they would travel to the device and back, a synchronisation).
@@ -321,6 +328,9 @@ class Ranks:
         return self._host_group
 
     def close(self) -> None:
+        if self.accumulation is not None:
+            self.accumulation.close()
+            self.accumulation = None
         for h in self._step_hooks:
             h.remove()
         self._step_hooks = []

@@ -44,7 +44,7 @@ from .status import Status
 from .wrappers import user_modules
 
 __all__ = ["fill", "router_counts", "tokens_by_unit", "Stack", "find_stacks", "check_experts", "slice_norms", "finish_slices", "judge", "unit_name",
-           "CONFIG_KEYS", "describe_stacks"]
+           "CONFIG_KEYS", "describe_stacks", "per_rank"]
 
 #: model-config attributes that give the number of experts of a layer
 CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -58,6 +58,8 @@ class Stack:
     module: str  # the experts module the unit names are built on
     dim: int  # the stacking dimension
     count: int  # experts in it
+    place: int | None = None  # an expert module's tensor: the one expert it is, by global index (see find_stacks)
+    copies: int = 1  # (placed) the ranks that hold its whole gradient, when not partitioned
 
 
 def unit_name(module: str, index: int) -> str:
@@ -109,6 +111,10 @@ def find_stacks(root: nn.Module, entries, declared=None) -> dict[int, Stack]:
     config = _config_count(root)
     modules = user_modules(root)
     for i, (name, p) in enumerate(entries):
+        placed = _placed(modules, i, name, p)
+        if placed is not None:
+            out[i] = placed
+            continue
         owner = module_of(name)
         if not owner.rpartition(".")[2].lower().endswith("experts") or p.dim() < 2:
             continue
@@ -119,6 +125,47 @@ def find_stacks(root: nn.Module, entries, declared=None) -> dict[int, Stack]:
     return out
 
 
+def _expert_group(modules: dict[str, nn.Module], path: str) -> tuple[int, int, int]:
+    """(this rank's expert-parallel position, the expert-parallel size, the ranks holding each
+    expert) from the nearest module on ``path`` that holds its expert-parallel process group."""
+    while path:
+        group = getattr(modules.get(path), "ep_group", None)
+        if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            try:
+                size = torch.distributed.get_world_size(group)
+                return torch.distributed.get_rank(group), size, max(1, torch.distributed.get_world_size() // size)
+            except (RuntimeError, ValueError, TypeError):
+                break
+        path = path.rpartition(".")[0]
+    return 0, 1, 1
+
+
+def _placed(modules: dict[str, nn.Module], entry: int, name: str, p) -> Stack | None:
+    """An expert module's parameter (DeepSpeed's MoE: one module per local expert, its parameters
+    marked ``allreduce = False`` with the ``group_name`` of their expert-parallel group, held in a
+    ``ModuleList`` whose owner counts them in ``num_local_experts``): a whole expert, named by its
+    global index (this rank's expert-parallel position times the local experts, plus its local
+    index), so each rank's experts are their own."""
+    if getattr(p, "allreduce", True) is not False or not isinstance(getattr(p, "group_name", None), str):
+        return None
+    parts = name.split(".")
+    for k in range(len(parts) - 2, 0, -1):
+        if not parts[k].isdigit():
+            continue
+        listed, owner = ".".join(parts[:k]), ".".join(parts[: k - 1])
+        local = getattr(modules.get(owner), "num_local_experts", None)
+        if isinstance(modules.get(listed), nn.ModuleList) and isinstance(local, int) and local == len(modules[listed]):
+            position, size, copies = _expert_group(modules, owner)
+            return Stack(entry, name, listed, 0, size * local, position * local + int(parts[k]), copies)
+    return None
+
+
+def per_rank(stack: Stack | None, world: int) -> bool:
+    """An expert module's tensor that is another expert on some other rank (expert parallelism): a
+    replica only within its ``copies`` ranks, never compared with every rank's."""
+    return stack is not None and stack.place is not None and stack.copies < world
+
+
 def describe_stacks(stacks: dict[int, Stack]) -> str | None:
     """``stacked experts: model.layers.0.mlp.experts (4 experts: gate_up_proj, down_proj), ...``"""
     if not stacks:
@@ -126,7 +173,10 @@ def describe_stacks(stacks: dict[int, Stack]) -> str | None:
     by: dict[str, list[Stack]] = {}
     for s in stacks.values():
         by.setdefault(s.module, []).append(s)
-    parts = [f"{m} ({ss[0].count} experts: {', '.join(s.name.rpartition('.')[2] for s in ss)})" for m, ss in by.items()]
+    def tensor(s: Stack) -> str:  # (an expert module's: its name inside the expert)
+        return s.name.rpartition(".")[2] if s.place is None else s.name[len(s.module) + 1:].partition(".")[2]
+
+    parts = [f"{m} ({ss[0].count} experts: {', '.join(dict.fromkeys(map(tensor, ss)))})" for m, ss in by.items()]
     shown = ", ".join(parts[:4]) + (f" and {len(parts) - 4} more layers" if len(parts) > 4 else "")
     return terminal_safe(f"stacked experts judged per expert in {len(by)} layer{'s' if len(by) != 1 else ''}: {shown}")
 
@@ -136,6 +186,8 @@ def local_stack(stack: Stack, grad: Tensor, cut: tuple[int, int] | None) -> tupl
     sharded along the stacking dimension (FSDP2's ``Shard(0)``), the shard holds experts
     ``[offset, offset + n)`` whole (``torch.chunk``'s split); sharded along another, a part of every
     expert (offset None)."""
+    if stack.place is not None:  # a whole expert, at its global place
+        return Stack(stack.entry, stack.name, stack.module, 0, 1), stack.place
     n = grad.shape[stack.dim]
     if cut is None or n == stack.count:  # whole, or cut along another dimension: a part of every expert
         return stack, None

@@ -2,7 +2,7 @@
 
 A check, in order (each stage lives in its own module):
 
-1. gate: ``every_n_steps``, DDP ``no_sync`` (here);
+1. gate: ``every_n_steps``, DDP ``no_sync``, an engine's accumulation window (here);
 2. gather and ONE transfer: the judged gradients' exact norms with the loss, valid counts, the
    previous optimizer step's update numbers and the scaler's scale (:mod:`.observe`);
 3. under ``torch.distributed``, ONE all_reduce of a packed vector (:mod:`.crossrank`);
@@ -108,7 +108,8 @@ class GradHealth:
     def check(self, loss: Tensor | None = None, *, step: int | None = None, optimizer=None) -> Report | None:
         """Classify every parameter now (call after ``loss.backward()``).
 
-        Returns the :class:`Report`, or None on a call that ``every_n_steps`` skips. ``loss``, when
+        Returns the :class:`Report`, or None on a call that ``every_n_steps`` skips, inside DDP's
+        ``no_sync()`` or between an engine's accumulation boundaries (:mod:`.accumulation`). ``loss``, when
         given, is judged too (can it produce gradients? is it finite?) in the same transfer.
         ``step`` overrides the monitor's own count of calls (e.g. a trainer's global step).
         ``optimizer`` (one of the monitor's) judges only that optimizer's parameters: the check
@@ -125,7 +126,7 @@ class GradHealth:
         if self._closed:
             warnings.warn("gradhealth: check() on a closed monitor does nothing", GradHealthInternalWarning, stacklevel=3)
             return None
-        if self.ranks.in_no_sync():
+        if self.ranks.in_no_sync() or self.ranks.between_boundaries():  # (partial gradients: the boundary judges them)
             return None
         if self._changes.stale():
             self._refresh()

@@ -116,6 +116,11 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
                         holders[i], pieces[i] = held, (shard, shards)
                     if i in view.stacks:
                         cut[i] = (shard, shards)
+            if i in view.stacks and view.stacks[i].place is not None:  # (an expert module's: summed at its place)
+                cut[i] = (0, 1)
+                if i not in sharded and experts.per_rank(view.stacks[i], dist.world_size()):  # (not every rank's replica)
+                    sharded.add(i)
+                    holders[i] = view.stacks[i].copies
             grads[k] = dist.to_local(grads[k])
 
     loss_t = loss.detach() if isinstance(loss, Tensor) and loss.numel() == 1 else None
@@ -164,9 +169,12 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
                 pos += c
             values = experts.finish_slices([grads[k] for k in stacked], [local[k][0] for k in stacked], values)
             for j, k in enumerate(stacked):  # a shard's slices: its squares at their experts, reduced across ranks
-                if with_grad[k] in cut:
-                    ex_parts[with_grad[k]] = experts.spread_squares(values[j], local[k][1], view.stacks[with_grad[k]].count,
-                                                                    holders.get(with_grad[k], 1))
+                i, stack = with_grad[k], view.stacks[with_grad[k]]
+                if i in cut:  # (a placed expert's gradient is whole on ``copies`` ranks, or partitioned among them)
+                    ex_parts[i] = experts.spread_squares(values[j], local[k][1], stack.count, holders.get(
+                        i, 1) if stack.place is None or i in sharded else stack.copies)
+                elif stack.place is not None:  # (one process: every expert is here)
+                    values[j] = [math.sqrt(v) for v in experts.spread_squares(values[j], stack.place, stack.count, 1)]
             it = iter(norms)
             merged, at = [], dict(zip(stacked, values))
             for k in range(len(grads)):

@@ -100,7 +100,8 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
         found += judges.nan_from_loss(None if origin else output_maxima(seen), step, origin)
     checks, every = carry.checks, o.desync_every
     if across is not None and (checks == 0 or nonfinite or (every > 0 and checks % every == 0)):
-        params = [m.view.params[i] for i in sel.idx]
-        found += crossrank.desync_findings(params, sel.names, report.status, step, m.ranks.device)
+        keep = [k for k, i in enumerate(sel.idx) if not experts.per_rank(m.view.stacks.get(i), m.ranks.world)]
+        found += crossrank.desync_findings([m.view.params[sel.idx[k]] for k in keep], [sel.names[k] for k in keep],
+                                           report.status, step, m.ranks.device)
     return found
 

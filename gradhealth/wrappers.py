@@ -20,7 +20,7 @@ import gc
 
 from torch import nn
 
-__all__ = ["inner", "unwrap", "chain", "user_names", "user_modules", "ddp_of"]
+__all__ = ["inner", "unwrap", "chain", "user_names", "user_modules", "ddp_of", "wrapper_of"]
 
 _DEPTH = 16  # wrappers around wrappers, at the most
 
@@ -123,17 +123,22 @@ def ddp_of(model: nn.Module):
     monitor was given (Fabric's ``_FabricModule`` holds it), else one that refers to the module
     the user wrote (Accelerate's and Lightning's recipes hand the monitor the unwrapped module;
     a monitor made before ``fabric.setup`` finds it at its first check). None without one."""
-    links = chain(model)
-    for m in links:
+    for m in chain(model):
         if isinstance(m, nn.parallel.DistributedDataParallel):
             return m
-    target = links[-1]
+    return wrapper_of(model, lambda m: isinstance(m, nn.parallel.DistributedDataParallel))
+
+
+def wrapper_of(model: nn.Module, test):
+    """A module that wraps the module the user wrote (its innermost wrapper unwraps to it) and passes
+    ``test``, found among the objects that refer to it; None without one."""
+    target = unwrap(model)
     seen, frontier = set(), [target]
     for _ in range(3):  # the wrapper -> its _modules dict -> the module (or the wrapper directly)
         nxt = []
         for obj in frontier:
             for ref in gc.get_referrers(obj):
-                if isinstance(ref, nn.parallel.DistributedDataParallel) and unwrap(ref) is target:
+                if isinstance(ref, nn.Module) and ref is not target and test(ref) and unwrap(ref) is target:
                     return ref
                 if isinstance(ref, dict) and id(ref) not in seen:
                     seen.add(id(ref))

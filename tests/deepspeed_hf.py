@@ -104,7 +104,7 @@ def trainer(out_dir: str, stage: int) -> dict:
     return summary(keep, before, held_out(trainer.model), norms, error)
 
 
-def accelerate(stage: int, bug: bool) -> dict:
+def accelerate(stage: int, bug: bool, gas: int = 1) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
@@ -113,22 +113,26 @@ def accelerate(stage: int, bug: bool) -> dict:
     before = held_out(model)
     params = model.body[0].parameters() if bug else model.parameters()  # the bug: the head left out
     optimizer = torch.optim.AdamW(params, lr=2e-2)
-    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_clipping=1.0, gradient_accumulation_steps=1)
+    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_clipping=1.0, gradient_accumulation_steps=gas)
     accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision="bf16")
-    data = torch.utils.data.DataLoader(Rows(), batch_size=16)
+    data = torch.utils.data.DataLoader(Rows(16 * gas * 12), batch_size=16)
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
     keep = Keep()
     monitor = gh.GradHealth(model, optimizer, on_problem="raise", sinks=[keep])
     norms, error = [], None
     try:
         for step, batch in enumerate(data):
-            loss = model(**batch)["loss"]
-            accelerator.backward(loss)
-            monitor.check(loss=loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            norms.append(float(model.get_global_grad_norm()))
-            if step == 11:
+            with accelerator.accumulate(model):  # (gas > 1: Accelerate tells the engine where its boundary is)
+                loss = model(**batch)["loss"]
+                accelerator.backward(loss)
+                report = monitor.check(loss=loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            if gas > 1 and report is None:
+                continue
+            norm = model.get_global_grad_norm()  # (None before the engine's first step)
+            norms.append(float(norm) if norm is not None else None)
+            if len(norms) == 12:
                 break
     except gh.GradHealthError as exc:
         error = str(exc)
@@ -146,7 +150,7 @@ def main(argv: list[str]) -> None:
         if how == "trainer":
             results[case] = trainer(os.path.dirname(path) or ".", int(stage))
         else:
-            results[case] = accelerate(int(stage), bool(rest))
+            results[case] = accelerate(int(stage), rest == ["bug"], 4 if rest == ["gas"] else 1)
     with open(path, "w") as f:
         json.dump(results, f)
 

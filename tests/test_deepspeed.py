@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 pytest.importorskip("deepspeed")
 
@@ -27,7 +28,7 @@ CONFIGS = [(s, p) for s in (0, 1, 2, 3) for p in ("fp32", "bf16")]
 ONE = ([f"{s}-{p}-healthy" for s, p in CONFIGS] + ["1-bf16-frozen", "3-fp32-frozen", "1-fp32-lr0", "2-bf16-lr0", "3-bf16-lr0"]
        + ["0-fp32-inf", "0-bf16-inf", "1-bf16-inf", "2-fp32-inf", "3-bf16-inf", "2-bf16-engine", "fp16-unfused"])
 TWO = ["2-bf16-healthy", "3-bf16-healthy", "1-fp32-frozen", "2-fp32-lr0", "3-bf16-inf"]
-HF = ["trainer-2", "trainer-3", "accelerate-3", "accelerate-2-bug"]
+HF = ["trainer-2", "trainer-3", "accelerate-3", "accelerate-2-bug", "accelerate-2-gas"]
 HF_NAMES = ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"]
 
 
@@ -38,7 +39,8 @@ def _env() -> dict:
 
 
 def _run(cmd: list[str], out: Path, ranks: int) -> list[dict]:
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    env = dict(_env(), MASTER_PORT=str(free_port()))  # (a free port: other DeepSpeed runs may share the machine)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     paths = [out] + [Path(f"{out}.rank{r}") for r in range(1, ranks)]
     return [json.loads(p.read_text()) for p in paths]
@@ -47,18 +49,13 @@ def _run(cmd: list[str], out: Path, ranks: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def one(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds") / "one.json"
-    env_port = {"MASTER_PORT": "29581"}
-    os.environ.update(env_port)
-    try:
-        return _run([sys.executable, str(HERE / "deepspeed_cases.py"), str(out), *ONE], out, 1)[0]
-    finally:
-        os.environ.pop("MASTER_PORT", None)
+    return _run([sys.executable, str(HERE / "deepspeed_cases.py"), str(out), *ONE], out, 1)[0]
 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds2") / "two.json"
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29583",
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                  str(HERE / "deepspeed_cases.py"), str(out), *TWO], out, 2)
 
 
@@ -68,11 +65,11 @@ def hf(tmp_path_factory):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     root, results = tmp_path_factory.mktemp("dshf"), {}
-    for pair in (HF[:2], HF[2:]):
+    for pair in (HF[k:k + 2] for k in range(0, len(HF), 2)):
         procs = []
         for k, case in enumerate(pair):
             out = root / f"{case}.json"
-            env = dict(_env(), MASTER_PORT=str(29591 + 2 * k))
+            env = dict(_env(), MASTER_PORT=str(free_port()))
             procs.append((out, subprocess.Popen([sys.executable, str(HERE / "deepspeed_hf.py"), str(out), case], env=env,
                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
         for out, proc in procs:
@@ -186,8 +183,10 @@ def test_two_ranks_reach_one_verdict_on_partitioned_gradients(two):
         assert [f[2] for f in _kinds(r["3-bf16-inf"], "OPTIMIZER_SKIPPED")] == list(range(8))
 
 
-@pytest.mark.parametrize("case_id", ["trainer-2", "trainer-3", "accelerate-3"])
+@pytest.mark.parametrize("case_id", ["trainer-2", "trainer-3", "accelerate-3", "accelerate-2-gas"])
 def test_the_hf_trainer_and_accelerates_deepspeed_plugin_are_silent_and_exact(hf, case_id):
+    # (accelerate-2-gas: the plugin's gradient_accumulation_steps=4; accelerator.backward steps the engine at its
+    # boundaries only, the check after it: one report per window, its total the engine's norm of that window)
     case = hf[case_id]
     assert case["error"] is None, case["error"]
     assert case["eval_after"] < 0.8 * case["eval_before"], (case["eval_before"], case["eval_after"])  # premise: it trains
@@ -196,6 +195,8 @@ def test_the_hf_trainer_and_accelerates_deepspeed_plugin_are_silent_and_exact(hf
     # every check, and the norm DeepSpeed computed for its own clip of that step (Accelerate: the check comes
     # after accelerator.backward, which ran engine.step too: the norms were taken before that step freed them)
     assert len(case["norms"]) == len(case["engine_norms"]) == 12
+    if case_id.endswith("-gas"):
+        assert case["steps"] == list(range(12))  # (numbered by window: the checks between boundaries deferred)
     assert all(_close(a, b) for a, b in zip(case["norms"], case["engine_norms"])), (case["norms"], case["engine_norms"])
 
 
@@ -218,3 +219,134 @@ def test_a_dynamic_loss_scale_settling_is_info_and_the_norms_are_unscaled(one):
     assert not [f for f in case["findings"] if f[0] == "OPTIMIZER_SKIPPED"]
     for k in set(range(len(case["norms"]))) - set(overflowed):  # exact and unscaled (the gradients hold scale x g)
         assert case["problems"][k] == [] and _close(case["norms"][k], case["oracle"][k]), k
+
+
+# ---------------------------------------------------------------- the engine's own accumulation
+# (tests/deepspeed_accum_cases.py: "gradient_accumulation_steps": 4, engine.backward + engine.step on every micro-batch;
+# monitor ``every`` checks after each engine.backward, ``boundary`` only where the engine says it is its boundary)
+ACCUM = [f"{s}-{p}-{o}-healthy" for s in (1, 2, 3) for p in ("fp32", "bf16") for o in ("plain", "offload")]
+ACCUM += ["0-fp32-plain-healthy", "0-bf16-plain-healthy"]  # (no ZeRO: the torch optimizer, DeepSpeed's bf16 one)
+ACCUM_BUGS = ["1-bf16-offload-left", "2-fp32-plain-left", "3-bf16-offload-left",
+              "1-fp32-plain-inf", "2-bf16-offload-inf", "3-fp32-offload-inf", "3-bf16-plain-inf"]
+ACCUM_TWO = ["2-bf16-plain-healthy", "3-fp32-offload-healthy", "experts", "experts-z0"]
+GAS, WINDOWS, INF_AT = 4, 6, 5
+
+
+@pytest.fixture(scope="module")
+def accum(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dsacc") / "accum.json"
+    return _run([sys.executable, str(HERE / "deepspeed_accum_cases.py"), str(out), *ACCUM, *ACCUM_BUGS, "experts-1"],
+                out, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def accum_two(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dsacc2") / "accum.json"
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                 str(HERE / "deepspeed_accum_cases.py"), str(out), *ACCUM_TWO], out, 2)
+
+
+def _windows(case: dict) -> None:
+    """Both loops: one report per window, at its boundary (the engine's), numbered by window; every
+    check between boundaries deferred (None); the same reports whether checked after every
+    micro-batch or at the boundary only."""
+    assert case["boundaries"] == [GAS * w + GAS - 1 for w in range(WINDOWS)]  # premise: the engine's boundaries
+    assert len(case["between"]) == (GAS - 1) * WINDOWS and all(case["between"])
+    for loop in ("every", "boundary"):
+        assert [r["step"] for r in case[loop]] == list(range(WINDOWS)), (loop, [r["step"] for r in case[loop]])
+    assert [r["total"] for r in case["every"]] == [r["total"] for r in case["boundary"]]
+    assert [r["problems"] for r in case["every"]] == [r["problems"] for r in case["boundary"]]
+
+
+def _accum_healthy(case: dict) -> None:
+    assert case["error"] is None, case["error"]
+    assert case["eval_after"] < 0.8 * case["eval_before"], (case["eval_before"], case["eval_after"])  # premise: it trains
+    assert case["skipped_steps"] == 0
+    _windows(case)
+    for loop in ("every", "boundary"):
+        assert all(r["problems"] == {} and not r["findings"] for r in case[loop]), case[loop]
+        for w, (r, engine, oracle) in enumerate(zip(case[loop], case["engine_norms"], case["oracle"])):
+            # the whole window's gradients: the engine's own norm of the step (its clip's), and DeepSpeed's accessor
+            assert engine is not None or case["case"].startswith("0-fp32"), w  # (stage 0 fp32 keeps none)
+            assert engine is None or _close(r["total"], engine), (loop, w, r["total"], engine)
+            assert _close(r["total"], math.sqrt(sum(v * v for v in oracle))), (loop, w, r["total"], oracle)
+            assert all(_close(r["grad_norm"][n], v) for n, v in zip(NAMES, oracle)), (loop, w)
+
+
+@pytest.mark.parametrize("case_id", ACCUM)
+def test_the_engines_accumulation_is_judged_per_window_at_every_stage(accum, case_id):
+    _accum_healthy(accum[case_id])
+
+
+@pytest.mark.parametrize("case_id", ["1-bf16-offload-left", "2-fp32-plain-left", "3-bf16-offload-left"])
+def test_a_layer_left_out_of_the_optimizer_is_named_under_the_engines_accumulation(accum, case_id):
+    case = accum[case_id]
+    _windows(case)
+    assert case["eval_after"] < case["eval_before"]  # premise: the rest trains
+    for loop in ("every", "boundary"):
+        assert all(r["problems"] == {"head.weight": "NOT_IN_OPTIMIZER", "head.bias": "NOT_IN_OPTIMIZER"}
+                   for r in case[loop]), case[loop]
+        assert not [f for r in case[loop] for f in r["findings"] if f[0] in ("NOT_UPDATED", "TRANSIENT_GRAD")]
+
+
+@pytest.mark.parametrize("case_id", ["1-fp32-plain-inf", "2-bf16-offload-inf", "3-fp32-offload-inf", "3-bf16-plain-inf"])
+def test_an_inf_gradient_inside_a_window_is_named_at_its_boundary(accum, case_id):
+    case = accum[case_id]
+    _windows(case)
+    assert case["skipped_steps"] == 1  # premise: the engine skipped the step of that window, and only it
+    bad = INF_AT // GAS
+    for loop in ("every", "boundary"):
+        reports = case[loop]
+        assert set(reports[bad]["problems"]) == set(NAMES)
+        assert set(reports[bad]["problems"].values()) == {"NON_FINITE_GRAD"}
+        assert all(r["problems"] == {} for k, r in enumerate(reports) if k != bad), loop
+        kinds = {(f[0], f[2]) for r in reports for f in r["findings"] if f[1] == "error"}
+        assert ("NONFINITE_ORIGIN", bad) in kinds and not [k for k in kinds if k[1] != bad], kinds
+        skipped = [f for r in reports for f in r["findings"] if f[0] == "OPTIMIZER_SKIPPED"]
+        assert skipped and all(f[2] == bad for f in skipped), skipped
+
+
+def test_two_ranks_judge_the_engines_accumulation_per_window(accum_two):
+    for r in accum_two:
+        for case_id in ("2-bf16-plain-healthy", "3-fp32-offload-healthy"):
+            _accum_healthy(r[case_id])  # (the oracle and the engine's norm: the whole gradients, every shard once)
+    assert [x["total"] for x in accum_two[0]["2-bf16-plain-healthy"]["every"]] == \
+        [x["total"] for x in accum_two[1]["2-bf16-plain-healthy"]["every"]]
+
+
+def _one_dead_expert(ranks: list[dict], case_id: str) -> None:
+    """Expert 3 gets no token (on two ranks: rank 1's local expert 1): named by its global index,
+    each expert's norm its own, the same verdict on every rank."""
+    unit = "moe.deepspeed_moe.experts.deepspeed_experts[{}]".format
+    local_count = 4 // len(ranks)
+    for rank, r in enumerate(ranks):
+        case = r[case_id]
+        assert case["rank"] == rank
+        # premise: no rank's tokens go to expert 3; experts 0-2 get tokens at every step
+        assert all(t[3] == 0 for t in case["tokens"])
+        assert all(sum(x[e] for x in (a[case_id]["tokens"][k] for a in ranks)) > 0
+                   for k in range(len(case["tokens"])) for e in range(3))
+        # every expert is its own: the norms of this rank's local experts (DeepSpeed's accessor), at their global index
+        for step, local in enumerate(case["local_norms"]):
+            norms = case["expert_norms_by_step"][step]
+            assert len(local) == local_count and len(norms) == 4
+            for k, v in enumerate(local):
+                assert _close(norms[unit(local_count * rank + k)], v), (rank, step, k, norms, local)
+        assert case["expert_status"] == {unit(0): "OK", unit(1): "OK", unit(2): "OK", unit(3): "ZERO_GRAD"}
+        dead = [f for f in case["findings"] if f[0] == "DEAD_EXPERT"]
+        assert dead and all(unit(3) in f[3] and f[1] == "error" for f in dead), case["findings"]
+        assert not [f for f in dead if any(unit(e) in f[3] for e in range(3))]
+        assert not [f for f in case["findings"] if f[1] == "error" and f[0] != "DEAD_EXPERT"], case["findings"]
+    assert len({json.dumps(r[case_id]["expert_status"], sort_keys=True) for r in ranks}) == 1  # one verdict
+
+
+@pytest.mark.parametrize("case_id", ["experts", "experts-z0"], ids=["zero2", "zero0"])
+def test_an_expert_that_gets_no_tokens_on_rank_1_is_named_by_its_global_index(accum_two, case_id):
+    _one_dead_expert(accum_two, case_id)  # (ep_size=2: each rank's local experts 0 and 1 are experts 2r and 2r+1)
+    # premise: rank 1's local experts are other experts than rank 0's (not replicas: no DESYNC, no GRAD_DISAGREE,
+    # compared at every check; at ZeRO-0 their gradients are whole tensors on each rank, not ZeRO's fragments)
+    assert all(a != b for a, b in zip(*(r[case_id]["first_weights"] for r in accum_two)))
+
+
+def test_deepspeeds_experts_on_one_process_are_judged_per_expert(accum):
+    _one_dead_expert([accum], "experts-1")
