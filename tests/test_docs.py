@@ -11,6 +11,7 @@ import glob
 import os
 import re
 import subprocess
+import textwrap
 import sys
 
 import pytest
@@ -19,7 +20,7 @@ import gradhealth as gh
 from conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^( *)```python[^\n]*\n(.*?)^\1```", re.S | re.M)
 NOT_RUN = re.compile(r"<!-- not-run: (.+?) -->\s*$")
 
 
@@ -36,7 +37,7 @@ def blocks(page: str) -> list[tuple[int, str, str | None]]:
         line = text.count("\n", 0, m.start()) + 1
         before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
         skip = NOT_RUN.search(before)
-        out.append((line, m.group(1), skip.group(1).strip() if skip else None))
+        out.append((line, textwrap.dedent(m.group(2)), skip.group(1).strip() if skip else None))
     return out
 
 
@@ -49,10 +50,11 @@ def script(page: str) -> str:
 
 
 RUNNABLE = [p for p in pages() if any(skip is None for _, _, skip in blocks(p))]
+FRAMEWORKS = [p for p in RUNNABLE if p.startswith(os.path.join("docs", "frameworks"))]  # (tests/test_docs_frameworks.py)
 
 
-@pytest.mark.parametrize("page", RUNNABLE)
-def test_the_page_runs_as_written(page, tmp_path):
+def run_page(page: str, tmp_path) -> None:
+    """Run the page's blocks in one fresh interpreter, in ``tmp_path`` (their logs and outputs)."""
     path = tmp_path / "page.py"
     path.write_text(script(page), encoding="utf-8")
     env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
@@ -61,6 +63,11 @@ def test_the_page_runs_as_written(page, tmp_path):
     proc = subprocess.run([sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, f"{page} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize("page", [p for p in RUNNABLE if p not in FRAMEWORKS])
+def test_the_page_runs_as_written(page, tmp_path):
+    run_page(page, tmp_path)
 
 
 def test_every_page_has_a_recipe_and_each_skip_says_why():
