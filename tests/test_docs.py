@@ -88,6 +88,10 @@ def test_the_readme_stays_short_and_links_to_pages_that_exist():
     assert links, "the README links into the manual"
     missing = [t for t in links if not os.path.exists(os.path.join(ROOT, t))]
     assert not missing, f"README links to missing files: {missing}"
+    for target, anchor in re.findall(r"\]\((docs/[^)#\s]+)#([^)\s]+)\)", text):
+        page = open(os.path.join(ROOT, target), encoding="utf-8").read()
+        slugs = {re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", h.strip().lower())) for h in re.findall(r"^#+ (.*)$", page, re.M)}
+        assert anchor in slugs, f"README links to {target}#{anchor}, a heading that page does not have"
 
 
 def test_every_finding_kind_and_state_has_its_entry_in_the_field_guide():
