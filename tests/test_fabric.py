@@ -316,13 +316,14 @@ def _readme_blocks():
     import os
     import re
 
-    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    section = text.split("## Lightning Fabric", 1)[1].split("\n## ", 1)[0]
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "frameworks",
+                             "litgpt.md")).read()
+    section = text.split("## `pretrain.py` and `finetune/lora.py`", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
 def test_the_readme_fabric_recipes_run_as_written(one_thread):
-    """Both blocks of the README's Fabric section, executed as they stand with a tiny litgpt model and
+    """Both blocks of the litgpt page's pretrain/LoRA section (docs/frameworks/litgpt.md), executed as they stand with a tiny litgpt model and
     a counting language: silent under raise, the loss falls, the names are the model's own."""
     from litgpt.lora import GPT as LoRAGPT
     from litgpt.model import GPT

@@ -323,12 +323,12 @@ def test_main_grad_bugs_are_named():
     assert reports[0].status["2.weight"] is gh.Status.OK
 
 
-# ------------------------------------------------------------------ the README's blocks, as written
+# ------------------------------------------------------------------ the manual's blocks (docs/loops.md), as written
 def _readme_blocks():
     import os
     import re
 
-    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "loops.md")).read()
     part = text.split("**One call does backward, clip and step**", 1)[1].split("## Recipes for the loops people copy", 1)[0]
     return re.findall(r"```python\n(.*?)```", part, re.S)
 
@@ -351,7 +351,7 @@ def _loss_on(model, ns):
         return sum(ns["loss_fn"](model(x), y).item() for x, y in ns["loader"])
 
 
-def test_the_readme_blocks_for_steps_that_are_not_backward_check_step_run_as_written(one_thread):
+def test_the_manual_blocks_for_steps_that_are_not_backward_check_step_run_as_written(one_thread):
     one_call, pre_hook, in_backward, main_grad = _readme_blocks()
     # timm's loop, checked after the call
     model = _mlp()

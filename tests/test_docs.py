@@ -1,0 +1,117 @@
+"""The README and the manual (docs/): every python block runs, the site builds with ``--strict``.
+
+Each page's python blocks run in order, in one fresh interpreter (a subprocess, so a page's imports
+and globals meet no other page's), as a reader would paste them. The blocks carry their own stand-ins
+(a tiny model, synthetic data) and their own asserts: a healthy run silent under
+``on_problem="raise"``, a planted bug named. A block that cannot run here says why in a visible
+``<!-- not-run: reason -->`` comment on the line before it.
+"""
+
+import glob
+import os
+import re
+import subprocess
+import textwrap
+import sys
+
+import pytest
+
+import gradhealth as gh
+from conftest import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FENCE = re.compile(r"^( *)```python[^\n]*\n(.*?)^\1```", re.S | re.M)
+NOT_RUN = re.compile(r"<!-- not-run: (.+?) -->\s*$")
+
+
+def pages() -> list[str]:
+    found = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+    return ["README.md", *found]
+
+
+def blocks(page: str) -> list[tuple[int, str, str | None]]:
+    """(line, code, why it is not run or None) of every python block of ``page``."""
+    text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+    out = []
+    for m in FENCE.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        skip = NOT_RUN.search(before)
+        out.append((line, textwrap.dedent(m.group(2)), skip.group(1).strip() if skip else None))
+    return out
+
+
+def script(page: str) -> str:
+    parts = ["import torch\ntorch.set_num_threads(1)\n"]
+    for line, code, skip in blocks(page):
+        if skip is None:
+            parts.append(f"# ---- {page}, the block at line {line}\n{code}")
+    return "\n".join(parts)
+
+
+RUNNABLE = [p for p in pages() if any(skip is None for _, _, skip in blocks(p))]
+FRAMEWORKS = [p for p in RUNNABLE if p.startswith(os.path.join("docs", "frameworks"))]  # (tests/test_docs_frameworks.py)
+
+
+def run_page(page: str, tmp_path) -> None:
+    """Run the page's blocks in one fresh interpreter, in ``tmp_path`` (their logs and outputs)."""
+    path = tmp_path / "page.py"
+    path.write_text(script(page), encoding="utf-8")
+    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore::DeprecationWarning")
+    proc = subprocess.run([sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, f"{page} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize("page", [p for p in RUNNABLE if p not in FRAMEWORKS])
+def test_the_page_runs_as_written(page, tmp_path):
+    run_page(page, tmp_path)
+
+
+def test_every_page_has_a_recipe_and_each_skip_says_why():
+    for page in pages():
+        for line, _, skip in blocks(page):
+            assert skip is None or len(skip) > 10, f"{page}:{line}: a not-run block must say why"
+    frameworks = glob.glob(os.path.join(ROOT, "docs", "frameworks", "*.md"))
+    assert len(frameworks) >= 15
+    for page in frameworks:
+        rel = os.path.relpath(page, ROOT)
+        assert rel in RUNNABLE, f"{rel} has no python block that runs"
+
+
+def test_the_readme_stays_short_and_links_to_pages_that_exist():
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert len(text.splitlines()) <= 300
+    links = re.findall(r"\]\(((?:docs/)[^)#\s]+)", text)
+    assert links, "the README links into the manual"
+    missing = [t for t in links if not os.path.exists(os.path.join(ROOT, t))]
+    assert not missing, f"README links to missing files: {missing}"
+    for target, anchor in re.findall(r"\]\((docs/[^)#\s]+)#([^)\s]+)\)", text):
+        page = open(os.path.join(ROOT, target), encoding="utf-8").read()
+        slugs = {re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", h.strip().lower())) for h in re.findall(r"^#+ (.*)$", page, re.M)}
+        assert anchor in slugs, f"README links to {target}#{anchor}, a heading that page does not have"
+
+
+def test_every_finding_kind_and_state_has_its_entry_in_the_field_guide():
+    """A user who reads a kind in a warning finds it in the field guide, and its level in the README."""
+    guide = open(os.path.join(ROOT, "docs", "field-guide.md"), encoding="utf-8").read()
+    headings = set(re.findall(r"^#+ .*?`([A-Z_]+)`", guide, re.M))
+    headings |= {n for h in re.findall(r"^#+ (.*)$", guide, re.M) for n in re.findall(r"`([A-Z_]+)`", h)}
+    missing = [k.name for k in [*gh.FindingKind, *gh.Status] if k.name not in headings]
+    assert not missing, f"no heading in docs/field-guide.md for: {missing}"
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    rows = {n for line in readme.splitlines() if line.startswith("| [`") for n in re.findall(r"`([A-Z_]+)`", line.split("|")[1])}
+    missing = [k.name for k in gh.FindingKind if k.name not in rows]
+    assert not missing, f"FindingKinds without a row in the README's findings table: {missing}"
+
+
+def test_the_manual_builds_strict(tmp_path):
+    """``mkdocs build --strict``: a broken link, a missing anchor or an API reference that does not
+    resolve fails the build."""
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert (tmp_path / "site" / "index.html").exists() and (tmp_path / "site" / "api" / "index.html").exists()
