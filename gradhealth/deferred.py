@@ -168,10 +168,10 @@ class Deferred:
         """Make the step after this check skip itself when a gradient is non-finite, decided on the
         device where the optimizer can take it (see the module's docstring)."""
         m = self.monitor
-        maxima = launch.obs.launched.maxima_part()
-        if maxima is None:
+        norms = launch.obs.launched.norms_part()
+        if norms is None:
             return
-        flag = (~torch.isfinite(maxima)).any().to(torch.float32)  # (0-d, as GradScaler hands it over)
+        flag = (~torch.isfinite(norms)).any().to(torch.float32)  # (0-d, as GradScaler hands it over)
         judged = [launch.optimizer] if launch.optimizer is not None else m.optimizers
         host = [opt for opt in judged if not fused(opt)]
         for opt in judged:
