@@ -50,7 +50,7 @@ from .compare import Packed, apply, flat, norms, sample_view, versions_tell, wat
 from .rules import rule_norms, rule_of
 from .ranon import RanOn
 from .stale import WITNESSES, StaleWatch
-from .stats import joined, plan_groups
+from .stats import host_to, joined, plan_groups
 from .steps import StepStats, found_inf, unarmed_skip, with_found_inf
 
 __all__ = ["UpdateTracker", "StepStats", "WITNESSES", "SAMPLE", "UPDATE_EVERY", "CHANGE_EVERY"]
@@ -349,7 +349,7 @@ class UpdateTracker:
                 tested = set(ks)
                 if copies is not None:  # the exact copies decide their parameters
                     copied, packed, before = copies
-                    where = torch.tensor(copied, device=device)
+                    where = host_to(copied, device)
                     # (no boolean-mask indexing: its size would need a host sync)
                     now = (joined(packed.changed(before)) > 0).to(device)
                     moved = moved.index_copy(0, where, moved.index_select(0, where) | now)
@@ -361,7 +361,7 @@ class UpdateTracker:
             done = set(copied)
             sure = [plan.whole[k] or k in done for k in pos]
         if pos and moved is not None:  # the device decides the touched ones; the untouched are unchanged
-            parts.append((moved if len(pos) == n else moved[torch.tensor(pos, device=device)]).to(torch.float64))
+            parts.append((moved if len(pos) == n else moved.index_select(0, host_to(pos, device))).to(torch.float64))
         if measure:  # ||θ||: before the step where a copy exists, after it otherwise
             theta = snap if self.mode == "exact" else params
             parts += [self._update_norms(opt, plan, diff, copied, exact_norms).to(device), norms(theta, plan.groups)]
@@ -378,7 +378,7 @@ class UpdateTracker:
             return rule_norms(opt, rule, [self.entries[i][1] for i in plan.idx], self.budget)
         out = torch.full((len(params),), math.nan, dtype=torch.float64, device=params[0].device)
         if exact_norms is not None:
-            out[torch.tensor(copied, device=out.device)] = exact_norms.to(out)
+            out.index_copy_(0, host_to(copied, out.device), exact_norms.to(out))
         return out
 
     def _lr_zero(self, opt, plan) -> list[str]:

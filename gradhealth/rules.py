@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .distributed import to_local
-from .stats import foreach_norms
+from .stats import foreach_norms, host_to
 
 __all__ = ["rule_of", "rule_norms", "KNOWN"]
 
@@ -133,7 +133,7 @@ def rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
             batches.setdefault(key, []).append((k, th, [pc[c] for pc in pieces], coefs, w))
     for items in direct.values():
         norms = torch.stack(foreach_norms([t for _, t in items])).to(sq.dtype)
-        sq.index_add_(0, torch.tensor([k for k, _ in items], device=sq.device), norms.to(sq.device) ** 2)
+        sq.index_add_(0, host_to([k for k, _ in items], sq.device), norms.to(sq.device) ** 2)
     for (kind, _, _, with_w, _, _), items in batches.items():
         start, size = 0, 0
         for end, item in enumerate(items, 1):
@@ -141,7 +141,7 @@ def rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
             if size >= budget // 3 or end == len(items):
                 _accumulate(kind, with_w, items[start:end], sq)
                 start, size = end, 0
-    return sq.sqrt() * torch.tensor(scales, dtype=torch.float64, device=device)
+    return sq.sqrt() * host_to(scales, device, torch.float64)
 
 
 def _accumulate(kind: str, with_w: bool, batch: list, sq: Tensor) -> None:
@@ -170,5 +170,5 @@ def _accumulate(kind: str, with_w: bool, batch: list, sq: Tensor) -> None:
         if with_w:
             torch._foreach_add_(u, torch._foreach_mul(thetas, [item[4] for item in batch]))
     norms = torch.stack(foreach_norms(u)).to(sq.dtype)
-    idx = torch.tensor([item[0] for item in batch], device=sq.device)
+    idx = host_to([item[0] for item in batch], sq.device)
     sq.index_add_(0, idx, norms.to(sq.device) ** 2)

@@ -26,11 +26,33 @@ import torch
 from torch import Tensor
 
 __all__ = ["dense_view", "plan_groups", "foreach_norms", "pack_norms", "fetch", "exact_norms", "grad_norms", "Launched",
-           "combine_norms", "module_norms", "SMALLEST_SUBNORMAL", "exact_pieces"]
+           "combine_norms", "module_norms", "SMALLEST_SUBNORMAL", "exact_pieces", "host_to", "host_segments"]
 
 #: the smallest positive float64: a norm that is not zero is at least this (sqrt of a tiny sum of
 #: squares can round to 0 in float64; a gradient with a non-zero element must not read as zero)
 SMALLEST_SUBNORMAL = 5e-324
+
+
+def host_to(values, device, dtype: torch.dtype = torch.long) -> Tensor:
+    """Python numbers (plan indices, sizes, scales) as a tensor on ``device`` without a host
+    synchronisation: built on the host, then copied non-blocking from pinned memory (a pageable
+    copy, or ``torch.tensor(values, device=...)``, makes the host wait). The pinned block is kept
+    by torch's caching host allocator until the copy has run."""
+    host = values if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def host_segments(sizes: Sequence[int], device) -> Tensor:
+    """``[0]*sizes[0] + [1]*sizes[1] + ...`` (int32) on ``device``: each element's segment in a
+    concatenation, built on the host where the sizes are known (``repeat_interleave`` with repeats on
+    the device reads them back: a synchronisation) and moved by :func:`host_to`."""
+    seg = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), torch.tensor(sizes, dtype=torch.long))
+    return host_to(seg, device)
 
 
 def combine_norms(values) -> float:
