@@ -105,10 +105,11 @@ def flat(p: Tensor) -> Tensor | None:
     return p.detach().view(-1) if p.is_contiguous() else None
 
 
-def sample_view(p: Tensor, k: int, seed: int) -> Tensor | None:
+def sample_view(p: Tensor, k: int, seed: int, whole: Tensor | None = None) -> Tensor | None:
     """``k`` elements of ``p`` (all of it when smaller) at a period coprime to the last dimension,
-    so the sample walks across rows and columns; a 1-D strided view, updated in place with ``p``."""
-    whole = flat(p)
+    so the sample walks across rows and columns; a 1-D strided view, updated in place with ``p``
+    (``whole``: ``flat(p)``, made already)."""
+    whole = flat(p) if whole is None else whole
     if whole is None:
         return None
     n = whole.numel()

@@ -81,6 +81,14 @@ class _OptPlan:
     group_of: list[int]  # the param group of each
     local: bool = False  # some are local shards of DTensors (their views have version counters of their own)
     empty: Tensor | None = None  # the numbers of a step between change tests: none
+    flats: dict | None = None  # k -> the 1-D view of params[k] the exact copies read (made once)
+
+    def flat(self, k: int) -> Tensor:
+        if self.flats is None:
+            self.flats = {}
+        if k not in self.flats:
+            self.flats[k] = flat(self.params[k])
+        return self.flats[k]
 
 
 #: the in-flight state of a step between change tests (its learning rates are read, nothing else)
@@ -171,8 +179,11 @@ class UpdateTracker:
         # local shards of DTensor parameters (FSDP2): a DTensor op here would hide a collective
         params = [self.held(self.entries[i][1]) for i in idx]
         windows, whole = [], [False] * len(params)
-        if self.mode == "auto":
-            views = [sample_view(p, self.sample, self._seed + i) for p, i in zip(params, idx)]
+        flats = None
+        if self.mode == "auto":  # (the 1-D views made once: the samples and the exact copies read them)
+            flats = dict(enumerate(map(flat, params)))
+            views = [sample_view(p, self.sample, self._seed + i, flats[k])
+                     for k, (p, i) in enumerate(zip(params, idx))]
             whole = [v is not None and v.numel() == p.numel() for v, p in zip(views, params)]
             # non-contiguous parameters get an empty sample: decided by the exact copies
             views = [v if v is not None else p.new_empty(0) for v, p in zip(views, params)]
@@ -181,7 +192,8 @@ class UpdateTracker:
                 windows.append((ks, Packed([views[k] for k in ks], reuse=True)))
         dtensor = dtensor_type()
         local = dtensor is not None and any(isinstance(self.entries[i][1], dtensor) for i in idx)
-        plan = _OptPlan(ids, ptrs, idx, params, windows, whole, [g for _, _, g in plan_groups(params)], group_of, local)
+        plan = _OptPlan(ids, ptrs, idx, params, windows, whole, [g for _, _, g in plan_groups(params)], group_of, local,
+                        flats=flats)
         self._plans[id(opt)] = plan
         return plan
 
@@ -241,7 +253,7 @@ class UpdateTracker:
         self._turn[id(opt)] = start + max(1, len(chosen))
         if not chosen:
             return None
-        packed = Packed([flat(plan.params[k]) for k in chosen])
+        packed = Packed([plan.flat(k) for k in chosen])
         return chosen, packed, packed.snapshot()
 
     def disarm(self) -> None:

@@ -108,8 +108,13 @@ def _terms(opt, rule: str, params: list[Tensor]) -> list:
 def rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
     """||Δθ|| of ``params`` (parameters the optimizer holds) for the step that just ran, as a
     float64 tensor on the first parameter's device; 0 for a parameter the step skipped."""
+    with torch.no_grad():  # (θ read as it is: no detached view of each parameter)
+        return _rule_norms(opt, rule, params, budget)
+
+
+def _rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
     terms = _terms(opt, rule, params)
-    device = to_local(params[0].detach()).device
+    device = to_local(params[0]).device
     sq = torch.zeros(len(params), dtype=torch.float64, device=device)
     # ||c·U|| with one tensor and no W needs no temporary: its norm, one fused kernel per group
     direct: dict[tuple, list] = {}
@@ -126,7 +131,7 @@ def rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
             direct.setdefault((t.device, t.dtype), []).append((k, t))
             scales[k] *= abs(coefs[0])
             continue
-        theta = to_local(params[k].detach())
+        theta = to_local(params[k])
         pieces = [_chunks(to_local(t), budget // 3) for t in tensors]
         for c, th in enumerate(_chunks(theta, budget // 3)):
             key = (kind, len(tensors), coefs if kind == "sum" else None, w != 0.0, th.device, th.dtype)
