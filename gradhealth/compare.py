@@ -8,7 +8,8 @@ import math
 import torch
 from torch import Tensor
 
-from .stats import foreach_norms, host_segments, host_to, plan_groups
+from .host import host_segments, host_to
+from .stats import foreach_norms, plan_groups
 
 __all__ = ["norms", "apply", "water_fill", "Packed", "flat", "sample_view", "versions_tell"]
 

@@ -50,7 +50,8 @@ from .compare import Packed, apply, flat, norms, sample_view, versions_tell, wat
 from .rules import rule_norms, rule_of
 from .ranon import RanOn
 from .stale import WITNESSES, StaleWatch
-from .stats import host_to, joined, plan_groups
+from .host import host_to
+from .stats import joined, plan_groups
 from .steps import StepStats, found_inf, unarmed_skip, with_found_inf
 
 __all__ = ["UpdateTracker", "StepStats", "WITNESSES", "SAMPLE", "UPDATE_EVERY", "CHANGE_EVERY"]
@@ -81,14 +82,7 @@ class _OptPlan:
     group_of: list[int]  # the param group of each
     local: bool = False  # some are local shards of DTensors (their views have version counters of their own)
     empty: Tensor | None = None  # the numbers of a step between change tests: none
-    flats: dict | None = None  # k -> the 1-D view of params[k] the exact copies read (made once)
-
-    def flat(self, k: int) -> Tensor:
-        if self.flats is None:
-            self.flats = {}
-        if k not in self.flats:
-            self.flats[k] = flat(self.params[k])
-        return self.flats[k]
+    flats: dict | None = None  # (auto mode) k -> the 1-D view of params[k] the samples and exact copies read
 
 
 #: the in-flight state of a step between change tests (its learning rates are read, nothing else)
@@ -253,7 +247,7 @@ class UpdateTracker:
         self._turn[id(opt)] = start + max(1, len(chosen))
         if not chosen:
             return None
-        packed = Packed([plan.flat(k) for k in chosen])
+        packed = Packed([plan.flats[k] for k in chosen])
         return chosen, packed, packed.snapshot()
 
     def disarm(self) -> None:

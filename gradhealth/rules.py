@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from .distributed import to_local
-from .stats import foreach_norms, host_to
+from .host import host_to
+from .stats import foreach_norms
 
 __all__ = ["rule_of", "rule_norms", "KNOWN"]
 

@@ -26,33 +26,11 @@ import torch
 from torch import Tensor
 
 __all__ = ["dense_view", "plan_groups", "foreach_norms", "pack_norms", "fetch", "exact_norms", "grad_norms", "Launched",
-           "combine_norms", "module_norms", "SMALLEST_SUBNORMAL", "exact_pieces", "host_to", "host_segments"]
+           "combine_norms", "module_norms", "SMALLEST_SUBNORMAL", "exact_pieces"]
 
 #: the smallest positive float64: a norm that is not zero is at least this (sqrt of a tiny sum of
 #: squares can round to 0 in float64; a gradient with a non-zero element must not read as zero)
 SMALLEST_SUBNORMAL = 5e-324
-
-
-def host_to(values, device, dtype: torch.dtype = torch.long) -> Tensor:
-    """Python numbers (plan indices, sizes, scales) as a tensor on ``device`` without a host
-    synchronisation: built on the host, then copied non-blocking from pinned memory (a pageable
-    copy, or ``torch.tensor(values, device=...)``, makes the host wait). The pinned block is kept
-    by torch's caching host allocator until the copy has run."""
-    host = values if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)
-    device = torch.device(device)
-    if device.type == "cpu":
-        return host
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
-def host_segments(sizes: Sequence[int], device) -> Tensor:
-    """``[0]*sizes[0] + [1]*sizes[1] + ...`` (int32) on ``device``: each element's segment in a
-    concatenation, built on the host where the sizes are known (``repeat_interleave`` with repeats on
-    the device reads them back: a synchronisation) and moved by :func:`host_to`."""
-    seg = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), torch.tensor(sizes, dtype=torch.long))
-    return host_to(seg, device)
 
 
 def combine_norms(values) -> float:
@@ -118,8 +96,7 @@ class NormPlan:
     def __init__(self, tensors: Sequence[Tensor], key: tuple | None = None, exact=()):
         self.groups = plan_groups(tensors)
         self.key = key if key is not None else plan_key(tensors)
-        #: the tensors normed by the exact kernel (:func:`exact_pieces`): those whose fused norm once
-        #: came back 0 or inf (or, for a deferred check, every non-empty one)
+        #: normed by :func:`exact_pieces`: those whose fused norm once read 0 or inf (deferred: all)
         self.exact: frozenset[int] = frozenset(exact)
         self._arrange(tensors)
         self.plain = False  # (grad_norms) built over the gradients themselves: dense and real
@@ -139,8 +116,7 @@ class NormPlan:
         self.identity = self.perm == list(range(len(self.perm)))
 
     def learn(self, indices, tensors: Sequence[Tensor]) -> None:
-        """From now on norm ``indices`` (of ``tensors``, this plan's list) with the exact kernel (an
-        empty tensor needs none: its norm 0 is exact). Plain Python on the host, once per new set."""
+        """Norm ``indices`` of ``tensors`` with the exact kernel from now on (an empty one's 0 is exact)."""
         add = {i for i in indices if tensors[i].numel()} - self.exact
         if add:
             self.exact = self.exact | add
@@ -308,12 +284,10 @@ def fetch(parts: Sequence[Tensor]) -> list[float]:
 
 
 def exact_pieces(members: Sequence[Tensor]) -> list[Tensor]:
-    """Exact L2 norms (float64) of non-empty real tensors of one device and dtype, in a constant
-    number of ops whatever their count. At most 32 bits: one ``_foreach_norm`` accumulating in
-    float64 (a float32 square is at least 2e-90 and at most 1.2e77: nothing under- or overflows;
-    inf and NaN come out as they are). float64: scaled, max|x| * ||x / max|x||| (a tensor whose max
-    is 0, inf or NaN is that max). (The per-tensor divisors make ``_foreach_div`` take its
-    per-tensor path on a GPU: float64 gradients whose norm under- or overflows are rare.)"""
+    """Exact float64 L2 norms of non-empty real tensors of one device and dtype, in a constant number
+    of ops. At most 32 bits: one ``_foreach_norm`` accumulating in float64 (a float32 square lies in
+    [2e-90, 1.2e77]: nothing under- or overflows; inf and NaN stay). float64: max|x| * ||x / max|x|||
+    (a max of 0, inf or NaN is the norm; per-tensor divisors: ``_foreach_div``'s slow path on a GPU)."""
     if members[0].dtype != torch.float64:
         return list(torch._foreach_norm(members, 2, dtype=torch.float64))
     top = torch.stack(torch._foreach_norm(members, math.inf))

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradhealth as gh
-from gradhealth import deferred, stats
+from gradhealth import deferred, host, stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -177,7 +177,7 @@ def test_skip_spikes_is_refused_with_lag():
 DATA_DEPENDENT = {"nonzero", "nonzero_static", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
                   "unique_consecutive", "unique_dim_consecutive", "argwhere", "masked_scatter"}
 #: the functions that build tensors from Python data on the host and move them without a sync
-HOST_SIDE = {stats.host_to.__code__, stats.host_segments.__code__}
+HOST_SIDE = {host.host_to.__code__, host.host_segments.__code__}
 
 
 def _inside(codes) -> bool:
@@ -207,7 +207,7 @@ class HostReads(TorchDispatchMode):
     or assignment), and a tensor made from Python data (``torch.tensor([...])``: ``lift_fresh``),
     which on a GPU is a blocking copy from pageable memory. The rule that makes the last two
     detectable on the CPU, where every tensor is on the "device": they are allowed only inside
-    :func:`gradhealth.stats.host_to` (host-side construction, then a non-blocking copy from pinned
+    :func:`gradhealth.host.host_to` (host-side construction, then a non-blocking copy from pinned
     memory); anywhere else in gradhealth's own code they are flagged. The user's and the
     optimizer's ops are not the monitor's, and are not counted."""
 
