@@ -302,7 +302,8 @@ def exact_norms(tensors: Sequence[Tensor]) -> list[float]:
     read with one transfer; meant for the few tensors whose fused norm was 0 or inf."""
     if not tensors:
         return []
-    views = [torch.view_as_real(t.detach().resolve_conj()) if t.is_complex() else t.detach() for t in tensors]
+    views = [torch.view_as_real(t.detach().resolve_conj()) if t.is_complex() else t.detach() if t.requires_grad else t
+             for t in tensors]
     out: list[float] = [0.0] * len(views)
     pieces, order = [], []
     for _, _, idx in plan_groups(views):
