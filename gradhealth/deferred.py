@@ -79,7 +79,6 @@ class Transfer:
     _pinned: dict = {}  # (device, size, dtype) -> two (pinned buffer, event) pairs used in turn
 
     def __init__(self, parts: list[Tensor]):
-        parts = [p for p in parts if p is not None]
         self.event = None
         if not parts:
             self.host = torch.zeros(0, dtype=torch.float64)
@@ -125,14 +124,14 @@ class Deferred:
         m = self.monitor
         launch = m._launch(step, loss, optimizer, deferred=True)
         pending = launch.obs
-        parts = list(pending.launched.parts)
+        parts = pending.launched.parts  # (no None among them)
         r = m.ranks
         if r.active:  # what DDP's hooks saw of this backward, taken now, read with the same copy
             snap = r.origin.snapshot([m.view.params[i] for i in launch.sel.idx]) if r.origin else None
             launch.ranks = [snap, None, r.origin is not None and r.origin.unsynced() and bool(pending.with_grad),
                             r.take_nosync_step()]
             if snap is not None and snap[1] is not None:
-                parts.append(snap[1])
+                parts = [*parts, snap[1]]
         launch.transfer = Transfer(parts)
         if m.tracker is not None and not launch.reeval:
             judged = [optimizer] if optimizer is not None else m.optimizers
@@ -151,10 +150,10 @@ class Deferred:
         m = self.monitor
         pending = launch.obs
         values = launch.transfer.values()
-        k = sum(p.numel() for p in pending.launched.parts)
-        launch.obs = pending.complete(values[:k])
-        if launch.ranks is not None:
-            launch.ranks[1] = values[k:]
+        if launch.ranks is not None:  # (the ranks' numbers follow the check's own)
+            k = sum(p.numel() for p in pending.launched.parts)
+            values, launch.ranks[1] = values[:k], values[k:]
+        launch.obs = pending.complete(values)
         report = m._complete(launch)
         m.carry.checks += 1
         m.last_report = report

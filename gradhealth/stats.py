@@ -218,8 +218,8 @@ def _pack_fitted(tensors: Sequence[Tensor], plan: NormPlan) -> tuple[list[Tensor
 def _pack(tensors: Sequence[Tensor], plan: NormPlan) -> list[Tensor]:
     """The norms, in the plan's order, as the kernels leave them (0-d tensors from a fused kernel,
     1-d from a stacked one): :func:`joined` puts them with the extras in one tensor."""
-    if len(plan.batches) == 1 and len(plan.batches[0][1]) == 1 and plan.batches[0][1][0][0] == "each":
-        return foreach_norms(tensors)  # (the common case: one fused kernel, no new lists)
+    if len(plan.batches) == 1 and len(plan.batches[0][1]) == 1 and plan.batches[0][1][0][0] in ("each", "exact"):
+        return (foreach_norms if plan.batches[0][1][0][0] == "each" else exact_pieces)(tensors)  # (one kernel)
     out: list[Tensor] = []
     for (_, _, _), (dtype, batches) in zip(plan.groups, plan.batches):
         acc = _acc_dtype(dtype)
@@ -246,7 +246,7 @@ def joined(parts: Sequence[Tensor]) -> Tensor:
     float64 otherwise (a count, a float64 value)."""
     if all(map(_IS_FLOAT, map(_DTYPE, parts))):  # the common case: floats (stack promotes: exact)
         if len(parts) == 1:
-            return parts[0].reshape(-1)
+            return parts[0] if parts[0].dim() == 1 else parts[0].reshape(-1)
         if parts[0].dim() == 0 and parts[-1].dim() == 0:
             try:  # (scalars of one device; a vector among them fails here, and is joined below)
                 return torch.stack(parts)
