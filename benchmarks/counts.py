@@ -98,9 +98,10 @@ COUNT_SHAPES = {
 VARIANTS = ("synchronous", "deferred (lag=1)", "clip_grad_norm_().item()")
 
 
-def count_shape(label: str, steps: int = 9, instructions: bool = True) -> dict[str, dict[str, float]]:
+def count_shape(label: str, steps: int = 9, instructions: int = 4) -> dict[str, dict[str, float]]:
     """{variant: {"first": ops at the first check, "check": median ops per check, "step": mean ops
-    per step with the hooks, "py": median Python instructions per check}} for one shape."""
+    per step with the hooks, "py": median Python instructions per check, over ``instructions``
+    checks after the ``steps``}} for one shape."""
     import gradhealth as gh
 
     make, batch = COUNT_SHAPES[label]()
@@ -114,7 +115,7 @@ def count_shape(label: str, steps: int = 9, instructions: bool = True) -> dict[s
         params = list(model.parameters())
         act = (lambda: torch.nn.utils.clip_grad_norm_(params, 1e9).item()) if clip else monitor.check
         checks, whole, py = [], [], []
-        for step in range(steps + (4 if instructions else 0)):
+        for step in range(steps + instructions):
             opt.zero_grad(set_to_none=True)
             model(x).float().pow(2).mean().backward()
             if step >= steps:  # then the instructions, on checks of their own
@@ -141,7 +142,7 @@ def bench_counts(steps: int = 9, shapes=None) -> dict:
     print(f"  {'shape':<34}{'tensors':>8}  {'variant':<26}{'first':>7}{'ops/check':>11}{'+hooks':>8}{'py instr/check':>16}")
     out = {}
     for label in shapes or COUNT_SHAPES:
-        res = count_shape(label, steps)
+        res = count_shape(label, steps, 4 if steps >= 9 else 1)
         for variant, r in res.items():
             print(f"  {label:<34}{r['tensors']:>8}  {variant:<26}{r['first']:>7}{r['check']:>11.0f}{r['step']:>8.1f}"
                   f"{r['py']:>16.0f}")
