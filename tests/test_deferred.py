@@ -66,6 +66,8 @@ def train(lag: int, case: str, steps: int = 10, watch: list | None = None, count
             monitor.track_valid(mask, "rows")
             out = model[:5](x) if case != "unused" else model[:5](x)
             loss = ((out - y) ** 2)[mask].sum() / mask.sum().clamp(min=1) / micro
+            if case == "tiny":  # gradients of ~1e-30: their fp32 squares underflow (the exact norms' edge)
+                loss = loss * 1e-30
             (scaler.scale(loss) if scaler is not None else loss).backward()
         losses.append(float(loss.detach()))
         before = dict(counted or {})
@@ -104,7 +106,7 @@ def same(a, b, rel: float = 1e-6) -> bool:
 
 
 CASES = ["healthy", "healthy_fused", "not_in_optimizer", "unused", "frozen_decay", "lr0", "no_zero_grad",
-         "accumulate", "scaler", "empty_mask", "nan_guard", "nan_guard_fused"]
+         "accumulate", "scaler", "empty_mask", "nan_guard", "nan_guard_fused", "tiny"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -131,6 +133,10 @@ def test_deferred_reports_are_the_synchronous_ones_one_check_later(case):
         assert "STALE_GRAD" in kinds
     if case == "empty_mask":
         assert sync[3].valid_counts == {"rows": 0} and sync[3].findings_of("EMPTY_VALID_SET")
+    if case == "tiny":  # the premise: fp32 squares underflow; both modes report the exact norms
+        norms = [v for r in sync for v in r.grad_norm.values()]
+        assert all(0 < v < 1e-22 for v in norms) and all(math.isfinite(r.total_grad_norm) for r in late)
+        assert all(r.ok and not r.problems for r in sync)
     if case.startswith("nan_guard"):
         bad = [r for r in sync if not r.grads_finite]
         assert [r.step for r in bad][:1] == [4] and bad[0].findings_of("STEP_SKIPPED")
@@ -308,7 +314,8 @@ def test_no_host_wait_from_check_0_on_the_catalogue(counted, case, lag):
     train(lag, case, watch=watch, counted=counted)
     # the reads a diagnosis adds, where it is due: the NaN tracer armed by step 4's NaN reads its
     # flags at the step after (a deferred check: one later); the zero gradients of step 3's empty mask are re-checked exactly, once
-    extra = {5 + lag: 1} if case.startswith("nan") else {3: 1} if case == "empty_mask" and not lag else {}
+    extra = ({5 + lag: 1} if case.startswith("nan") else {3: 1} if case == "empty_mask" and not lag
+             else {0: 1} if case == "tiny" and not lag else {})  # (tiny: its underflowing norms, re-checked once)
     for step, (reads, fetches, values) in enumerate(watch):
         if lag and case == "nan_guard":  # a non-fused optimizer: the guard reads its one flag (said once)
             assert reads == ["_local_scalar_dense"], (step, reads)
