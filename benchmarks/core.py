@@ -441,15 +441,17 @@ def main(argv: list[str] | None = None) -> int:
                                                  "counts (default: 1000,10000 with --shapes all, else none)")
     ap.add_argument("--targets", action="store_true", help="the whole-step section times only the plain step, the "
                                                            "default monitor and the clipping pair (more rounds in the time)")
+    ap.add_argument("--count-steps", type=int, default=9, help="the counts section: steps per variant (default 9, "
+                                                                  "the first apart; 9 and up count the change test)")
     ap.add_argument("--sections", default="all",
-                    help="comma-separated: step,small,checks,budget,deltas,experts,many,tracer,distributed,lightning,"
-                         "transformers,tensorboard (default: all)")
+                    help="comma-separated: step,small,counts,checks,budget,deltas,experts,many,tracer,distributed,"
+                         "lightning,transformers,tensorboard (default: all)")
     args = ap.parse_args(argv)
     print(f"gradhealth bench: torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
     chosen = list(SHAPES.items())
     if args.shapes != "all":
         chosen = [chosen[int(i)] for i in args.shapes.split(",")]
-    sections = ({"step", "small", "checks", "budget", "deltas", "experts", "many", "tracer", "distributed", "lightning", "transformers", "tensorboard"}
+    sections = ({"step", "small", "counts", "checks", "budget", "deltas", "experts", "many", "tracer", "distributed", "lightning", "transformers", "tensorboard"}
                 if args.sections == "all"
                 else set(args.sections.split(",")))
     if "step" in sections and args.device == "cpu":
@@ -463,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
         from gradhealth.benchmarks.small import bench_small
 
         bench_small(args.rounds)
+    if "counts" in sections:  # (counted on the CPU: ops and instructions do not depend on the clock)
+        from gradhealth.benchmarks.counts import bench_counts
+
+        bench_counts(steps=max(3, args.count_steps))
     for label, (blocks, width) in chosen:
         if "checks" in sections:
             bench_shape(label, blocks, width, args.rounds, args.device)

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import Tensor
 
+from .host import host_segments, host_to
 from .stats import foreach_norms, plan_groups
 
 __all__ = ["norms", "apply", "water_fill", "Packed", "flat", "sample_view", "versions_tell"]
@@ -24,7 +25,7 @@ def norms(tensors: list[Tensor], groups: list[list[int]], ord: float = 2.0) -> T
         order += idx
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     if order != list(range(len(order))):
-        out = torch.empty_like(out).index_copy_(0, torch.tensor(order, device=device), out)
+        out = torch.empty_like(out).index_copy_(0, host_to(order, device), out)
     return out
 
 
@@ -46,9 +47,8 @@ class Packed:
         self.device = views[0].device if views else torch.device("cpu")
         self.groups = []
         for _, _, idx in plan_groups(views):
-            sizes = torch.tensor([views[i].numel() for i in idx], device=views[idx[0]].device)
-            seg = torch.repeat_interleave(torch.arange(len(idx), device=sizes.device, dtype=torch.int32), sizes)
-            self.groups.append((idx, [views[i] for i in idx], seg, torch.tensor(idx, device=self.device)))
+            seg = host_segments([views[i].numel() for i in idx], views[idx[0]].device)  # (no sync)
+            self.groups.append((idx, [views[i] for i in idx], seg, host_to(idx, self.device)))
         # reuse: two buffers per group, one for the snapshot and one for "now", filled by one
         # foreach copy each (half the time of a cat on the CPU); a snapshot then lives until
         # the next snapshot() of this Packed
@@ -106,10 +106,11 @@ def flat(p: Tensor) -> Tensor | None:
     return p.detach().view(-1) if p.is_contiguous() else None
 
 
-def sample_view(p: Tensor, k: int, seed: int) -> Tensor | None:
+def sample_view(p: Tensor, k: int, seed: int, whole: Tensor | None = None) -> Tensor | None:
     """``k`` elements of ``p`` (all of it when smaller) at a period coprime to the last dimension,
-    so the sample walks across rows and columns; a 1-D strided view, updated in place with ``p``."""
-    whole = flat(p)
+    so the sample walks across rows and columns; a 1-D strided view, updated in place with ``p``
+    (``whole``: ``flat(p)``, made already)."""
+    whole = flat(p) if whole is None else whole
     if whole is None:
         return None
     n = whole.numel()

@@ -2,18 +2,19 @@
 
 A synchronous check ends in one device-to-host transfer: on a GPU the host stops queueing kernels
 until the device has drained, so the next step's launches no longer hide behind this step's work.
-A deferred check launches the same fused reductions, packs the same numbers (and each gradient's
-max |g|), starts a non-blocking copy of them into pinned host memory with an event, and returns the
-report of the *previous* check, whose copy finished long ago (None at the first check; ``flush()``
-and ``close()`` deliver the last one). What the rank saw besides numbers (the loss's cause, an eval
+A deferred check launches one fused reduction per (device, dtype) group that is exact at once (it
+accumulates in float64, see ``stats.Launched``: no max |g| pass, no re-check to come), packs the
+numbers as the synchronous check does, starts a non-blocking copy of them into pinned host memory
+with an event (two buffers and events per size, used in turn: nothing allocated per check), and
+returns the report of the *previous* check, whose copy finished long ago (None at the first check;
+``flush()`` and ``close()`` deliver the last one). What the rank saw besides numbers (the loss's cause, an eval
 forward, stale gradients, a step that already ran on these gradients, the witnesses of its
 gradients) is taken at launch, so each report is labelled with its own step and holds what the
 synchronous check would have found for it. Where the two can differ:
 
-* a gradient norm that came back 0 or inf in fp32 is decided from max |g| (0 and non-finite
-  exactly); where that was fp32 squares under- or overflowing on finite, non-zero values (elements
-  below ~1e-23 or above ~1e19), the exact scaled norm needs the gradient again, and the report
-  gives max |g| (a lower bound; the state is still exact);
+* the norms accumulate in float64 (the synchronous check's in float32, re-checked exactly where
+  they came back 0 or inf): the two agree to float32's rounding (within 1e-6), and exactly at the
+  under- and overflow edges;
 * the change test of the step after check N is armed when N is launched, from what the checks
   completed before it said (a synchronous check also uses N's own report);
 * ``on_problem="raise"`` raises one check later; ``skip_spikes`` needs the norm on the host before
@@ -23,8 +24,8 @@ synchronous check would have found for it. Where the two can differ:
 ``optimizer.step()``. torch's fused optimizers (``fused=True`` Adam, AdamW, SGD, Adagrad, on CPU
 too) take a ``found_inf`` device tensor and skip the step inside the kernel, as ``GradScaler`` uses
 them: a deferred check hands them its "some gradient is non-finite" flag, decided from the packed
-max |g| on the device; the poisoned step leaves parameters and optimizer state bit for bit as they
-were, and no host read happens. Any other optimizer needs the decision on the host: the guard reads
+norms on the device (exact: non-finite exactly where a gradient holds a NaN or inf); the poisoned
+step leaves parameters and optimizer state bit for bit as they were, and no host read happens. Any other optimizer needs the decision on the host: the guard reads
 that one flag (a synchronisation) and says so once.
 """
 
@@ -76,10 +77,9 @@ class Transfer:
     """Packed device numbers on their way to host memory: a non-blocking copy into pinned memory and
     an event (on the CPU they are there already). :meth:`values` is the deferred path's only read."""
 
-    _pinned: dict = {}  # (device, size) -> two pinned buffers used in turn
+    _pinned: dict = {}  # (device, size, dtype) -> two (pinned buffer, event) pairs used in turn
 
     def __init__(self, parts: list[Tensor]):
-        parts = [p for p in parts if p is not None]
         self.event = None
         if not parts:
             self.host = torch.zeros(0, dtype=torch.float64)
@@ -89,18 +89,18 @@ class Transfer:
         if device.type == "cpu":
             self.host = packed
             return
-        self.host = self._buffer(device, packed.numel(), packed.dtype)
+        self.host, self.event = self._buffer(device, packed.numel(), packed.dtype)
         self.host.copy_(packed, non_blocking=True)
-        self.event = torch.Event(device=device) if hasattr(torch, "Event") else torch.cuda.Event()
-        self.event.record()
+        self.event.record()  # (re-recorded: nothing allocated per check)
 
     @classmethod
-    def _buffer(cls, device, n: int, dtype) -> Tensor:
+    def _buffer(cls, device, n: int, dtype) -> tuple[Tensor, object]:
         key = (str(device), n, dtype)
         pair = cls._pinned.get(key)
         if pair is None:
             pin = device.type == "cuda"
-            pair = cls._pinned[key] = [torch.empty(n, dtype=dtype, pin_memory=pin) for _ in range(2)]
+            new_event = (lambda: torch.Event(device=device)) if hasattr(torch, "Event") else torch.cuda.Event
+            pair = cls._pinned[key] = [(torch.empty(n, dtype=dtype, pin_memory=pin), new_event()) for _ in range(2)]
         pair.reverse()  # (the other one may still be read by a launch not completed yet)
         return pair[0]
 
@@ -125,14 +125,14 @@ class Deferred:
         m = self.monitor
         launch = m._launch(step, loss, optimizer, deferred=True)
         pending = launch.obs
-        parts = list(pending.launched.parts)
+        parts = pending.launched.parts  # (no None among them)
         r = m.ranks
         if r.active:  # what DDP's hooks saw of this backward, taken now, read with the same copy
             snap = r.origin.snapshot([m.view.params[i] for i in launch.sel.idx]) if r.origin else None
             launch.ranks = [snap, None, r.origin is not None and r.origin.unsynced() and bool(pending.with_grad),
                             r.take_nosync_step()]
             if snap is not None and snap[1] is not None:
-                parts.append(snap[1])
+                parts = [*parts, snap[1]]
         launch.transfer = Transfer(parts)
         if m.tracker is not None and not launch.reeval:
             judged = [optimizer] if optimizer is not None else m.optimizers
@@ -151,10 +151,10 @@ class Deferred:
         m = self.monitor
         pending = launch.obs
         values = launch.transfer.values()
-        k = sum(p.numel() for p in pending.launched.parts)
-        launch.obs = pending.complete(values[:k])
-        if launch.ranks is not None:
-            launch.ranks[1] = values[k:]
+        if launch.ranks is not None:  # (the ranks' numbers follow the check's own)
+            k = sum(p.numel() for p in pending.launched.parts)
+            values, launch.ranks[1] = values[:k], values[k:]
+        launch.obs = pending.complete(values)
         report = m._complete(launch)
         m.carry.checks += 1
         m.last_report = report
@@ -169,10 +169,10 @@ class Deferred:
         """Make the step after this check skip itself when a gradient is non-finite, decided on the
         device where the optimizer can take it (see the module's docstring)."""
         m = self.monitor
-        maxima = launch.obs.launched.maxima_part()
-        if maxima is None:
+        norms = launch.obs.launched.norms_part()
+        if norms is None:
             return
-        flag = (~torch.isfinite(maxima)).any().to(torch.float32)  # (0-d, as GradScaler hands it over)
+        flag = (~torch.isfinite(norms)).any().to(torch.float32)  # (0-d, as GradScaler hands it over)
         judged = [launch.optimizer] if launch.optimizer is not None else m.optimizers
         host = [opt for opt in judged if not fused(opt)]
         for opt in judged:

@@ -52,6 +52,7 @@ from .compare import Packed, apply, flat, norms, sample_view, versions_tell, wat
 from .rules import rule_norms, rule_of
 from .ranon import RanOn
 from .stale import WITNESSES, StaleWatch
+from .host import host_to
 from .stats import joined, plan_groups
 from .steps import StepStats, found_inf, unarmed_skip, with_found_inf
 
@@ -83,6 +84,7 @@ class _OptPlan:
     group_of: list[int]  # the param group of each
     local: bool = False  # some are local shards of DTensors (their views have version counters of their own)
     empty: Tensor | None = None  # the numbers of a step between change tests: none
+    flats: dict | None = None  # (auto mode) k -> the 1-D view of params[k] the samples and exact copies read
 
 
 #: the in-flight state of a step between change tests (its learning rates are read, nothing else)
@@ -175,8 +177,11 @@ class UpdateTracker:
         # local shards of DTensor parameters (FSDP2): a DTensor op here would hide a collective
         params = [self.held(self.entries[i][1]) for i in idx]
         windows, whole = [], [False] * len(params)
-        if self.mode == "auto":
-            views = [sample_view(p, self.sample, self._seed + i) for p, i in zip(params, idx)]
+        flats = None
+        if self.mode == "auto":  # (the 1-D views made once: the samples and the exact copies read them)
+            flats = dict(enumerate(map(flat, params)))
+            views = [sample_view(p, self.sample, self._seed + i, flats[k])
+                     for k, (p, i) in enumerate(zip(params, idx))]
             whole = [v is not None and v.numel() == p.numel() for v, p in zip(views, params)]
             # non-contiguous parameters get an empty sample: decided by the exact copies
             views = [v if v is not None else p.new_empty(0) for v, p in zip(views, params)]
@@ -185,7 +190,8 @@ class UpdateTracker:
                 windows.append((ks, Packed([views[k] for k in ks], reuse=True)))
         dtensor = dtensor_type()
         local = dtensor is not None and any(isinstance(self.entries[i][1], dtensor) for i in idx)
-        plan = _OptPlan(ids, ptrs, idx, params, windows, whole, [g for _, _, g in plan_groups(params)], group_of, local)
+        plan = _OptPlan(ids, ptrs, idx, params, windows, whole, [g for _, _, g in plan_groups(params)], group_of, local,
+                        flats=flats)
         self._plans[id(opt)] = plan
         return plan
 
@@ -245,7 +251,7 @@ class UpdateTracker:
         self._turn[id(opt)] = start + max(1, len(chosen))
         if not chosen:
             return None
-        packed = Packed([flat(plan.params[k]) for k in chosen])
+        packed = Packed([plan.flats[k] for k in chosen])
         return chosen, packed, packed.snapshot()
 
     def disarm(self) -> None:
@@ -353,7 +359,7 @@ class UpdateTracker:
                 tested = set(ks)
                 if copies is not None:  # the exact copies decide their parameters
                     copied, packed, before = copies
-                    where = torch.tensor(copied, device=device)
+                    where = host_to(copied, device)
                     # (no boolean-mask indexing: its size would need a host sync)
                     now = (joined(packed.changed(before)) > 0).to(device)
                     moved = moved.index_copy(0, where, moved.index_select(0, where) | now)
@@ -365,7 +371,7 @@ class UpdateTracker:
             done = set(copied)
             sure = [plan.whole[k] or k in done for k in pos]
         if pos and moved is not None:  # the device decides the touched ones; the untouched are unchanged
-            parts.append((moved if len(pos) == n else moved[torch.tensor(pos, device=device)]).to(torch.float64))
+            parts.append((moved if len(pos) == n else moved.index_select(0, host_to(pos, device))).to(torch.float64))
         if measure:  # ||θ||: before the step where a copy exists, after it otherwise
             theta = snap if self.mode == "exact" else params
             parts += [self._update_norms(opt, plan, diff, copied, exact_norms).to(device), norms(theta, plan.groups)]
@@ -382,7 +388,7 @@ class UpdateTracker:
             return rule_norms(opt, rule, [self.entries[i][1] for i in plan.idx], self.budget)
         out = torch.full((len(params),), math.nan, dtype=torch.float64, device=params[0].device)
         if exact_norms is not None:
-            out[torch.tensor(copied, device=out.device)] = exact_norms.to(out)
+            out.index_copy_(0, host_to(copied, out.device), exact_norms.to(out))
         return out
 
     def _lr_zero(self, opt, plan) -> list[str]:

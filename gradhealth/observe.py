@@ -154,7 +154,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         plain = [g for k, g in enumerate(grads) if k not in whole]
     else:
         plain = grads
-    launched = stats.Launched(plain, lay.parts, plan, maxima=deferred)
+    launched = stats.Launched(plain, lay.parts, plan, later=deferred)
     plan = launched.plan
 
     def finish(norms: list[float], flat: list[float]) -> Observation:

@@ -305,11 +305,12 @@ def zero_partners(candidates: list[str], names: list[str], params: list) -> set[
                 and any(under(n, a) for a in prefixes)]
     if not siblings:
         return set()
-    tensors = [p.detach() for _, p in siblings]
+    tensors = [p for _, p in siblings]
     maxima: list = [None] * len(tensors)
-    for _, _, idx in plan_groups(tensors):
-        for i, m in zip(idx, torch._foreach_norm([tensors[i] for i in idx], math.inf)):
-            maxima[i] = m
+    with torch.no_grad():  # (the parameters themselves: no detached view of each)
+        for _, _, idx in plan_groups(tensors):
+            for i, m in zip(idx, torch._foreach_norm([tensors[i] for i in idx], math.inf)):
+                maxima[i] = m
     zero = {n for (n, _), v in zip(siblings, fetch(maxima)) if v == 0.0}
     if not zero:
         return set()

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .distributed import to_local
+from .host import host_to
 from .stats import foreach_norms
 
 __all__ = ["rule_of", "rule_norms", "KNOWN"]
@@ -108,8 +109,13 @@ def _terms(opt, rule: str, params: list[Tensor]) -> list:
 def rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
     """||Δθ|| of ``params`` (parameters the optimizer holds) for the step that just ran, as a
     float64 tensor on the first parameter's device; 0 for a parameter the step skipped."""
+    with torch.no_grad():  # (θ read as it is: no detached view of each parameter)
+        return _rule_norms(opt, rule, params, budget)
+
+
+def _rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
     terms = _terms(opt, rule, params)
-    device = to_local(params[0].detach()).device
+    device = to_local(params[0]).device
     sq = torch.zeros(len(params), dtype=torch.float64, device=device)
     # ||c·U|| with one tensor and no W needs no temporary: its norm, one fused kernel per group
     direct: dict[tuple, list] = {}
@@ -126,14 +132,14 @@ def rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
             direct.setdefault((t.device, t.dtype), []).append((k, t))
             scales[k] *= abs(coefs[0])
             continue
-        theta = to_local(params[k].detach())
+        theta = to_local(params[k])
         pieces = [_chunks(to_local(t), budget // 3) for t in tensors]
         for c, th in enumerate(_chunks(theta, budget // 3)):
             key = (kind, len(tensors), coefs if kind == "sum" else None, w != 0.0, th.device, th.dtype)
             batches.setdefault(key, []).append((k, th, [pc[c] for pc in pieces], coefs, w))
     for items in direct.values():
         norms = torch.stack(foreach_norms([t for _, t in items])).to(sq.dtype)
-        sq.index_add_(0, torch.tensor([k for k, _ in items], device=sq.device), norms.to(sq.device) ** 2)
+        sq.index_add_(0, host_to([k for k, _ in items], sq.device), norms.to(sq.device) ** 2)
     for (kind, _, _, with_w, _, _), items in batches.items():
         start, size = 0, 0
         for end, item in enumerate(items, 1):
@@ -141,7 +147,7 @@ def rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
             if size >= budget // 3 or end == len(items):
                 _accumulate(kind, with_w, items[start:end], sq)
                 start, size = end, 0
-    return sq.sqrt() * torch.tensor(scales, dtype=torch.float64, device=device)
+    return sq.sqrt() * host_to(scales, device, torch.float64)
 
 
 def _accumulate(kind: str, with_w: bool, batch: list, sq: Tensor) -> None:
@@ -170,5 +176,5 @@ def _accumulate(kind: str, with_w: bool, batch: list, sq: Tensor) -> None:
         if with_w:
             torch._foreach_add_(u, torch._foreach_mul(thetas, [item[4] for item in batch]))
     norms = torch.stack(foreach_norms(u)).to(sq.dtype)
-    idx = torch.tensor([item[0] for item in batch], device=sq.device)
+    idx = host_to([item[0] for item in batch], sq.device)
     sq.index_add_(0, idx, norms.to(sq.device) ** 2)

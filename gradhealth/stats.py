@@ -6,8 +6,13 @@ values the caller wants on the host (a loss, valid counts), are joined into one 
 ``stack`` of the scalars: float32 where every part is, else float64, exact either way) and read with
 a single transfer. Only tensors whose fused norm came back 0 or inf are looked at again:
 that is where a naive norm lies (squares of 1e20 overflow float32, squares of 1e-30 underflow), and
-the re-check computes a scaled float64 norm that is exact there. A NaN norm needs no re-check: finite
-values cannot produce one.
+the re-check (:func:`exact_norms`) is exact there: a float64-accumulating ``_foreach_norm`` for
+tensors of at most 32 bits (no square of a float32 under- or overflows float64), a scaled norm
+(max|x| * ||x / max|x|||, in foreach ops) for float64 ones; a constant number of ops per (device,
+dtype) group whatever the count. The plan remembers the tensors that needed it (:meth:`NormPlan.learn`)
+and gives them the exact kernel from the next check on: a vanishing-gradient model pays the re-check
+(and its second transfer) once, not at every check. A NaN norm needs no re-check: finite values
+cannot produce one.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["dense_view", "plan_groups", "foreach_norms", "pack_norms", "fetch", "exact_norms", "grad_norms", "Launched",
-           "combine_norms", "module_norms", "SMALLEST_SUBNORMAL"]
+           "combine_norms", "module_norms", "SMALLEST_SUBNORMAL", "exact_pieces"]
 
 #: the smallest positive float64: a norm that is not zero is at least this (sqrt of a tiny sum of
 #: squares can round to 0 in float64; a gradient with a non-zero element must not read as zero)
@@ -88,14 +93,34 @@ class NormPlan:
     does not name the device type: a tensor moved between two types whose indexes agree, e.g.
     cuda:0 and mps:0, cannot happen on one machine.)"""
 
-    def __init__(self, tensors: Sequence[Tensor], key: tuple | None = None):
+    def __init__(self, tensors: Sequence[Tensor], key: tuple | None = None, exact=()):
         self.groups = plan_groups(tensors)
         self.key = key if key is not None else plan_key(tensors)
-        #: per group, its kernels: (kind, rows, indices), see :func:`_batches`
-        self.batches = [(dtype, _batches(tensors, device, idx)) for device, dtype, idx in self.groups]
+        #: normed by :func:`exact_pieces`: those whose fused norm once read 0 or inf (deferred: all)
+        self.exact: frozenset[int] = frozenset(exact)
+        self._arrange(tensors)
+        self.plain = False  # (grad_norms) built over the gradients themselves: dense and real
+        self.later = False  # every non-empty tensor is in ``exact`` (a deferred check's plan)
+
+    def _arrange(self, tensors: Sequence[Tensor]) -> None:
+        ex = self.exact
+        #: per group, its kernels: (kind, rows, indices), see :func:`_batches`; the exact ones last
+        self.batches = []
+        for device, dtype, idx in self.groups:
+            rest = [i for i in idx if i not in ex] if ex else idx
+            batches = _batches(tensors, device, rest) if rest else []
+            if len(rest) < len(idx):
+                batches.append(("exact", 0, [i for i in idx if i in ex]))
+            self.batches.append((dtype, batches))
         self.perm = [i for _, batches in self.batches for _, _, idx in batches for i in idx]
         self.identity = self.perm == list(range(len(self.perm)))
-        self.plain = False  # (grad_norms) built over the gradients themselves: dense and real
+
+    def learn(self, indices, tensors: Sequence[Tensor]) -> None:
+        """Norm ``indices`` of ``tensors`` with the exact kernel from now on (an empty one's 0 is exact)."""
+        add = {i for i in indices if tensors[i].numel()} - self.exact
+        if add:
+            self.exact = self.exact | add
+            self._arrange(tensors)
 
     def fits(self, tensors: Sequence[Tensor]) -> bool:
         return len(tensors) == len(self.perm) and plan_key(tensors) == self.key
@@ -185,16 +210,16 @@ def _pack_fitted(tensors: Sequence[Tensor], plan: NormPlan) -> tuple[list[Tensor
     except RuntimeError:
         if all(kind == "each" for _, batches in plan.batches for kind, _, _ in batches):
             raise
-    fresh = NormPlan(tensors, plan.key)
-    fresh.plain = plan.plain
+    fresh = NormPlan(tensors, plan.key, plan.exact)
+    fresh.plain, fresh.later = plan.plain, plan.later
     return _pack(tensors, fresh), fresh
 
 
 def _pack(tensors: Sequence[Tensor], plan: NormPlan) -> list[Tensor]:
     """The norms, in the plan's order, as the kernels leave them (0-d tensors from a fused kernel,
     1-d from a stacked one): :func:`joined` puts them with the extras in one tensor."""
-    if len(plan.batches) == 1 and len(plan.batches[0][1]) == 1 and plan.batches[0][1][0][0] == "each":
-        return foreach_norms(tensors)  # (the common case: one fused kernel, no new lists)
+    if len(plan.batches) == 1 and len(plan.batches[0][1]) == 1 and plan.batches[0][1][0][0] in ("each", "exact"):
+        return (foreach_norms if plan.batches[0][1][0][0] == "each" else exact_pieces)(tensors)  # (one kernel)
     out: list[Tensor] = []
     for (_, _, _), (dtype, batches) in zip(plan.groups, plan.batches):
         acc = _acc_dtype(dtype)
@@ -206,6 +231,8 @@ def _pack(tensors: Sequence[Tensor], plan: NormPlan) -> list[Tensor]:
             elif kind == "rows":  # (a view: fails, and is planned again, if a tensor stopped fitting)
                 parts = torch.stack([torch.linalg.vector_norm(m.view(rows, -1), dim=1, **kw) for m in members])
                 out.append(torch.linalg.vector_norm(parts, dim=1))
+            elif kind == "exact":
+                out += exact_pieces(members)
             else:
                 out += foreach_norms(members)
     return out
@@ -219,7 +246,7 @@ def joined(parts: Sequence[Tensor]) -> Tensor:
     float64 otherwise (a count, a float64 value)."""
     if all(map(_IS_FLOAT, map(_DTYPE, parts))):  # the common case: floats (stack promotes: exact)
         if len(parts) == 1:
-            return parts[0].reshape(-1)
+            return parts[0] if parts[0].dim() == 1 else parts[0].reshape(-1)
         if parts[0].dim() == 0 and parts[-1].dim() == 0:
             try:  # (scalars of one device; a vector among them fails here, and is joined below)
                 return torch.stack(parts)
@@ -229,13 +256,21 @@ def joined(parts: Sequence[Tensor]) -> Tensor:
     if len(parts) > 1 and any(p.numel() == 0 for p in parts):  # (an empty part holds nothing to read)
         return joined([p for p in parts if p.numel()] or parts[:1])
     wide = any(not p.dtype.is_floating_point or p.dtype.itemsize > 4 for p in parts)
-    flat = []
+    flat, run = [], []  # (a run of 0-d floats of one device: one stack, not a reshape each)
     for p in parts:
         if wide and not p.dtype.is_floating_point:
             p = p.to(torch.float64)
         if p.device != device:
             p = p.to(device, non_blocking=True)
+        if p.dim() == 0 and p.dtype.is_floating_point:
+            run.append(p)
+            continue
+        if run:
+            flat.append(torch.stack(run))
+            run = []
         flat.append(p if p.dim() == 1 else p.reshape(-1))
+    if run:
+        flat.append(torch.stack(run))
     return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
@@ -248,28 +283,38 @@ def fetch(parts: Sequence[Tensor]) -> list[float]:
     return joined(parts).tolist()
 
 
-def exact_norms(tensors: Sequence[Tensor]) -> list[float]:
-    """Scaled float64 norms that neither overflow nor underflow: max|x| * ||x / max|x|||.
+def exact_pieces(members: Sequence[Tensor]) -> list[Tensor]:
+    """Exact float64 L2 norms of non-empty real tensors of one device and dtype, in a constant number
+    of ops. At most 32 bits: one ``_foreach_norm`` accumulating in float64 (a float32 square lies in
+    [2e-90, 1.2e77]: nothing under- or overflows; inf and NaN stay). float64: max|x| * ||x / max|x|||
+    (a max of 0, inf or NaN is the norm; per-tensor divisors: ``_foreach_div``'s slow path on a GPU)."""
+    if members[0].dtype != torch.float64:
+        return list(torch._foreach_norm(members, 2, dtype=torch.float64))
+    top = torch.stack(torch._foreach_norm(members, math.inf))
+    usable = torch.isfinite(top) & (top > 0)
+    safe = torch.where(usable, top, 1.0)
+    scaled = torch.stack(torch._foreach_norm(torch._foreach_div(members, safe.unbind()), 2))
+    return [torch.where(usable, scaled * safe, top)]
 
-    Costs one kernel chain per tensor and one transfer for all of them; meant only for the few
-    tensors whose fused norm was 0 or inf.
-    """
+
+def exact_norms(tensors: Sequence[Tensor]) -> list[float]:
+    """Norms that neither overflow nor underflow (:func:`exact_pieces`), grouped by (device, dtype),
+    read with one transfer; meant for the few tensors whose fused norm was 0 or inf."""
     if not tensors:
         return []
-    out = []
-    for t in tensors:
-        if t.numel() == 0:
-            out.append(torch.zeros((), dtype=torch.float64, device=t.device))
-            continue
-        x = t.detach()
-        x = (torch.view_as_real(x.resolve_conj()) if x.is_complex() else x).to(torch.float64)
-        amax = x.abs().amax()
-        # amax == 0: all zeros (-0.0 included); amax == inf: a real infinity; nan propagates.
-        special = (amax == 0) | torch.isinf(amax) | torch.isnan(amax)
-        safe = torch.where(special, torch.ones_like(amax), amax)
-        scaled = amax * torch.linalg.vector_norm(x / safe)
-        out.append(torch.where(special, amax, scaled))
-    return fetch(out)
+    views = [torch.view_as_real(t.detach().resolve_conj()) if t.is_complex() else t.detach() if t.requires_grad else t
+             for t in tensors]
+    out: list[float] = [0.0] * len(views)
+    pieces, order = [], []
+    for _, _, idx in plan_groups(views):
+        idx = [i for i in idx if views[i].numel()]  # (an empty tensor's norm is 0)
+        if idx:
+            pieces += exact_pieces([views[i] for i in idx])
+            order += idx
+    if pieces:
+        for i, v in zip(order, fetch(pieces)):
+            out[i] = v
+    return out
 
 
 def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None):
@@ -287,11 +332,13 @@ def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None
 class Launched:
     """The norms of ``grads`` and the ``extras``, packed on the device, not read yet (no host
     synchronisation here). :meth:`read` reads them now (ONE transfer, then the exact re-check of
-    the norms that came back 0 or inf). With ``maxima`` each gradient's max |g| is packed too, so
-    that the values can be read later, when the gradients may be gone (:mod:`.deferred`):
-    :meth:`resolve` then decides a 0 or inf norm from max |g| alone."""
+    the norms that came back 0 or inf, which the plan then remembers). With ``later`` the values are
+    read later, when the gradients may be gone (:mod:`.deferred`): every non-empty gradient is normed
+    by the exact kernel at once (one fused kernel per group, no re-check to come), the norms joined
+    into one vector (:meth:`norms_part`, which the step guard tests for non-finite values), and
+    :meth:`resolve` takes the values as they are."""
 
-    def __init__(self, grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None, maxima: bool = False):
+    def __init__(self, grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None, later: bool = False):
         views = grads  # the common case: every gradient dense and real, no new list
         pieces: list[Tensor] = []
         if grads:
@@ -299,67 +346,50 @@ class Launched:
             if plan is None or key != plan.key:
                 plain = all(lay is torch.strided for lay in key[2]) and not any(d.is_complex for d in key[0])
                 views = grads if plain else list(map(dense_view, grads))
-                plan = NormPlan(views, key)
-                plan.plain = plain
+                plan = NormPlan(views, key, range(len(views)) if later else ())
+                plan.plain, plan.later = plain, later
             elif not plan.plain:
                 views = list(map(dense_view, grads))
+            if later and not plan.later:  # (a plan a synchronous check made)
+                plan.learn(range(len(views)), views)
+                plan.later = True
             pieces, plan = _pack_fitted(views, plan)
         self.views, self.plan, self.n = views, plan, len(plan.perm) if grads else 0
-        self.maxima = bool(maxima and grads)
-        self._maxima = _maxima(views, plan) if self.maxima else None
-        #: what is read back, in order: the norms (as the kernels left them), max |g|, the extras
-        self.parts = pieces + ([self._maxima] if self.maxima else []) + [e for e in extras if e is not None]
+        self.perm, self.identity, self.exact = (plan.perm, plan.identity, plan.exact) if grads else ([], True, frozenset())
+        self.later = bool(later and grads)
+        self._norms = joined(pieces) if self.later else None
+        #: what is read back, in order: the norms (as the kernels left them, or joined), the extras
+        self.parts = ([self._norms] if self.later else pieces) + [e for e in extras if e is not None]
 
-    def maxima_part(self) -> Tensor | None:
-        """The packed max |g| of every gradient (with ``maxima``), on the device."""
-        return self._maxima
+    def norms_part(self) -> Tensor | None:
+        """(``later``) the packed norms of every gradient, on the device: exact, so non-finite
+        exactly where a gradient holds a NaN or inf."""
+        return self._norms
 
     def read(self) -> tuple[list[float], list[float]]:
         values = fetch(self.parts)
         norms = self._order(values)
         if 0.0 in norms or math.inf in norms:
-            suspects = [i for i, v in enumerate(norms) if v == 0.0 or v == math.inf]
-            for i, v in zip(suspects, exact_norms([self.views[i] for i in suspects])):
-                norms[i] = v
-        return norms, values[self.n * (2 if self.maxima else 1):]
+            exact = self.exact
+            suspects = [i for i, v in enumerate(norms) if (v == 0.0 or v == math.inf) and i not in exact]
+            if suspects:
+                for i, v in zip(suspects, exact_norms([self.views[i] for i in suspects])):
+                    norms[i] = v
+                self.plan.learn(suspects, self.views)
+        return norms, values[self.n:]
 
     def resolve(self, values: list[float]) -> tuple[list[float], list[float]]:
-        """The norms and extras from ``values`` read later (``maxima``): a 0 with max |g| = 0 is 0, an
-        inf or nan is what max |g| says; a 0 or inf over finite, non-zero values (fp32 squares that
-        underflowed or overflowed) is max |g|, the largest element (the exact scaled norm needs the
-        gradient again)."""
-        n = self.n
-        norms = self._order(values)
-        if n and (0.0 in norms or math.inf in norms):
-            maxima = self._order(values[n:])
-            for i, (v, m) in enumerate(zip(norms, maxima)):
-                if v == 0.0 or v == math.inf:
-                    norms[i] = m if (m == 0.0 or m != m or m == math.inf) else max(m, SMALLEST_SUBNORMAL)
-        return norms, values[n * (2 if self.maxima else 1):]
+        """The norms and extras from ``values`` read later (``later``): exact as they are."""
+        return self._order(values), values[self.n:]
 
     def _order(self, values: list[float]) -> list[float]:
-        n, perm = self.n, self.plan.perm if self.n else []
-        if n and self.plan.identity:
+        n, perm = self.n, self.perm
+        if self.identity:
             return values[:n]
         norms = [0.0] * n
         for k, i in enumerate(perm):
             norms[i] = values[k]
         return norms
-
-
-def _maxima(views: Sequence[Tensor], plan: NormPlan) -> Tensor:
-    """max |g| of each view, in the plan's order (one tensor on the first group's device)."""
-    out: list[Tensor] = []
-    for _, batches in plan.batches:
-        for _, _, idx in batches:
-            members = [views[i] for i in idx]
-            if members[0].is_complex():
-                members = [torch.view_as_real(m) for m in members]
-            if any(m.numel() == 0 for m in members):
-                out += [m.abs().amax() if m.numel() else m.new_zeros(()) for m in members]
-            else:
-                out += torch._foreach_norm(members, math.inf)
-    return joined(out)
 
 
 def module_norms(with_grad: Sequence[int], norms: Sequence[float], module_of: Sequence[int],

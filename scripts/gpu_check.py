@@ -1,40 +1,99 @@
-"""The GPU check, for a session lent an accelerator: one command, well under 5 minutes.
+"""The GPU check, for a session lent an accelerator: one command, a few minutes, from a plain
+checkout (no install needed).
 
-    python scripts/gpu_check.py
+    python scripts/gpu_check.py            # on a CUDA device
+    python scripts/gpu_check.py --cpu      # the same script on the CPU (CUDA-only sections say so)
+    python scripts/gpu_check.py --tiny     # tiny sizes, few rounds: a smoke test
 
-1. The hot path under torch.cuda.set_sync_debug_mode("error"), allowed to synchronise only in its
-   one device-to-host transfer (gradhealth.stats.fetch): a healthy check must not sync elsewhere.
-2. The core benchmark's three shapes with absolute times (gradhealth bench --device cuda).
+Each section runs on its own: a failure prints its traceback and the next section runs; the exit
+status is 1 when any section failed (2 without a CUDA device and without ``--cpu``).
+
+1. The hot path under torch.cuda.set_sync_debug_mode("error") from the first check on (plans
+   included), allowed to synchronise only in a check's transfer (gradhealth.stats.fetch).
+2. The core benchmark's shapes with absolute times (gradhealth bench --sections checks).
 3. fp16 AMP with a GradScaler: unscaled norms, an injected overflow reported as AMP_SKIPPED
    (info, no alarm), and the alarm after repeated skips.
 4. Lightning precision="16-mixed" with the callback: a planted bug found, a healthy run silent.
-5. skip_nonfinite with torch's fused AdamW on the GPU: a NaN step leaves the parameters and the
-   optimizer's state bit for bit as they were, and the guard adds no host sync to the check (the
-   decision comes from the check's one transfer; the fused kernel skips parameters without grads).
-6. Deferred checks (``lag=1``) under ``set_sync_debug_mode("error")`` with no exception window at
-   all: forward, backward, check and step of a whole loop, the guard on (fused AdamW).
-7. The deferred guard on the device: fused AdamW takes the check's found_inf flag; a poisoned step
-   leaves parameters and optimizer state bit for bit, under the same mode.
-8. A whole-step A/B, interleaved (plain, synchronous monitor, deferred monitor) on a small and a
-   large shape, absolute milliseconds per step.
-Exits non-zero on the first failed check.
+5. skip_nonfinite with torch's fused AdamW: a NaN step leaves the parameters and the optimizer's
+   state bit for bit as they were, and the guard adds no host sync to the check.
+6. Deferred checks (``lag=1``) under ``set_sync_debug_mode("error")`` from the very first check,
+   with no exception window at all: forward, backward, check and step, the guard on (fused AdamW).
+7. The deferred guard on the device: a poisoned step leaves parameters and optimizer state bit
+   for bit, under the same mode.
+8. Synchronisations per step, counted with ``set_sync_debug_mode("warn")``: plain, the one number
+   (``clip_grad_norm_(...).item()``), the default monitor, ``lag=1``, on the vanishing shape and
+   the 6-tensor MLP.
+9. The whole-step table: plain, the one number, the default monitor, ``lag=1`` on a 6-tensor MLP
+   (batch 64), a 12-layer GPT (d=768, bf16 autocast, 8x512 tokens), 8x Linear(256) (batch 64),
+   8x Linear(2048) (batch 256) and 200x (Linear(64, 64), Tanh) (gradients that underflow fp32
+   squares); interleaved blocks, medians, each variant's cost over the plain step and its ratio to
+   the one number's.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import importlib.util
 import math
+import os
 import statistics
-import subprocess
 import sys
 import time
+import traceback
 import warnings
 
-import torch
-from torch import nn
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-import gradhealth as gh
-from gradhealth import stats
+
+def _plain_checkout() -> None:
+    """Import gradhealth from this checkout, and its subpackages that setuptools maps from folders
+    outside ``gradhealth/`` (``[tool.setuptools.package-dir]``: integrations/, demos/, benchmarks/),
+    registered by hand when nothing installed maps them."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    import gradhealth
+
+    mapping = {"gradhealth.integrations": "integrations", "gradhealth.demos": "demos", "gradhealth.benchmarks": "benchmarks"}
+    try:
+        import tomllib
+
+        with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+            mapping = tomllib.load(f)["tool"]["setuptools"]["package-dir"] or mapping
+    except (ImportError, OSError, KeyError):
+        pass
+    for name, folder in mapping.items():
+        if not name.startswith("gradhealth.") or name in sys.modules:
+            continue
+        try:  # (mapped already, to this checkout's folder: an install of it, editable or not)
+            found = importlib.util.find_spec(name)
+            if found is not None and os.path.abspath(found.origin or "").startswith(os.path.join(ROOT, folder)):
+                continue
+        except ImportError:
+            pass
+        init = os.path.join(ROOT, folder, "__init__.py")
+        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[os.path.join(ROOT, folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        setattr(gradhealth, name.rpartition(".")[2], module)
+
+
+_plain_checkout()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import gradhealth as gh  # noqa: E402
+from gradhealth import stats  # noqa: E402
+
+ARGS = argparse.Namespace(cpu=False, tiny=False, shapes="")
+DEV = torch.device("cuda")
+
+
+def _sync():
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
 
 
 @contextlib.contextmanager
@@ -166,16 +225,15 @@ def no_sync_checks(steps: int = 30) -> None:
     torch.manual_seed(0)
     model = model_of(256, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    monitor = gh.GradHealth(model, opt, lag=1, skip_nonfinite=True, on_problem="ignore")
     x, y = torch.randn(64, 256, device="cuda"), torch.randn(64, 1, device="cuda")
-    for step in range(3):  # warm-up (allocations, the pinned buffers' first use) outside the mode
+    for step in range(2):  # the plain loop's own first steps (allocator, optimizer state), no monitor yet
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
-        monitor.check()
         opt.step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
-    try:
+    try:  # the monitor made and every check from the first on (plans, pinned buffers) inside the mode
+        monitor = gh.GradHealth(model, opt, lag=1, skip_nonfinite=True, on_problem="ignore")
         for step in range(steps):
             opt.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
@@ -185,7 +243,8 @@ def no_sync_checks(steps: int = 30) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     monitor.close()
-    print(f"6. {steps} deferred checks (fused AdamW, the guard on) under set_sync_debug_mode('error'): no synchronisation")
+    print(f"6. {steps} deferred checks from the first (fused AdamW, the guard on) under set_sync_debug_mode('error'): "
+          "no synchronisation")
 
 
 def device_guard() -> None:
@@ -213,73 +272,205 @@ def device_guard() -> None:
         if step == 4:
             same = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
             same_state = all(torch.equal(s[k], opt.state[p][k]) for s, p in zip(state, model.parameters()) for k in s)
-            if not (same and same_state):
-                sys.exit("7. FAILED: the poisoned step changed the parameters or the optimizer state")
+            assert same and same_state, "the poisoned step changed the parameters or the optimizer state"
     monitor.close()
     print("7. the fused guard under set_sync_debug_mode('error'): the poisoned step left parameters and state bit for bit")
 
 
-def ab(width: int, depth: int, batch: int, rounds: int = 7, steps: int = 20) -> None:
-    torch.manual_seed(0)
-    runs = {}
-    for name, kw in (("plain", None), ("synchronous monitor", {}), ("deferred monitor (lag=1)", {"lag": 1})):
-        model = model_of(width, depth)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        mon = gh.GradHealth(model, opt, on_problem="ignore", **kw) if kw is not None else None
-        runs[name] = (model, opt, mon, [])
-    x, y = torch.randn(batch, width, device="cuda"), torch.randn(batch, 1, device="cuda")
+def core_bench() -> None:
+    from gradhealth.benchmarks.core import main as bench
 
-    def block(name: str) -> float:
-        model, opt, mon, _ = runs[name]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        start.record()
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            if mon is not None:
-                mon.check(loss=loss)
-            opt.step()
-        end.record()
-        end.synchronize()
-        return (time.perf_counter() - t0) / steps
-
-    for name in runs:
-        block(name)
-    for r in range(rounds):
-        names = list(runs)
-        for name in names[r % 3:] + names[:r % 3]:
-            runs[name][3].append(block(name))
-    plain = statistics.median(runs["plain"][3])
-    print(f"8. whole step, {depth}x Linear({width}), batch {batch} (median of {rounds} blocks of {steps}):")
-    for name, (_, _, mon, times) in runs.items():
-        t = statistics.median(times)
-        print(f"   {name:<26}{t * 1e3:8.3f} ms  ({(t / plain - 1) * 100:+.1f}%)")
-        if mon is not None:
-            mon.close()
-
-
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here", file=sys.stderr)
-        return 2
-    t0 = time.time()
-    print(f"gpu_check on {torch.cuda.get_device_name()} (torch {torch.__version__})")
-    warnings.simplefilter("ignore")
-    sync_free_hot_path()
     print("2. core benchmark, absolute times:", flush=True)
-    subprocess.run([sys.executable, "-m", "gradhealth", "bench", "--device", "cuda", "--rounds", "5"], check=True)
-    amp_fp16()
-    lightning_16_mixed()
-    fused_skip()
-    no_sync_checks()
-    device_guard()
-    ab(256, 4, 64)
-    ab(4096, 8, 512)
-    print(f"gpu_check passed in {time.time() - t0:.0f}s")
-    return 0
+    assert bench(["--device", "cuda", "--rounds", "5", "--sections", "checks"]) == 0
+
+
+# ----------------------------------------------------------------------------- the whole-step table
+class GPT(nn.Module):
+    """A GPT-2-style decoder (pre-norm, causal attention, GELU MLP, tied head)."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, ctx: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, activation="gelu",
+                                                               batch_first=True, norm_first=True) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
+        for b in self.blocks:
+            x = b(x, src_mask=mask, is_causal=True)
+        return self.head(self.ln(x))
+
+
+def _stack(width: int, depth: int, act=nn.GELU) -> nn.Module:
+    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), act())], nn.Linear(width, 1))
+
+
+def shapes() -> dict:
+    """label -> (model factory, batch factory, loss(model, batch), autocast dtype or None)."""
+    tiny = ARGS.tiny
+    mse = lambda m, b: nn.functional.mse_loss(m(b[0]).float(), b[1])  # noqa: E731
+    vocab, d, layers, heads, (bsz, t) = (256, 64, 2, 4, (2, 32)) if tiny else (50304, 768, 12, 12, (8, 512))
+
+    def lm(m, b):
+        logits = m(b[:, :-1])
+        return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1))
+
+    xy = lambda n, w: (torch.randn(n, w, device=DEV), torch.randn(n, 1, device=DEV))  # noqa: E731
+    return {
+        "6-tensor MLP, batch 64": (lambda: _stack(64, 2, nn.ReLU), lambda: xy(64, 64), mse, None),
+        f"{layers}-layer GPT, d={d}, bf16 autocast, {bsz}x{t} tokens": (
+            lambda: GPT(vocab, d, layers, heads, t + 1), lambda: torch.randint(0, vocab, (bsz, t + 1), device=DEV),
+            lm, torch.bfloat16),
+        "8x Linear(256), batch 64": (lambda: _stack(256, 8), lambda: xy(64, 256), mse, None),
+        "8x Linear(2048), batch 256": (lambda: _stack(256 if tiny else 2048, 8),
+                                       lambda: xy(16 if tiny else 256, 256 if tiny else 2048), mse, None),
+        "200x (Linear(64, 64), Tanh): vanishing": (
+            lambda: nn.Sequential(*[m for _ in range(20 if tiny else 200) for m in (nn.Linear(64, 64), nn.Tanh())]),
+            lambda: xy(64, 64), lambda m, b: m(b[0]).float().pow(2).mean(), None),
+    }
+
+
+VARIANTS = ("plain", "one number", "default monitor", "lag=1")
+
+
+def _runner(shape, variant):
+    make, batch, loss_of, amp = shape
+    torch.manual_seed(0)
+    model = make().to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEV.type == "cuda")
+    mon = (gh.GradHealth(model, opt, on_problem="ignore", lag=int(variant == "lag=1"))
+           if variant in ("default monitor", "lag=1") else None)
+    params = list(model.parameters())
+    data = batch()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(DEV.type, dtype=amp) if amp else contextlib.nullcontext():
+            loss = loss_of(model, data)
+        loss.backward()
+        if mon is not None:
+            mon.check(loss=loss)
+        elif variant == "one number":
+            torch.nn.utils.clip_grad_norm_(params, 1e9).item()
+        opt.step()
+
+    return step, mon
+
+
+def sync_counts() -> None:
+    if DEV.type != "cuda":
+        print("8. synchronisations per step: skipped (no CUDA: set_sync_debug_mode counts CUDA syncs)")
+        return
+    table = shapes()
+    print("8. synchronisations per step (set_sync_debug_mode('warn'), 10 steps after 2 of warm-up):")
+    for label in (list(table)[0], list(table)[-1]):
+        cells = []
+        for variant in VARIANTS:
+            step, mon = _runner(table[label], variant)
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    for _ in range(10):
+                        step()
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            n = sum("synchroniz" in str(w.message) for w in said)
+            cells.append(f"{variant} {n / 10:.1f}")
+            if mon is not None:
+                mon.close()
+        print(f"   {label}: " + ", ".join(cells))
+
+
+def whole_step() -> None:
+    rounds, steps = (2, 2) if ARGS.tiny else (7, 20)
+    print(f"9. whole steps, interleaved blocks of {steps} steps, medians of {rounds} ({DEV}):")
+    print(f"   {'shape':<48}{'plain ms':>10}" + "".join(f"{v:>22}" for v in VARIANTS[1:]))
+    table = list(shapes().items())
+    for label, shape in [table[int(i)] for i in ARGS.shapes.split(",")] if ARGS.shapes else table:
+        runs = {v: _runner(shape, v) for v in VARIANTS}
+        times = {v: [] for v in VARIANTS}
+
+        def block(v):
+            step = runs[v][0]
+            _sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            _sync()
+            return (time.perf_counter() - t0) / steps
+
+        for v in VARIANTS:  # warm-up (and the plans' first check)
+            block(v)
+        for r in range(rounds):
+            order = VARIANTS[r % 4:] + VARIANTS[:r % 4]
+            for v in order:
+                times[v].append(block(v))
+        med = {v: statistics.median(t) for v, t in times.items()}
+        one = med["one number"] - med["plain"]
+        cells = []
+        for v in VARIANTS[1:]:
+            extra = med[v] - med["plain"]
+            ratio = " " * 13 if v == "one number" else f" ({extra / one:5.2f}x one)" if one > 1e-9 else " (one: noise)"
+            cells.append(f"{extra / med['plain'] * 100:+7.1f}%" + ratio)
+        print(f"   {label:<48}{med['plain'] * 1e3:>10.3f}" + "".join(f"{c:>22}" for c in cells), flush=True)
+        for _, mon in runs.values():
+            if mon is not None:
+                mon.close()
+
+
+SECTIONS = [("1. hot path without a sync", "sync_free_hot_path", True), ("2. core benchmark", "core_bench", True),
+            ("3. fp16 AMP", "amp_fp16", True), ("4. Lightning 16-mixed", "lightning_16_mixed", True),
+            ("5. fused skip", "fused_skip", True), ("6. deferred without a sync", "no_sync_checks", True),
+            ("7. the deferred guard", "device_guard", True), ("8. syncs per step", "sync_counts", False),
+            ("9. whole steps", "whole_step", False)]
+
+
+def main(argv=None) -> int:
+    global DEV
+    ap = argparse.ArgumentParser(description="gradhealth's GPU check")
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (the CUDA-only sections say they are skipped)")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes and few rounds (a smoke test)")
+    ap.add_argument("--sections", default="", help="comma-separated section numbers (default: all)")
+    ap.add_argument("--shapes", default="", help="the whole-step table's shapes, comma-separated indexes (default: all)")
+    ARGS.__dict__.update(vars(ap.parse_args(argv)))
+    if not ARGS.cpu and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (--cpu runs what can run on the CPU)", file=sys.stderr)
+        return 2
+    DEV = torch.device("cpu" if ARGS.cpu else "cuda")
+    t0 = time.time()
+    name = torch.cuda.get_device_name() if DEV.type == "cuda" else "the CPU"
+    import gradhealth.integrations as integrations
+
+    print(f"gpu_check on {name} (torch {torch.__version__}; gradhealth from {os.path.dirname(gh.__file__)}, "
+          f"gradhealth.integrations from {os.path.dirname(integrations.__file__)})")
+    warnings.simplefilter("ignore")
+    chosen = {s for s in ARGS.sections.split(",") if s}
+    failed = []
+    for title, fn, cuda_only in SECTIONS:
+        if chosen and title.split(".")[0] not in chosen:
+            continue
+        if cuda_only and DEV.type != "cuda":
+            print(f"{title}: skipped (needs CUDA)")
+            continue
+        try:
+            if os.environ.get("GPU_CHECK_FAIL") == title.split(".")[0]:  # (the harness's own test: a section that fails)
+                raise RuntimeError("a failure planted by GPU_CHECK_FAIL")
+            globals()[fn]()
+        except Exception:  # each section on its own: report it, run the next
+            failed.append(title)
+            print(f"{title}: FAILED", flush=True)
+            traceback.print_exc()
+    print(f"gpu_check {'FAILED: ' + ', '.join(failed) if failed else 'passed'} in {time.time() - t0:.0f}s")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

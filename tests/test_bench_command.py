@@ -23,3 +23,30 @@ def test_bench_distributed_section_runs():
     assert "the same check again (what this measurement's noise is)" in res.stdout
     assert "without the replicas' gradient agreement" in res.stdout and "with the lockstep counts" in res.stdout
     assert "grad_sync='in_optimizer'" in res.stdout and "with the rank-origin comm hook" in res.stdout
+
+
+def test_bench_counts_section_prints_ops_and_instructions_per_check():
+    """``gradhealth bench --sections counts``: per shape (a vanishing one among them), the synchronous
+    monitor, the deferred one and the one number, each with its ops and Python instructions per check;
+    the counts hold the launch budget (a constant per group: a few ops, whatever the tensor count)."""
+    res = subprocess.run([sys.executable, "-m", "gradhealth", "bench", "--sections", "counts", "--count-steps", "5"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = {}
+    for line in res.stdout.splitlines():
+        for variant in ("synchronous", "deferred (lag=1)", "clip_grad_norm_().item()"):
+            if f"  {variant}" in line:
+                shape = line.split(variant)[0].strip().rsplit(None, 1)[0]
+                first, ops, hooks, py = line.split(variant)[1].split()
+                rows[shape, variant] = (int(first), float(ops), float(hooks), float(py))
+    shapes = {s for s, _ in rows}
+    assert "200x(Linear(64),Tanh): vanishing" in shapes and len(shapes) == 4, shapes
+    assert len(rows) == 12
+    for (shape, variant), (first, ops, hooks, py) in rows.items():
+        assert py > 0 and ops >= 1, (shape, variant)
+        if variant == "clip_grad_norm_().item()":
+            continue
+        assert ops <= 12, (shape, variant, ops)  # 400 tensors included: not one op per tensor
+        assert rows[shape, "deferred (lag=1)"][1] <= rows[shape, "synchronous"][1], shape
+    vanishing, healthy = rows["200x(Linear(64),Tanh): vanishing", "synchronous"], rows["400 small tensors", "synchronous"]
+    assert vanishing[1] <= 2 * healthy[1], (vanishing, healthy)

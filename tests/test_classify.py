@@ -278,8 +278,12 @@ def test_cpu_kernels_match_float64_reference():
         tensors.append(torch.randn(stats.STACK_NUMEL + 1).to(dtype))  # odd and large: neither path
     assert not all(t.is_contiguous() for t in tensors)
     norms, _, plan = stats.grad_norms(tensors)
-    kinds = [(kind, len(idx)) for _, batches in plan.batches for kind, _, idx in batches]
+    fresh = stats.NormPlan(tensors)  # (the plan returned has learned the exact ones: see below)
+    kinds = [(kind, len(idx)) for _, batches in fresh.batches for kind, _, idx in batches]
     assert {k for k, _ in kinds} == {"stack", "rows", "each"} and all(n >= 2 for k, n in kinds if k == "stack")
+    # the tensors whose fused norm came back 0 or inf (1e20s, 1e-30s, zeros, inf) are normed exactly from now on
+    assert plan.exact and all(t.numel() for i in plan.exact for t in [tensors[i]])
+    assert [kind for _, batches in plan.batches for kind, _, _ in batches].count("exact") == len(DTYPES)
     few = stats.NormPlan([torch.randn(7) for _ in range(stats.STACK_MIN - 1)])  # a small model: one foreach
     assert [kind for _, batches in few.batches for kind, _, _ in batches] == ["each"]
     for t, v in zip(tensors, norms):
@@ -287,9 +291,9 @@ def test_cpu_kernels_match_float64_reference():
     changed = [torch.randn(16, 16), *tensors[1:]]  # a (7,) slot now holds a (16, 16)
     rows_at = next(i for i, t in enumerate(tensors) if t.shape == (96, 256) and t.is_contiguous())
     changed[rows_at] = torch.randn(24577)  # a tensor reduced as rows now divides into none
-    assert tensors[0].shape == (7,) and plan.fits(changed)  # (shapes are not keyed)
-    norms2, _, plan2 = stats.grad_norms(changed, plan=plan)
-    assert plan2 is not plan
+    assert tensors[0].shape == (7,) and fresh.fits(changed)  # (shapes are not keyed)
+    norms2, _, plan2 = stats.grad_norms(changed, plan=fresh)
+    assert plan2 is not fresh
     for t, v in zip(changed, norms2):
         assert same_float(v, reference_norm(t)), (t.dtype, t.shape)
 

@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 from conftest import free_port
 import dist_workers
+from test_deferred import same
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -169,7 +170,8 @@ def test_deferred_checks_give_every_rank_the_synchronous_reports(tmp_path):
     for r in ranks:
         sync, late = r["0"], r["1"]
         assert sync["returned"] == list(range(6)) and late["returned"] == [None, *range(5)]
-        assert late["reports"] == sync["reports"]  # one collective per check, made when the check completes
+        # one collective per check, made when the check completes (norms accumulated in float64: within 1e-6)
+        assert same(late["reports"], sync["reports"])
     assert ranks[0]["1"]["reports"] == ranks[1]["1"]["reports"]
     first = ranks[0]["0"]["reports"][0]
     assert set(first["status"].values()) == {"OK", "NOT_IN_OPTIMIZER"}

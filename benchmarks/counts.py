@@ -1,0 +1,150 @@
+"""The ``counts`` section of ``gradhealth bench``: what a check costs the host, counted rather than
+timed (a count does not move with a shared machine's clock, and on a GPU every torch op is a kernel
+launch that costs host time). For each shape, three ways to watch the gradients after backward:
+the synchronous monitor (``lag=0``), the deferred one (``lag=1``) and the one number a user logs
+instead (``clip_grad_norm_(...).item()``):
+
+* ops per check: the torch ops dispatched inside ``check()`` (or the clip), counted with
+  ``TorchDispatchMode``; the median over the checks after the first (the first builds the plans,
+  and is printed apart);
+* ops per step: the same plus the monitor's own ops in the optimizer step's hooks, the mean over
+  ``steps`` steps (the periodic change test and update norms amortised as in a run);
+* Python instructions per check: bytecode instructions executed inside ``check()`` (or the clip),
+  counted with ``sys.settrace`` opcode events (``f_trace_opcodes``), the median over the same
+  checks; torch's C++ is not counted (``scripts/count_instructions.py`` counts machine instructions
+  with valgrind).
+
+Shapes: the small section's 6-tensor MLP and 2-block transformer, 100x (Linear(64), LayerNorm) (400
+small tensors), and 200x (Linear(64, 64), Tanh): gradients that underflow fp32 squares, whose norms
+need the exact re-check (the run someone turns the tool on for).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["COUNT_SHAPES", "count_shape", "bench_counts"]
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the ops dispatched by gradhealth's code, or (``everything``) every op."""
+
+    def __init__(self, everything: bool = False):
+        super().__init__()
+        self.n, self.everything = 0, everything
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.everything:
+            self.n += 1
+        else:
+            f = sys._getframe(1)
+            while f is not None:
+                name = f.f_code.co_filename
+                if "/torch/optim/" in name:
+                    break
+                if "/gradhealth/" in name and "/benchmarks/" not in name and "/tests/" not in name:
+                    self.n += 1
+                    break
+                f = f.f_back
+        return func(*args, **(kwargs or {}))
+
+
+def _instructions(fn) -> int:
+    """Bytecode instructions ``fn()`` executes (every frame it enters), by ``sys.settrace`` opcode events."""
+    count = 0
+
+    def trace(frame, event, arg):
+        nonlocal count
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count += 1
+        return trace
+
+    old = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(old)
+    return count
+
+
+def _deep():
+    return nn.Sequential(*[m for _ in range(200) for m in (nn.Linear(64, 64), nn.Tanh())])
+
+
+def _many():
+    return nn.Sequential(*[m for _ in range(100) for m in (nn.Linear(64, 64), nn.LayerNorm(64))])
+
+
+def _small(name):
+    from gradhealth.benchmarks.small import SMALL
+
+    return SMALL[name]
+
+
+#: label -> (model factory, batch factory)
+COUNT_SHAPES = {
+    "6-tensor MLP": lambda: _small("6-tensor MLP"),
+    "2-block transformer": lambda: _small("2-block transformer (8x16x64)"),
+    "400 small tensors": lambda: (_many, lambda: torch.randn(8, 64)),
+    "200x(Linear(64),Tanh): vanishing": lambda: (_deep, lambda: torch.randn(8, 64)),
+}
+VARIANTS = ("synchronous", "deferred (lag=1)", "clip_grad_norm_().item()")
+
+
+def count_shape(label: str, steps: int = 9, instructions: int = 4) -> dict[str, dict[str, float]]:
+    """{variant: {"first": ops at the first check, "check": median ops per check, "step": mean ops
+    per step with the hooks, "py": median Python instructions per check, over ``instructions``
+    checks after the ``steps``}} for one shape."""
+    import gradhealth as gh
+
+    make, batch = COUNT_SHAPES[label]()
+    out = {}
+    for variant in VARIANTS:
+        torch.manual_seed(0)
+        model, x = make(), batch()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        clip = variant.startswith("clip")
+        monitor = None if clip else gh.GradHealth(model, opt, on_problem="ignore", lag=int(variant.startswith("deferred")))
+        params = list(model.parameters())
+        act = (lambda: torch.nn.utils.clip_grad_norm_(params, 1e9).item()) if clip else monitor.check
+        checks, whole, py = [], [], []
+        for step in range(steps + instructions):
+            opt.zero_grad(set_to_none=True)
+            model(x).float().pow(2).mean().backward()
+            if step >= steps:  # then the instructions, on checks of their own
+                py.append(_instructions(act))
+                opt.step()
+                continue
+            with _Ops(everything=clip) as ops:
+                act()
+                n = ops.n
+                opt.step()
+            checks.append(n)
+            whole.append(n if clip else ops.n)  # (the clip has no hooks; the optimizer's ops are not the monitor's)
+        if monitor is not None:
+            monitor.close()
+        out[variant] = {"tensors": len(params), "first": checks[0], "check": statistics.median(checks[1:]),
+                        "step": sum(whole[1:]) / len(whole[1:]), "py": statistics.median(py) if py else float("nan")}
+    return out
+
+
+def bench_counts(steps: int = 9, shapes=None) -> dict:
+    print("\nwhat a check costs the host, counted: torch ops dispatched (TorchDispatchMode; on a GPU each is a kernel "
+          "launch) and Python bytecode instructions (sys.settrace opcode events), per check after the first; "
+          "'+hooks': the mean per step with the monitor's optimizer-step hooks (periodic tests amortised)")
+    print(f"  {'shape':<34}{'tensors':>8}  {'variant':<26}{'first':>7}{'ops/check':>11}{'+hooks':>8}{'py instr/check':>16}")
+    out = {}
+    for label in shapes or COUNT_SHAPES:
+        res = count_shape(label, steps, 4 if steps >= 9 else 1)
+        for variant, r in res.items():
+            print(f"  {label:<34}{r['tensors']:>8}  {variant:<26}{r['first']:>7}{r['check']:>11.0f}{r['step']:>8.1f}"
+                  f"{r['py']:>16.0f}")
+        out[label] = res
+    return out

@@ -1,0 +1,132 @@
+"""The launch budget: the torch ops a check dispatches (on a GPU each is a kernel launch, and a
+launch costs host time) are a constant per (device, dtype) group, whatever the tensor count: from
+10 to 1000 tensors, on a healthy model, a vanishing one (fp32 squares that underflow: every norm
+re-checked exactly, and from then on normed exactly) and a mixed-dtype one, synchronous and deferred. Counted with
+``TorchDispatchMode`` over the check and the optimizer step's hooks (the ops gradhealth's own code
+dispatches), averaged over the 8 steps after the first (so the periodic change test and update
+norms, every 8 checks here, are amortised as they are in a run); the first check, which builds the plans,
+is counted apart."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gradhealth as gh
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Ops(TorchDispatchMode):
+    """Counts the ops dispatched by gradhealth's own code (not the optimizer's, not the user's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        f = sys._getframe(1)
+        while f is not None:
+            name = f.f_code.co_filename.replace("\\", "/")
+            if "/gradhealth/" in name and "/tests/" not in name:
+                self.n += 1
+                break
+            if "/torch/optim/" in name:  # (the optimizer's own op, reached before any hook of ours)
+                break
+            f = f.f_back
+        return func(*args, **(kwargs or {}))
+
+
+class Heads(nn.Module):
+    """``n`` tensors side by side (each Linear's output summed): every one gets a usable gradient."""
+
+    def __init__(self, n: int, dtypes=(torch.float32,)):
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(8, 8).to(dtypes[k % len(dtypes)]) for k in range(n // 2))
+
+    def forward(self, x):
+        return sum(h(x.to(h.weight.dtype)).float() for h in self.heads)
+
+
+class Tiny(Heads):
+    """``n`` tensors whose gradients all vanish below 1e-23, where fp32 squares underflow: every
+    fused norm reads 0, every gradient is non-zero (each needs the exact re-check)."""
+
+    def forward(self, x):
+        return super().forward(x) * 1e-13  # (a loss of ~1e-26, gradients of ~1e-26)
+
+
+def model_of(shape: str, n: int) -> nn.Module:
+    torch.manual_seed(0)
+    return {"healthy": lambda: Heads(n), "vanishing": lambda: Tiny(n),
+            "mixed": lambda: Heads(n, (torch.float32, torch.bfloat16))}[shape]()
+
+
+def ops_per_step(shape: str, n: int, lag: int, steps: int = 9):
+    """(ops at the first check, the mean per step over the next ``steps - 1`` through the check and
+    the optimizer step's hooks, the mean of the check alone)."""
+    model = model_of(shape, n)
+    # (an eps below the vanishing gradients: their steps still move the parameters, so the change test
+    # runs every 8 checks on every shape, and NOT_UPDATED stays silent. The single-tensor Adam: under a
+    # dispatch mode the foreach one's in-place updates leave the version counters, which the change
+    # test reads, as they were)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-30, foreach=False)  # (foreach: see below)
+    monitor = gh.GradHealth(model, opt, lag=lag, on_problem="raise", change_every=8, update_every=8)
+    whole, checks = [], []
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=g)
+        model(x).pow(2).mean().backward()
+        with Ops() as ops:
+            monitor.check()
+            checked = ops.n
+            opt.step()
+            opt.zero_grad()
+        whole.append(ops.n)
+        checks.append(checked)
+    monitor.close()
+    return whole[0], sum(whole[1:]) / (steps - 1), sum(checks[1:]) / (steps - 1)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+@pytest.mark.parametrize("shape", ["healthy", "vanishing", "mixed"])
+def test_ops_per_check_do_not_grow_with_the_tensor_count(shape, lag):
+    per = {n: ops_per_step(shape, n, lag)[1] for n in (10, 1000)}
+    # a constant per group: 1000 tensors cost what 10 do, up to a few ops for the CPU's stacked kernels
+    # (one per shape, see stats._batches) and the change test's window
+    assert per[1000] <= per[10] + 12, per
+    assert per[1000] <= 40, per
+
+
+def test_a_vanishing_model_costs_at_most_twice_a_healthy_one():
+    """Its check (the norms exact, after the first re-check): at most twice the healthy check's ops."""
+    for lag in (0, 1):
+        healthy, vanishing = ops_per_step("healthy", 200, lag)[2], ops_per_step("vanishing", 200, lag)[2]
+        assert vanishing <= 2 * healthy, (lag, vanishing, healthy)  # the check: its norms, exact
+
+
+@pytest.mark.parametrize("shape", ["healthy", "vanishing"])
+def test_the_premise(shape):
+    """The vanishing shape really underflows: every fused fp32 norm reads 0 while the
+    gradients are not zero (each is re-checked exactly); the healthy one has none."""
+    model = model_of(shape, 400)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    fused = torch.stack(torch._foreach_norm(grads, 2)).tolist()
+    exact = [float(torch.linalg.vector_norm(g.double())) for g in grads]
+    under = [k for k, (f, e) in enumerate(zip(fused, exact)) if f == 0.0 and e > 0.0]
+    if shape == "vanishing":
+        assert len(under) == len(grads), (len(under), len(grads))
+    else:
+        assert under == [] and all(e > 0.0 for e in exact)
+
+
+def test_the_first_check_builds_its_plans_in_ops_that_do_not_read_back():
+    """The first check (plans included) is the dearest; it is counted, not hidden: at most a few
+    ops per tensor (views, built once), and the second check is back to the constant."""
+    first, mean, _ = ops_per_step("healthy", 100, 0, steps=3)
+    assert first <= 12 * 100 and mean <= 40, (first, mean)
