@@ -47,6 +47,7 @@ from torch import Tensor
 from .distributed import dtensor_type, to_local
 from .errors import GradHealthInternalWarning
 from .compare import Packed, apply, flat, norms, sample_view, versions_tell, water_fill
+from .lrstory import LrStory, all_positive
 from .rules import rule_norms, rule_of
 from .ranon import RanOn
 from .stale import WITNESSES, StaleWatch
@@ -113,7 +114,7 @@ class UpdateTracker:
         self._arms: dict[int, int] = {}  # per optimizer: checks that armed its step
         self._tests: dict[int, int] = {}  # per optimizer: change tests armed (the windows take turns)
         self._turn: dict[int, int] = {}  # per optimizer: where the next generic exact copy starts
-        self._zero_lr: set[tuple[int, int]] = set()  # (optimizer id, group) whose lr was 0 at its last step
+        self.lrs = LrStory(optimizers)  # each group's learning rate across steps (:mod:`.lrstory`)
         self._inflight: dict[int, tuple] = {}
         self.ran = RanOn()  # which gradients a step already ran on (one-call steps, steps inside backward)
         self._plans: dict[int, _OptPlan] = {}
@@ -200,7 +201,10 @@ class UpdateTracker:
             k = self._arms.get(id(opt), 0)
             self._arms[id(opt)] = k + 1
             measure = exact or k % self.update_every == 0
-            if not (forced or measure or k % self.change_every == 0):  # a light step: the plan is not even re-validated
+            # a group at lr 0 under an optimizer whose rule is not known here: the change test
+            # decides this step (lr 0 is judged at every step, not only at the periodic tests)
+            zero = rule_of(opt) is None and not all_positive(opt) and not self.lrs.quiet(opt)
+            if not (forced or measure or zero or k % self.change_every == 0):  # a light step: the plan is not even re-validated
                 self._inflight[id(opt)] = _LIGHT
                 continue
             tests = self._tests[id(opt)] = self._tests.get(id(opt), -1) + 1
@@ -299,12 +303,14 @@ class UpdateTracker:
     def _light(self, opt) -> StepStats | None:
         """A step between change tests: what the learning rates decide (lr 0 in SGD/Adam/AdamW changes
         nothing, exactly), or None (the usual one: nothing decided or skipped, nothing to read)."""
-        if not self._zero_lr and getattr(opt, "found_inf", None) is None:  # (the usual step: every lr a
+        if not self.lrs.zero and getattr(opt, "found_inf", None) is None:  # (the usual step: every lr a
             for g in opt.param_groups:  # positive float, no lr 0 before, no grad scaler's flag)
                 lr = g["lr"]
                 if lr.__class__ is not float or not lr > 0:
                     break
             else:
+                if id(opt) not in self.lrs.rose:
+                    self.lrs.mark_rose(opt)
                 return None
         plan = self._plans.get(id(opt)) or self._plan(opt)
         if plan is None:
@@ -382,19 +388,9 @@ class UpdateTracker:
         return out
 
     def _lr_zero(self, opt, plan) -> list[str]:
-        """Per parameter: "" (lr > 0), "new" (lr 0 now, not at this group's previous step: a
-        schedule starting at 0), "again" (lr 0 at two steps in a row)."""
-        words = []
-        for gi, g in enumerate(opt.param_groups):
-            lr = g["lr"]
-            if isinstance(lr, Tensor):  # a device lr (capturable optimizers): reading it would sync every step
-                lr = float(lr) if lr.device.type == "cpu" else math.nan
-            key = (id(opt), gi)
-            words.append("" if lr != 0 else ("again" if key in self._zero_lr else "new"))
-            if lr == 0:
-                self._zero_lr.add(key)
-            else:
-                self._zero_lr.discard(key)
+        """Per parameter: its group's learning-rate word at this step (:class:`.lrstory.LrStory`:
+        "" for lr > 0; "new", "again", "stuck", "held", "quiet" for lr 0)."""
+        words = self.lrs.words(opt)
         if not any(words):
             return [""] * len(plan.group_of)
         return [words[g] for g in plan.group_of]
