@@ -219,8 +219,8 @@ class UpdateTracker:
                 snap = (ks, packed, packed.snapshot())
             # exact copies, within the budget and in turns: the watched parameters (undecided by
             # their sample before), and for an optimizer without a known rule, the ones measured
-            generic = measure and not exact and rule_of(opt) is None
-            if generic:
+            generic = (measure or zero) and not exact and rule_of(opt) is None
+            if generic:  # (at lr 0: copied in turns, so the step is decided now, not by a later sample)
                 wanted = list(range(len(plan.idx)))
             elif self.watched:
                 wanted = [k for k, i in enumerate(plan.idx) if i in self.watched and not plan.whole[k]]

@@ -116,11 +116,14 @@ class LrStory:
             if rec[0]:  # it rose before: a fall
                 out.append("new" if rec[1] == 1 else "again")
                 continue
+            if rec[2]:  # a hold already said stays one (what stops the others is theirs to say)
+                out.append("quiet")
+                continue
             base = lr_of({"lr": g.get("initial_lr", 0.0)})
             if others is None:
                 others = self._others_train(opt)
             if others and not base > 0:
-                out.append("quiet" if rec[2] else "held")
+                out.append("held")
                 rec[2] = True
                 continue
             out.append("new" if rec[1] <= WARMUP else "stuck")
