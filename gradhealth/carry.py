@@ -22,6 +22,7 @@ from . import state as checked
 from .steps import StepStats
 from .stale import discarded, witnesses
 from .findings import Finding, FindingKind
+from .fitted import LossFit
 from .guards import ForwardRecord
 from .history import NormHistory
 from .patience import Persistence
@@ -75,6 +76,7 @@ class Carry:
         self.gone: set[int] = set()  # the checks whose gradients were gone when their step began
         self.witness_step: int | None = None  # the check the witnesses are of
         self.patience = 3
+        self.fit = LossFit()  # what the loss explains about the gradients (:mod:`.fitted`)
 
     # ---------------------------------------------------------------- between
     def add_valid(self, mask: Tensor, name: str) -> None:

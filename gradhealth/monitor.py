@@ -297,16 +297,19 @@ class GradHealth:
         if self.unstepped is not None and not reeval:
             report.findings += self.unstepped.update(self.view, report.optimizer_index, *launch.counts,
                                                      report.status, step, self.options.grad_patience)
-        report.findings += persist(  # transient or persistent NO_GRAD / ZERO_GRAD: which ones are tolerated now
+        fit = self.carry.fit
+        nothing = fit.nothing_to_learn(report) if report.loss == 0.0 else []  # (the loss's zeros: :mod:`.fitted`)
+        report.findings += nothing or persist(  # transient or persistent NO_GRAD / ZERO_GRAD: which ones are tolerated now
             report, self.carry.streaks, self.options.grad_patience, self.view.names, self.view.params)
         report.findings += verdict.judge(self, report, obs, across, sel, launch.output_grad)
         v = self.view
         report.module_grad_norm = stats.module_norms(obs.with_grad, obs.norms, v.module_index, v.modules,
                                                       v.module_runs)
         history = self.carry.history_for(report.optimizer_index)
-        if history is not None:
-            report.findings += history.update(step, report.total_grad_norm, report.module_grad_norm,
-                                              self.carry.streaks.skipping)
+        if history is not None and not nothing:
+            report.findings += fit.vanishing(history.update(step, report.total_grad_norm, report.module_grad_norm,
+                                                            self.carry.streaks.skipping), report.loss, step)
+        fit.add(report.loss)
         if not reeval:
             self._arm_next(report, obs, optimizer, launch)
         if launch.transfer is None:  # (for a clip_grad_norm_ that follows; a deferred check's norms come too late)

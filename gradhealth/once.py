@@ -80,6 +80,8 @@ class Once:
         return said
 
 
+#: kinds about one batch, not a state that lasts: nothing "resolves" when the next batch differs
+_EVENTS = frozenset({"NOTHING_TO_LEARN"})
 #: the steps of this many recent checks are kept, to say where a gap without gradients began
 _KEPT = 128
 
@@ -111,7 +113,7 @@ def _resolved(before: dict, now: dict) -> list[str]:
             shown = ", ".join(gone[:4]) + (f" and {len(gone) - 4} more" if len(gone) > 4 else "")
             out.append(f"{state} of {shown} (since step {since})")
     found_now = {(p[1], p[2]) for p in now if p[0] == "finding"}
-    for kind, level in sorted({(p[1], p[2]) for p in before if p[0] == "finding"} - found_now):
+    for kind, level in sorted({(p[1], p[2]) for p in before if p[0] == "finding" and p[1] not in _EVENTS} - found_now):
         since = min(v[0] for p, v in before.items() if p[0] == "finding" and (p[1], p[2]) == (kind, level))
         out.append(f"{kind} ({level}, since step {since})")
     return out
