@@ -10,10 +10,13 @@ numbers). Two rules:
   warning however often it repeats); the ZERO_GRAD units of such a check are not counted as misses
   by the persistence rule, and the norm history does not take the check (it says nothing of the
   gradients' scale).
-* **a batch already fitted**: a VANISHING_GRAD collapse that the loss's own collapse explains. Near a
-  fit the gradient falls with the loss as ``loss**a`` with ``a`` between 1/2 (squared errors) and 1
-  (cross-entropy), so a loss that fell below its running median by at least the factor the gradients
-  fell by (``loss / median <= norm / median`` for every low module) explains it: info, not a warning.
+* **a batch already fitted**: a VANISHING_GRAD collapse that the loss's own collapse explains. A
+  batch whose loss is an order of magnitude below the run's running median (``loss / median <=
+  FIT_RATIO``) is one the model already fits: near a minimum the gradient goes to 0 faster than the
+  loss does (the residuals of a fitted batch cancel in its mean gradient), so its collapse is the
+  fit's: info, not a warning. Also where the loss fell about as far as the gradients did
+  (``loss / median <= FIT_SLACK * norm / median`` for every low module). A real collapse
+  (saturated activations, dead ReLUs, a cut path) leaves the loss where it was, or raises it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ __all__ = ["LossFit", "WINDOW"]
 
 #: the running median of the loss is taken over this many recent checks (at least WARMUP of them)
 WINDOW, WARMUP = 100, 5
+#: a batch's mean loss and its gradient are not exactly proportional (each sample's error and inputs
+#: weigh differently): the loss's fall explains the gradients' within this factor
+FIT_SLACK = 10.0
+#: a batch whose loss is this far below the running median is already fitted
+FIT_RATIO = 0.1
 
 
 class LossFit:
@@ -87,7 +95,7 @@ class LossFit:
         out = []
         for f in found:
             ratios = f.data.get("ratios") if f.kind == K.VANISHING_GRAD else None
-            if ratios and all(ratio <= r for r in ratios.values()):
+            if ratios and (ratio <= FIT_RATIO or all(ratio <= FIT_SLACK * r for r in ratios.values())):
                 out.append(Finding(K.VANISHING_GRAD, f"the batch is already fitted at step {step}: the loss {loss:.3g} is "
                                    f"{ratio:.3g}x its running median {median:.3g}, and the gradients of "
                                    f"{', '.join(list(ratios)[:5])}{' ...' if len(ratios) > 5 else ''} fell with it (to "
