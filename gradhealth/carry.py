@@ -23,6 +23,7 @@ from .steps import StepStats
 from .stale import discarded, witnesses
 from .findings import Finding, FindingKind
 from .fitted import LossFit
+from .pileup import PileUp
 from .guards import ForwardRecord
 from .history import NormHistory
 from .patience import Persistence
@@ -77,6 +78,7 @@ class Carry:
         self.witness_step: int | None = None  # the check the witnesses are of
         self.patience = 3
         self.fit = LossFit()  # what the loss explains about the gradients (:mod:`.fitted`)
+        self.pileup = PileUp()  # gradients growing with no step that changes their parameter
 
     # ---------------------------------------------------------------- between
     def add_valid(self, mask: Tensor, name: str) -> None:

@@ -86,6 +86,17 @@ class LrStory:
                     return True
         return False
 
+    def zero_ids(self) -> set[int]:
+        """Ids of the parameters in the groups at lr 0 at their last step."""
+        if not self.zero:
+            return set()
+        out = set()
+        for o in self.optimizers:
+            for gi, g in enumerate(o.param_groups):
+                if (id(o), gi) in self.zero:
+                    out.update(map(id, g["params"]))
+        return out
+
     def quiet(self, opt) -> bool:
         """Every group of ``opt`` at lr 0 is a hold already said (no change test needed for it)."""
         for gi, g in enumerate(opt.param_groups):
