@@ -302,8 +302,7 @@ class GradHealth:
         report.findings += nothing or persist(  # transient or persistent NO_GRAD / ZERO_GRAD: which ones are tolerated now
             report, self.carry.streaks, self.options.grad_patience, self.view.names, self.view.params)
         if self.tracker is not None and not reeval:
-            report.findings += self.carry.pileup.update(report, self.view.names, self.view.params,
-                                                        self.tracker.total_steps, self.tracker.lrs.zero_ids())
+            report.findings += self.carry.pileup.update(report, self.view.names, self.view.params, self.tracker)
         report.findings += verdict.judge(self, report, obs, across, sel, launch.output_grad)
         v = self.view
         report.module_grad_norm = stats.module_norms(obs.with_grad, obs.norms, v.module_index, v.modules,

@@ -9,9 +9,10 @@ was and every check reads it as OK. The rule, from what the checks see:
 
 * its gradient norm grew at ``PILE`` checks in a row (each backward added onto the last);
 * optimizer steps ran meanwhile (not accumulation over micro-batches before a step);
-* the parameter did not change: its version counter did not move, and its norm is exactly the same
-  as when the growth began (one fused norm of the few candidates and one read, only when there are
-  candidates: a parameter a fused kernel moves, with no version bump, changes its norm).
+* no step changed the parameter: every optimizer that holds it did not step meanwhile (while
+  another one did), or its version counter did not move under optimizers whose steps move it
+  (torch.optim's own, not fused: :func:`.compare.versions_tell`). Where neither tells (a fused
+  step moves no counter), nothing is said.
 
 Judged for OK parameters whose learning rate is not 0 (a group held at 0 is :mod:`.lrstory`'s).
 """
@@ -20,12 +21,10 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from .findings import Finding, FindingKind
 from .naming import agree
 from .report import describe_names
-from .stats import fetch, plan_groups
+from .compare import versions_tell
 from .status import Status
 
 __all__ = ["PileUp", "PILE"]
@@ -37,52 +36,58 @@ PILE = 3
 class PileUp:
     def __init__(self) -> None:
         self.prev: dict[str, float] = {}
-        self.streak: dict[str, list] = {}  # name -> [growths, version, steps then, norm of θ then, first grad norm]
+        self._names: list | None = None
+        self._index: dict[str, int] = {}
+        self.streak: dict[str, list] = {}  # name -> [growths, version, (steps, per optimizer) then, first grad norm]
 
-    def update(self, report, names: list[str], params: list, steps: int, held: set[int]) -> list[Finding]:
-        """GRAD_PILEUP for the parameters piling up now; ``steps``: optimizer steps so far, ``held``:
-        ids of the parameters whose group's lr is 0."""
-        gn, prev, streak = report.grad_norm, self.prev, self.streak
+    def update(self, report, names: list[str], params: list, tracker) -> list[Finding]:
+        """GRAD_PILEUP for the parameters piling up now (``tracker``: the monitor's
+        :class:`~gradhealth.deltas.UpdateTracker`, its step counts and learning rates)."""
+        gn, prev = report.grad_norm, self.prev
         self.prev = gn
-        status = report.status
-        grown = [n for n, v in gn.items() if v > prev.get(n, math.inf) and v < math.inf]
-        if not grown and not streak:
+        if not self.streak and not gn:
             return []
-        index = {n: i for i, n in enumerate(names)} if grown else {}
-        now = {}
+        status, streak = report.status, self.streak
+        grown = [n for n, v in gn.items() if v > prev.get(n, math.inf) and v < math.inf]
+        if not grown:
+            self.streak = {}
+            return []
+        if names is not self._names:  # (made once per list of names)
+            self._names, self._index = names, {n: i for i, n in enumerate(names)}
+        index = self._index
+        now, snap = {}, None
         for n in grown:
             if status.get(n) is not Status.OK or n not in index:
                 continue
             p = params[index[n]]
-            if id(p) in held:
-                continue
             r = streak.get(n)
-            if r is None or r[1] != p._version:  # (a change of the parameter ends the streak)
-                r = [0, p._version, steps, None, prev[n]]
+            if r is None or r[1] != p._version:  # (a version that moved: it was changed)
+                snap = snap or (tracker.total_steps, dict(tracker.stepped))
+                r = [0, p._version, snap, prev[n]]
             r[0] += 1
             now[n] = r
         self.streak = now
-        due = [n for n, r in now.items() if r[0] >= 2 and r[3] is None or r[0] >= PILE and steps > r[2]]
+        due = [n for n, r in now.items() if r[0] >= PILE and tracker.total_steps > r[2][0]]
         if not due:
             return []
-        norms = _norms([params[index[n]] for n in due])
+        held = tracker.lrs.zero_ids()
+        holders = _holders(tracker.lrs.optimizers, {id(params[index[n]]) for n in due})
         found = []
-        for n, v in zip(due, norms):
-            r = now[n]
-            if r[3] is None:
-                r[3] = v
-            elif v != r[3]:  # the parameter moved: not piling up
-                del now[n]
-            elif r[0] >= PILE and steps > r[2]:
+        for n in due:
+            p, (_, then) = params[index[n]], now[n][2]
+            mine = holders.get(id(p), [])
+            if not mine or id(p) in held:
+                continue
+            idle = all(tracker.stepped.get(id(o), 0) == then.get(id(o), 0) for o in mine)
+            if idle or all(versions_tell(o) for o in mine):  # (the version did not move: see the streak)
                 found.append(n)
         if not found:
             return []
-        first = min(now[n][4] for n in found)
+        first = min(now[n][3] for n in found)
         last = max(gn[n] for n in found)
         return [Finding(FindingKind.GRAD_PILEUP, f"{describe_names(status, found)}: {agree(found, 'their gradients have', 'its gradient has')} "
                         f"grown at each of the last {PILE} checks (norm {first:.3g} to {last:.3g}) while optimizer steps ran "
-                        f"and none of them changed {agree(found, 'these parameters', 'this parameter')} (exactly the same "
-                        f"value): {agree(found, 'their gradients pile', 'its gradient piles')} up unapplied. No optimizer steps "
+                        f"and none of them changed {agree(found, 'these parameters', 'this parameter')}: {agree(found, 'their gradients pile', 'its gradient piles')} up unapplied. No optimizer steps "
                         f"{agree(found, 'them', 'it')} and nothing clears {agree(found, 'their', 'its')} .grad: an optimizer "
                         "in backward that hooked only the parameters requiring grad when it was set up (a layer "
                         "unfrozen later has no hook: register one for it, or rebuild the optimizer), or an optimizer "
@@ -90,11 +95,12 @@ class PileUp:
                         step=report.step, data={"first": first, "last": last})]
 
 
-def _norms(tensors: list) -> list[float]:
-    """||θ|| of each tensor: one fused norm per (device, dtype) and one read."""
-    out: list = [None] * len(tensors)
-    ts = [t.detach() for t in tensors]
-    for _, _, idx in plan_groups(ts):
-        for i, v in zip(idx, torch._foreach_norm([ts[i] for i in idx])):
-            out[i] = v
-    return fetch(out) if out else []
+def _holders(optimizers, ids: set[int]) -> dict[int, list]:
+    """For each parameter id of ``ids``, the optimizers whose param_groups hold it."""
+    out: dict[int, list] = {}
+    for o in optimizers:
+        for g in o.param_groups:
+            for p in g["params"]:
+                if id(p) in ids:
+                    out.setdefault(id(p), []).append(o)
+    return out
