@@ -125,6 +125,8 @@ class UpdateTracker:
         self.before_step = None
         #: called first, with the step hook's arguments (:class:`gradhealth.lockstep.MissedChecks`)
         self.on_step = None
+        #: called last in the step post-hook, with the optimizer (:meth:`gradhealth.replicas.Replicas.verified`)
+        self.after_step = None
         self._handles = [opt.register_step_post_hook(self._post) for opt in optimizers]
         self._handles += [opt.register_step_pre_hook(self._pre) for opt in optimizers]
 
@@ -299,6 +301,11 @@ class UpdateTracker:
             plan = self._plans.get(key) or self._plan(opt)
             seen = self.witness.arm(opt, plan.idx if plan else [], self.entries)
         self.ran.stepped(opt, seen or None)
+        if self.after_step is not None:  # (a guess about this optimizer's reduction, verified now)
+            try:
+                self.after_step(opt)
+            except Exception:  # inside the user's optimizer.step(): never break it
+                pass
 
     def _light(self, opt) -> StepStats | None:
         """A step between change tests: what the learning rates decide (lr 0 in SGD/Adam/AdamW changes

@@ -99,6 +99,8 @@ class GradHealth:
         self._owned = Owned(self, self._watch, self._changes, self.tracker, self.carry, self.ranks, self.masters)
         if self.tracker is not None:
             self.masters.attach(self.tracker)
+            if self.ranks.active:  # where the replicas are reduced: inferred per optimizer, verified in its step
+                self.replicas.members, self.tracker.after_step = self._members, self._verify
         self._missed = lockstep.MissedChecks.attach(self)  # (a rank whose loop skips a check() joins it from its step)
         self._deferred = Deferred(self) if o.lag else None
         self._owned.deferred = self._deferred
@@ -157,6 +159,16 @@ class GradHealth:
             skipping.guard(report, o, self.carry, self.carry.history_for(report.optimizer_index),
                            [v.params[i] for i in v.selection(optimizer).idx], self.scaler is not None, self.tracker)
         return report
+
+    def _members(self) -> list[tuple[int, set[int]]]:
+        held = [(id(o), {id(q) for g in o.param_groups for q in g["params"]}) for o in self.optimizers]
+        return [(key, {i for i, p in enumerate(self.view.pids) if p in ids}) for key, ids in held]
+
+    def _verify(self, opt) -> None:
+        if self.replicas.verify:
+            idx = sorted(dict(self._members()).get(id(opt), ()))
+            self.replicas.verified(opt, [self.view.params[i] for i in idx], [self.view.names[i] for i in idx],
+                                   self.tracker.armed_step, self.ranks.device)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None, *, parameters=None, unscale: bool = True) -> Tensor:
