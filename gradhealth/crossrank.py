@@ -361,7 +361,7 @@ def replica_findings(across: Across, obs: Observation, names: list[str], status,
                              "the step ran inside no_sync()): that rank stepped on its own gradients and its replica drifts. "
                              "Set require_backward_grad_sync = True for the last micro-step (nanoGPT: micro_step == "
                              "gradient_accumulation_steps - 1) on every rank", step=step, data={"ranks": ranks}))
-    found += replicas.take_pending()  # (a guess verified inside the step it concerns)
+    pending = replicas.take_pending()  # (a guess verified inside the step it concerns)
     if replicas.compare_grads and across.disagree:
         across.disagree, said = replicas.judge_disagreement(across.disagree, across.comparable, step,
                                                             across.comparable_at, obs.idx)
@@ -378,7 +378,8 @@ def replica_findings(across: Across, obs: Observation, names: list[str], status,
                              "gradients to them (a parameter its reduction left out, a rank-dependent branch in the "
                              "optimizer); the replicas train apart from here", params=tuple(differ), step=step,
                              data={"ranks": differ}))
-    return found
+    named = {n for f in found if f.kind == FindingKind.DESYNC for n in f.params}  # (said once, by the check's own)
+    return found + [f for f in pending if not set(f.params) <= named]
 
 
 def desync_findings(params: list[Tensor], names: list[str], status, step: int, device) -> list[Finding]:
