@@ -20,6 +20,8 @@ Judged for OK parameters whose learning rate is not 0 (a group held at 0 is :mod
 from __future__ import annotations
 
 import math
+import operator
+from itertools import compress
 
 from .findings import Finding, FindingKind
 from .naming import agree
@@ -37,6 +39,8 @@ class PileUp:
     def __init__(self) -> None:
         self.prev: dict[str, float] = {}
         self._names: list | None = None
+        self._keys: list | None = None
+        self._vals: list = []
         self._index: dict[str, int] = {}
         self.streak: dict[str, list] = {}  # name -> [growths, version, (steps, per optimizer) then, first grad norm]
 
@@ -45,10 +49,16 @@ class PileUp:
         :class:`~gradhealth.deltas.UpdateTracker`, its step counts and learning rates)."""
         gn, prev = report.grad_norm, self.prev
         self.prev = gn
-        if not self.streak and not gn:
+        if not gn:
+            self.streak = {}
             return []
         status, streak = report.status, self.streak
-        grown = [n for n, v in gn.items() if v > prev.get(n, math.inf) and v < math.inf]
+        keys, vals = list(gn), list(gn.values())
+        if keys == self._keys:  # (the usual check: the same parameters had gradients; compared in C)
+            grown = list(compress(keys, map(operator.gt, vals, self._vals)))
+        else:
+            grown = [n for n, v in gn.items() if v > prev.get(n, math.inf)]
+        self._keys, self._vals = keys, vals
         if not grown:
             self.streak = {}
             return []
@@ -57,7 +67,7 @@ class PileUp:
         index = self._index
         now, snap = {}, None
         for n in grown:
-            if status.get(n) is not Status.OK or n not in index:
+            if status.get(n) is not Status.OK or n not in index or gn[n] == math.inf:
                 continue
             p = params[index[n]]
             r = streak.get(n)
