@@ -21,8 +21,7 @@ from .status import Status
 
 __all__ = ["loss_cause", "empty_valid_set", "eval_mode", "stale_grad", "expect_frozen", "not_updated",
            "frozen_but_changed", "skipped_step", "optimizer_skip", "amp_skip", "amp_floor", "transient_grads", "frozen_norms",
-           "checkpoint_no_grad", "norm_eval", "norm_idioms", "nan_from_loss", "idle_experts", "nonfinite_experts", "meta_params",
-           "frozen_partner"]
+           "checkpoint_no_grad", "norm_eval", "norm_idioms", "nan_from_loss", "idle_experts", "nonfinite_experts", "meta_params"]
 
 K = FindingKind
 _MASKED_MEAN = "gh.masked_mean(..., empty='zero')"
@@ -347,17 +346,6 @@ def transient_grads(status: Mapping[str, Status], verdict, patience: int, partne
                            step=step, data={"streak": {n: gaps[n] for n in skipping},
                                             "history": {n: verdict.history[n] for n in skipping}}))
     return tolerated, out
-
-
-def frozen_partner(status: Mapping[str, Status], names: Collection[str], step: int) -> list[Finding]:
-    """FROZEN_PARTNER: exactly zero gradients beside a frozen weight that is exactly zero (a LoRA
-    B frozen at its zero init while A trains): nothing can move that weight, so they stay zero."""
-    return [Finding(K.FROZEN_PARTNER, f"{describe_names(status, names)} got {agree(names, 'exactly zero gradients', 'an exactly zero gradient')} "
-                    f"at step {step}: {agree(names, 'their', 'its')} zero-initialised partner is frozen: nothing can move it "
-                    f"off zero, so {agree(names, 'they', 'it')} will never get a gradient (a LoRA B frozen at its zero init "
-                    "while A trains; LoRA-FA freezes A, the random one, and trains B). Unfreeze the zero one, or "
-                    f"freeze {agree(names, 'these', 'this')} instead", params=_ordered(status, names), step=step,
-                    data={"cause": "frozen_zero_partner"})]
 
 
 def _experts(units) -> str:

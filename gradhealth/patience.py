@@ -37,11 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .naming import ROOT, module_of
+from collections.abc import Collection, Mapping
+
+from .findings import Finding, FindingKind
+from .naming import ROOT, agree, module_of
 from .stats import fetch, plan_groups
 from .status import Status
 
-__all__ = ["Persistence", "Verdict", "persist", "predictive", "gap_limit", "family_of", "zero_partners", "ALPHA", "CAP"]
+__all__ = ["Persistence", "Verdict", "persist", "predictive", "gap_limit", "family_of", "zero_partners", "frozen_partner", "ALPHA", "CAP"]
 
 #: the probability below which a unit's current gap is no longer taken for chance
 ALPHA = 1e-8
@@ -292,8 +295,6 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
                    (verdict.errors - set(units) - partners) | stuck, verdict.history)
     report.tolerated, found = transient_grads(report.status, mine, patience, partners, report.step)
     if stuck:
-        from .judges import frozen_partner
-
         found += frozen_partner(report.status, stuck, report.step)
     if units:
         found += idle_experts({n: g for n, g in gaps.items() if n in units}, verdict.errors & set(units),
@@ -337,3 +338,16 @@ def zero_partners(candidates: list[str], names: list[str], params: list, frozen:
     if not zero:
         return set()
     return {c for c in candidates if any(under(z, a) for a in _ancestors(c) for z in zero)}
+
+
+def frozen_partner(status: Mapping[str, Status], names: Collection[str], step: int) -> list[Finding]:
+    """FROZEN_PARTNER: exactly zero gradients beside a frozen weight that is exactly zero (a LoRA
+    B frozen at its zero init while A trains): nothing can move that weight, so they stay zero."""
+    from .report import describe_names  # (as in persist: imported where used)
+
+    return [Finding(FindingKind.FROZEN_PARTNER, f"{describe_names(status, names)} got {agree(names, 'exactly zero gradients', 'an exactly zero gradient')} "
+                    f"at step {step}: {agree(names, 'their', 'its')} zero-initialised partner is frozen: nothing can move it "
+                    f"off zero, so {agree(names, 'they', 'it')} will never get a gradient (a LoRA B frozen at its zero init "
+                    "while A trains; LoRA-FA freezes A, the random one, and trains B). Unfreeze the zero one, or "
+                    f"freeze {agree(names, 'these', 'this')} instead", params=tuple(n for n in status if n in names), step=step,
+                    data={"cause": "frozen_zero_partner"})]
