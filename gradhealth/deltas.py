@@ -8,8 +8,9 @@ check, not in a step pre-hook, because trainers that run forward and backward in
 ``optimizer.step(closure)`` (Lightning) call the pre-hook before the check; between a check and its
 step the parameters do not change.
 
-**Did it change? (exact, no copy of θ).** Every step, a learning rate of 0 in SGD/Adam/AdamW is
-seen on the host (θ - 0·u is θ, exactly). The change test proper runs at the step after every
+**Did it change? (exact, no copy of θ).** Every step, each group's learning rate is read on the host
+and told apart (:mod:`.lrstory`: a hold, a warm-up from 0, a fall, stuck); lr 0 in SGD/Adam/AdamW
+decides at once (θ - 0·u is θ, exactly), and any other optimizer gets the change test at a step at lr 0. The change test proper runs at the step after every
 ``change_every``-th check (default 8), at every step after a step that changed none of the
 parameters it decided (so an update rule that stops working is an error within
 ``change_every + 2`` steps), and at every step while a frozen parameter still holds a gradient
