@@ -22,6 +22,8 @@ from . import state as checked
 from .steps import StepStats
 from .stale import discarded, witnesses
 from .findings import Finding, FindingKind
+from .fitted import LossFit
+from .pileup import PileUp
 from .guards import ForwardRecord
 from .history import NormHistory
 from .patience import Persistence
@@ -75,6 +77,8 @@ class Carry:
         self.gone: set[int] = set()  # the checks whose gradients were gone when their step began
         self.witness_step: int | None = None  # the check the witnesses are of
         self.patience = 3
+        self.fit = LossFit()  # what the loss explains about the gradients (:mod:`.fitted`)
+        self.pileup = PileUp()  # gradients growing with no step that changes their parameter
 
     # ---------------------------------------------------------------- between
     def add_valid(self, mask: Tensor, name: str) -> None:

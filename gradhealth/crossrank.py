@@ -162,6 +162,7 @@ class Across:
     bad_mask: list[float] | None = None  # per judged parameter: the ranks holding a non-finite gradient
     disagree: list[int] | None = None  # positions (in obs.idx) of replicated gradients that differ across ranks
     local_norm: list | None = None  # this rank's own norms per entry, before the reduction
+    comparable_at: list[int] | None = None  # their positions (only where some differ)
     comparable: int = 0  # replicated gradients held by every rank, finite everywhere, non-zero somewhere: the
     # evidence of whether a reduction ran (what ``disagree`` is out of)
     nosync_step_mask: float = 0.0  # ranks that stepped on gradients DDP did not reduce
@@ -189,6 +190,8 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
         comparable = replicated & (bad == 0) & (t["has"] == world)
         across.disagree = (comparable & (spread > AGREE_TOL * sq)).nonzero().reshape(-1).tolist()
         across.comparable = int((comparable & (nz > 0)).sum())  # (zero on every rank: equal whether reduced or not)
+        if across.disagree:
+            across.comparable_at = (comparable & (nz > 0)).nonzero().reshape(-1).tolist()
     if "ex" in t:  # sharded stacked experts: every expert's norm, whole
         flat, pos = got["ex"], 0
         for i in [i for i in obs.idx if i in obs.ex_parts]:
@@ -358,11 +361,12 @@ def replica_findings(across: Across, obs: Observation, names: list[str], status,
                              "the step ran inside no_sync()): that rank stepped on its own gradients and its replica drifts. "
                              "Set require_backward_grad_sync = True for the last micro-step (nanoGPT: micro_step == "
                              "gradient_accumulation_steps - 1) on every rank", step=step, data={"ranks": ranks}))
+    pending = replicas.take_pending()  # (a guess verified inside the step it concerns)
     if replicas.compare_grads and across.disagree:
-        fault, said = replicas.judge_disagreement(across.disagree, across.comparable, step)
+        across.disagree, said = replicas.judge_disagreement(across.disagree, across.comparable, step,
+                                                            across.comparable_at, obs.idx)
         found += said
-        if fault:
-            found += disagree_findings(across, obs, names, status, step, device)
+        found += disagree_findings(across, obs, names, status, step, device)
     if across.fp_disagree:
         idx = [obs.idx[j] for j in across.fp_disagree]
         rows = dist.all_gather([float(fingerprint[j]) for j in across.fp_disagree], device)
@@ -374,7 +378,8 @@ def replica_findings(across: Across, obs: Observation, names: list[str], status,
                              "gradients to them (a parameter its reduction left out, a rank-dependent branch in the "
                              "optimizer); the replicas train apart from here", params=tuple(differ), step=step,
                              data={"ranks": differ}))
-    return found
+    named = {n for f in found if f.kind == FindingKind.DESYNC for n in f.params}  # (said once, by the check's own)
+    return found + [f for f in pending if not set(f.params) <= named]
 
 
 def desync_findings(params: list[Tensor], names: list[str], status, step: int, device) -> list[Finding]:

@@ -8,8 +8,9 @@ check, not in a step pre-hook, because trainers that run forward and backward in
 ``optimizer.step(closure)`` (Lightning) call the pre-hook before the check; between a check and its
 step the parameters do not change.
 
-**Did it change? (exact, no copy of θ).** Every step, a learning rate of 0 in SGD/Adam/AdamW is
-seen on the host (θ - 0·u is θ, exactly). The change test proper runs at the step after every
+**Did it change? (exact, no copy of θ).** Every step, each group's learning rate is read on the host
+and told apart (:mod:`.lrstory`: a hold, a warm-up from 0, a fall, stuck); lr 0 in SGD/Adam/AdamW
+decides at once (θ - 0·u is θ, exactly), and any other optimizer gets the change test at a step at lr 0. The change test proper runs at the step after every
 ``change_every``-th check (default 8), at every step after a step that changed none of the
 parameters it decided (so an update rule that stops working is an error within
 ``change_every + 2`` steps), and at every step while a frozen parameter still holds a gradient
@@ -49,6 +50,7 @@ from .distributed import dtensor_type, to_local
 from .errors import GradHealthInternalWarning
 from .hooks import step_hooks
 from .compare import Packed, apply, flat, norms, sample_view, versions_tell, water_fill
+from .lrstory import LrStory, all_positive
 from .rules import rule_norms, rule_of
 from .ranon import RanOn
 from .stale import WITNESSES, StaleWatch
@@ -117,7 +119,7 @@ class UpdateTracker:
         self._arms: dict[int, int] = {}  # per optimizer: checks that armed its step
         self._tests: dict[int, int] = {}  # per optimizer: change tests armed (the windows take turns)
         self._turn: dict[int, int] = {}  # per optimizer: where the next generic exact copy starts
-        self._zero_lr: set[tuple[int, int]] = set()  # (optimizer id, group) whose lr was 0 at its last step
+        self.lrs = LrStory(optimizers)  # each group's learning rate across steps (:mod:`.lrstory`)
         self._inflight: dict[int, tuple] = {}
         self.ran = RanOn()  # which gradients a step already ran on (one-call steps, steps inside backward)
         self._plans: dict[int, _OptPlan] = {}
@@ -128,6 +130,8 @@ class UpdateTracker:
         self.before_step = None
         #: called first, with the step hook's arguments (:class:`gradhealth.lockstep.MissedChecks`)
         self.on_step = None
+        #: called last in the step post-hook, with the optimizer (:meth:`gradhealth.replicas.Replicas.verified`)
+        self.after_step = None
         self._handles = step_hooks(self, optimizers)  # (guarded: :mod:`.hooks`)
 
     def rebind(self, entries) -> None:
@@ -210,7 +214,10 @@ class UpdateTracker:
             k = self._arms.get(id(opt), 0)
             self._arms[id(opt)] = k + 1
             measure = exact or k % self.update_every == 0
-            if not (forced or measure or k % self.change_every == 0):  # a light step: the plan is not even re-validated
+            # a group at lr 0 under an optimizer whose rule is not known here: the change test
+            # decides this step (lr 0 is judged at every step, not only at the periodic tests)
+            zero = rule_of(opt) is None and not all_positive(opt) and not self.lrs.quiet(opt)
+            if not (forced or measure or zero or k % self.change_every == 0):  # a light step: the plan is not even re-validated
                 self._inflight[id(opt)] = _LIGHT
                 continue
             tests = self._tests[id(opt)] = self._tests.get(id(opt), -1) + 1
@@ -225,8 +232,8 @@ class UpdateTracker:
                 snap = (ks, packed, packed.snapshot())
             # exact copies, within the budget and in turns: the watched parameters (undecided by
             # their sample before), and for an optimizer without a known rule, the ones measured
-            generic = measure and not exact and rule_of(opt) is None
-            if generic:
+            generic = (measure or zero) and not exact and rule_of(opt) is None
+            if generic:  # (at lr 0: copied in turns, so the step is decided now, not by a later sample)
                 wanted = list(range(len(plan.idx)))
             elif self.watched:
                 wanted = [k for k, i in enumerate(plan.idx) if i in self.watched and not plan.whole[k]]
@@ -305,16 +312,23 @@ class UpdateTracker:
             plan = self._plans.get(key) or self._plan(opt)
             seen = self.witness.arm(opt, plan.idx if plan else [], self.entries)
         self.ran.stepped(opt, seen or None)
+        if self.after_step is not None:  # (a guess about this optimizer's reduction, verified now)
+            try:
+                self.after_step(opt)
+            except Exception:  # inside the user's optimizer.step(): never break it
+                pass
 
     def _light(self, opt) -> StepStats | None:
         """A step between change tests: what the learning rates decide (lr 0 in SGD/Adam/AdamW changes
         nothing, exactly), or None (the usual one: nothing decided or skipped, nothing to read)."""
-        if not self._zero_lr and getattr(opt, "found_inf", None) is None:  # (the usual step: every lr a
+        if not self.lrs.zero and getattr(opt, "found_inf", None) is None:  # (the usual step: every lr a
             for g in opt.param_groups:  # positive float, no lr 0 before, no grad scaler's flag)
                 lr = g["lr"]
                 if lr.__class__ is not float or not lr > 0:
                     break
             else:
+                if id(opt) not in self.lrs.rose:
+                    self.lrs.mark_rose(opt)
                 return None
         plan = self._plans.get(id(opt)) or self._plan(opt)
         if plan is None:
@@ -392,19 +406,9 @@ class UpdateTracker:
         return out
 
     def _lr_zero(self, opt, plan) -> list[str]:
-        """Per parameter: "" (lr > 0), "new" (lr 0 now, not at this group's previous step: a
-        schedule starting at 0), "again" (lr 0 at two steps in a row)."""
-        words = []
-        for gi, g in enumerate(opt.param_groups):
-            lr = g["lr"]
-            if isinstance(lr, Tensor):  # a device lr (capturable optimizers): reading it would sync every step
-                lr = float(lr) if lr.device.type == "cpu" else math.nan
-            key = (id(opt), gi)
-            words.append("" if lr != 0 else ("again" if key in self._zero_lr else "new"))
-            if lr == 0:
-                self._zero_lr.add(key)
-            else:
-                self._zero_lr.discard(key)
+        """Per parameter: its group's learning-rate word at this step (:class:`.lrstory.LrStory`:
+        "" for lr > 0; "new", "again", "stuck", "held", "quiet" for lr 0)."""
+        words = self.lrs.words(opt)
         if not any(words):
             return [""] * len(plan.group_of)
         return [words[g] for g in plan.group_of]

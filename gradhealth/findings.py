@@ -45,6 +45,9 @@ class FindingKind(str, enum.Enum):
     NOT_STEPPED = "NOT_STEPPED"
     GRAD_SYNC = "GRAD_SYNC"
     LOCKSTEP = "LOCKSTEP"
+    FROZEN_PARTNER = "FROZEN_PARTNER"
+    NOTHING_TO_LEARN = "NOTHING_TO_LEARN"
+    GRAD_PILEUP = "GRAD_PILEUP"
 
     def __str__(self) -> str:
         return self.value

@@ -181,7 +181,7 @@ class NormHistory:
                     Finding(FindingKind.VANISHING_GRAD, f"gradients collapsed below {f:g}x their running median in "
                             f"{desc}{more}: saturated activations, dead ReLUs, a learning rate that blew the weights up, "
                             "or a mask that cut the path", params=tuple(self.modules[c] for c in low), level="warning",
-                            step=step)
+                            step=step, data={"ratios": {self.modules[c]: row[c] / meds[c] for c in low}})
                 )
         self.seen += 1
         if len(self.total) == self.window:  # (the oldest leaves the window)

@@ -174,9 +174,11 @@ def not_updated(status: Mapping[str, Status], unchanged: Mapping[str, str], step
                 still: int = 1, patience: int = 1, gone: bool = False) -> list[Finding]:
     """NOT_UPDATED: OK gradients, in the optimizer, yet its step left these parameters unchanged.
 
-    ``unchanged`` maps each name to its learning rate's story: "new" (0 at this step only: a
-    warmup schedule that starts at 0, info), "again" (0 at this step and the one before: an error),
-    "" (lr > 0). With lr > 0, an error only when the step changed none of the parameters it was
+    ``unchanged`` maps each name to its learning rate's word (:mod:`.lrstory`): "new" (0 at this
+    step: a warm-up from 0, or a decay's last step; info), "again" (fell to 0 and stayed: an error),
+    "stuck" (0 since the first step while nothing else trains: an error), "held" (0 since the first
+    step, no schedule, while others train: a hold, info once), "quiet" (a hold already said), ""
+    (lr > 0). With lr > 0, an error only when the step changed none of the parameters it was
     seen to judge for ``patience`` steps in a row (``still``): an update rule that does nothing, or
     updates below the precision of the weights everywhere. Some parameters left unchanged while
     others move is info: their updates fell below the precision of the weights (a converged
@@ -185,7 +187,9 @@ def not_updated(status: Mapping[str, Status], unchanged: Mapping[str, str], step
     out = []
     scheduled = {n for n, w in unchanged.items() if w == "new"}
     stuck = {n for n, w in unchanged.items() if w == "again"}
-    rest = set(unchanged) - scheduled - stuck
+    never = {n for n, w in unchanged.items() if w == "stuck"}
+    held = {n for n, w in unchanged.items() if w == "held"}
+    rest = {n for n, w in unchanged.items() if w == ""}
     if rest and gone:  # the check's gradients were gone (set to None) when the step began
         out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, rest)} had {agree(rest, 'finite, non-zero gradients', 'a finite, non-zero gradient')} "
                            f"at step {step}, but {agree(rest, 'they were', 'it was')} gone (set to None) when optimizer.step() "
@@ -206,12 +210,27 @@ def not_updated(status: Mapping[str, Status], unchanged: Mapping[str, str], step
                            f"at step {step} because {agree(scheduled, 'their', 'its')} learning rate was 0 at that step: expected when a warmup "
                            "schedule starts at 0 (an error if it stays 0)", params=_ordered(status, scheduled),
                            level="info", step=step, data={"lr": 0.0}))
+    if held:
+        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, held)} {agree(held, 'are', 'is')} held at lr 0: not trained, "
+                           f"on purpose? {agree(held, 'Their', 'Its')} param group has had a learning rate of 0 since its first "
+                           "step, with no schedule that raises it, while the others train (a layer held fixed, as with "
+                           "skorch's param_groups=[('embedding.*', {'lr': 0.0})]). Said once; if it should train, give "
+                           f"{agree(held, 'their', 'its')} group a learning rate (or freeze it with requires_grad_(False) "
+                           "and leave it out of the optimizer)", params=_ordered(status, held), level="info", step=step,
+                           data={"lr": 0.0, "held": True}))
+    if never:
+        out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, never)} had {agree(never, 'finite, non-zero gradients', 'a finite, non-zero gradient')} "
+                           f"at step {step} yet optimizer.step() left {agree(never, 'them', 'it')} unchanged: "
+                           f"{agree(never, 'their', 'its')} learning rate has been 0 since the first step, past any warm-up, "
+                           "and nothing else trains. Set the optimizer's lr, or check the scheduler (a warm-up whose "
+                           "peak is 0, a schedule that never rises)", params=_ordered(status, never), step=step,
+                           data={"lr": 0.0}))
     if stuck:
         out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, stuck)} had {agree(stuck, 'finite, non-zero gradients', 'a finite, non-zero gradient')} "
                            f"at step {step} "
                            f"yet optimizer.step() left {agree(stuck, 'them', 'it')} unchanged: {agree(stuck, 'their', 'its')} "
-                           "learning rate has been 0 for two steps in a row; check the scheduler (a warmup that never rises, "
-                           f"a decay that reached 0) and the lr of {agree(stuck, 'their', 'its')} param group", params=_ordered(status, stuck), step=step, data={"lr": 0.0}))
+                           "learning rate fell to 0 and has been 0 for two steps in a row; check the scheduler (a decay "
+                           f"that reached 0 before the run ends, a schedule that writes 0) and the lr of {agree(stuck, 'their', 'its')} param group", params=_ordered(status, stuck), step=step, data={"lr": 0.0}))
     if rest:
         out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, rest)} had {agree(rest, 'finite, non-zero gradients', 'a finite, non-zero gradient')} "
                            f"at step {step} "

@@ -99,6 +99,8 @@ class GradHealth:
         self._owned = Owned(self, self._watch, self._changes, self.tracker, self.carry, self.ranks, self.masters)
         if self.tracker is not None:
             self.masters.attach(self.tracker)
+            if self.ranks.active:  # where the replicas are reduced: inferred per optimizer, verified in its step
+                self.replicas.members, self.tracker.after_step = self._members, self._verify
         self._missed = lockstep.MissedChecks.attach(self)  # (a rank whose loop skips a check() joins it from its step)
         self._deferred = Deferred(self) if o.lag else None
         self._owned.deferred = self._deferred
@@ -158,6 +160,16 @@ class GradHealth:
             skipping.guard(report, o, self.carry, self.carry.history_for(report.optimizer_index),
                            [v.params[i] for i in v.selection(optimizer).idx], self.scaler is not None, self.tracker)
         return report
+
+    def _members(self) -> list[tuple[int, set[int]]]:
+        held = [(id(o), {id(q) for g in o.param_groups for q in g["params"]}) for o in self.optimizers]
+        return [(key, {i for i, p in enumerate(self.view.pids) if p in ids}) for key, ids in held]
+
+    def _verify(self, opt) -> None:
+        if self.replicas.verify:
+            idx = sorted(dict(self._members()).get(id(opt), ()))
+            self.replicas.verified(opt, [self.view.params[i] for i in idx], [self.view.names[i] for i in idx],
+                                   self.tracker.armed_step, self.ranks.device)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None, *, parameters=None, unscale: bool = True) -> Tensor:
@@ -298,16 +310,21 @@ class GradHealth:
         if self.unstepped is not None and not reeval:
             report.findings += self.unstepped.update(self.view, report.optimizer_index, *launch.counts,
                                                      report.status, step, self.options.grad_patience)
-        report.findings += persist(  # transient or persistent NO_GRAD / ZERO_GRAD: which ones are tolerated now
+        fit = self.carry.fit
+        nothing = fit.nothing_to_learn(report) if report.loss == 0.0 else []  # (the loss's zeros: :mod:`.fitted`)
+        report.findings += nothing or persist(  # transient or persistent NO_GRAD / ZERO_GRAD: which ones are tolerated now
             report, self.carry.streaks, self.options.grad_patience, self.view.names, self.view.params)
+        if self.tracker is not None and not reeval:
+            report.findings += self.carry.pileup.update(report, self.view.names, self.view.params, self.tracker)
         report.findings += verdict.judge(self, report, obs, across, sel, launch.output_grad)
         v = self.view
         report.module_grad_norm = stats.module_norms(obs.with_grad, obs.norms, v.module_index, v.modules,
                                                       v.module_runs)
         history = self.carry.history_for(report.optimizer_index)
-        if history is not None:
-            report.findings += history.update(step, report.total_grad_norm, report.module_grad_norm,
-                                              self.carry.streaks.skipping)
+        if history is not None and not nothing:
+            report.findings += fit.vanishing(history.update(step, report.total_grad_norm, report.module_grad_norm,
+                                                            self.carry.streaks.skipping), report.loss, step)
+        fit.add(report.loss)
         if not reeval:
             self._arm_next(report, obs, optimizer, launch)
         if launch.transfer is None:  # (for a clip_grad_norm_ that follows; a deferred check's norms come too late)

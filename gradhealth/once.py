@@ -51,9 +51,14 @@ _SILENT = Said()  # (what most checks get: shared, never changed)
 class Once:
     def __init__(self):
         self._open: dict = {}  # per optimizer index: {problem: (first step, checks in a row, words)}
+        self._steps: dict = {}  # per optimizer index: the steps of its last checks (where a gap began)
 
     def update(self, report) -> Said:
         key = report.optimizer_index
+        steps = self._steps.setdefault(key, [])
+        steps.append(report.step)
+        if len(steps) > _KEPT:
+            del steps[: len(steps) - _KEPT]
         before = self._open.get(key, {})
         if not before and report.not_ok == [] and not report.findings:  # (nothing open, nothing now)
             return _SILENT
@@ -62,7 +67,7 @@ class Once:
         said.resolved = _resolved(before, now)
         current = {}
         for p, words in now.items():
-            first, count, _ = before.get(p, (report.step, 0, words))
+            first, count, _ = before.get(p) or _began(p, report, steps, words)
             current[p] = (first, count + 1, words)
         self._open[key] = current
         if any(p not in before for p in now):
@@ -73,6 +78,24 @@ class Once:
             if n >= 10 and _power_of_ten(n):
                 said.reminder, said.since = n, min(f for f, _, _ in current.values())
         return said
+
+
+#: kinds about one batch, not a state that lasts: nothing "resolves" when the next batch differs
+_EVENTS = frozenset({"NOTHING_TO_LEARN"})
+#: the steps of this many recent checks are kept, to say where a gap without gradients began
+_KEPT = 128
+
+
+def _began(problem: tuple, report, steps: list, words: str) -> tuple:
+    """(first step, checks before this one, words) of a problem said for the first time: a state of
+    parameters that went without a usable gradient for several checks before the policy counted it
+    (the persistence rule's tolerated gap) began with that gap, as the report's own words say."""
+    if problem[0] == "state" and report.grad_streak:
+        gaps = [report.grad_streak.get(n) for n in problem[2]]
+        if gaps and None not in gaps:
+            gap = min(gaps)
+            return (steps[-gap] if gap <= len(steps) else report.step - gap + 1), gap - 1, words
+    return report.step, 0, words
 
 
 def _resolved(before: dict, now: dict) -> list[str]:
@@ -90,7 +113,7 @@ def _resolved(before: dict, now: dict) -> list[str]:
             shown = ", ".join(gone[:4]) + (f" and {len(gone) - 4} more" if len(gone) > 4 else "")
             out.append(f"{state} of {shown} (since step {since})")
     found_now = {(p[1], p[2]) for p in now if p[0] == "finding"}
-    for kind, level in sorted({(p[1], p[2]) for p in before if p[0] == "finding"} - found_now):
+    for kind, level in sorted({(p[1], p[2]) for p in before if p[0] == "finding" and p[1] not in _EVENTS} - found_now):
         since = min(v[0] for p, v in before.items() if p[0] == "finding" and (p[1], p[2]) == (kind, level))
         out.append(f"{kind} ({level}, since step {since})")
     return out

@@ -37,11 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .naming import ROOT, module_of
+from collections.abc import Collection, Mapping
+
+from .findings import Finding, FindingKind
+from .naming import ROOT, agree, module_of
 from .stats import fetch, plan_groups
 from .status import Status
 
-__all__ = ["Persistence", "Verdict", "persist", "predictive", "gap_limit", "family_of", "zero_partners", "ALPHA", "CAP"]
+__all__ = ["Persistence", "Verdict", "persist", "predictive", "gap_limit", "family_of", "zero_partners", "frozen_partner", "ALPHA", "CAP"]
 
 #: the probability below which a unit's current gap is no longer taken for chance
 ALPHA = 1e-8
@@ -90,6 +93,12 @@ class Persistence:
         self.blank = 0
         #: ZERO_GRAD units whose trainable partner weight was exactly zero at the last check
         self.partnered: set[str] = set()
+        #: FROZEN parameters at the last check, and the judging count at which each unit last left
+        #: that state: checks it spent frozen are not checks at which it had a gradient
+        self.frozen: set[str] = set()
+        self.thawed: dict[str, int] = {}
+        #: ZERO_GRAD units whose zero partner weight is frozen (nothing can move it off zero)
+        self.stuck_partner: set[str] = set()
 
     # ------------------------------------------------------------------ update
     def _judged(self, key) -> int:
@@ -104,11 +113,18 @@ class Persistence:
         missing = [n for n in not_ok if status[n] in _NO_USABLE]
         rec = self.rec
         now = self._judged(key)
+        if self.frozen or not_ok:
+            frozen = {n for n in not_ok if status[n] is Status.FROZEN}
+            if frozen != self.frozen:
+                for n in self.frozen - frozen:
+                    self.thawed[n] = now
+                self.frozen = frozen
         gaps = {}
         for n in missing:
             r = rec.get(n)
-            if r is None:  # its first miss: every earlier check that judged it had a gradient
-                r = rec[n] = [now, 0, 0, now, key, now == 0]
+            if r is None:  # its first miss: every earlier check that judged it, not frozen, had a gradient
+                used = now - self.thawed.get(n, 0)
+                r = rec[n] = [used, 0, 0, now, key, used == 0]
                 self.skipping.add(_module(n))
             if r[2] == 0:
                 r[0] = self._used(r)
@@ -270,9 +286,16 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
              and (c == 1 or n in persistence.partnered)]
     partners = persistence.partnered = zero_partners(zeros, names, params) if zeros else set()
     persistence.forgive(partners)
-    mine = Verdict({n: g for n, g in gaps.items() if n not in units}, verdict.errors - set(units) - partners,
-                   verdict.history)
+    # a zero gradient beside a frozen partner that is exactly zero (LoRA's B frozen at its zero
+    # init while A trains): nothing can move the partner, so the gradient stays zero: an error now
+    lone = [n for n, c in gaps.items() if n not in units and n not in partners and status[n] is Status.ZERO_GRAD
+            and (c == 1 or n in persistence.stuck_partner)]
+    stuck = persistence.stuck_partner = zero_partners(lone, names, params, frozen=True) if lone else set()
+    mine = Verdict({n: g for n, g in gaps.items() if n not in units},
+                   (verdict.errors - set(units) - partners) | stuck, verdict.history)
     report.tolerated, found = transient_grads(report.status, mine, patience, partners, report.step)
+    if stuck:
+        found += frozen_partner(report.status, stuck, report.step)
     if units:
         found += idle_experts({n: g for n, g in gaps.items() if n in units}, verdict.errors & set(units),
                               verdict.history, report.step, report.expert_tokens)
@@ -290,18 +313,19 @@ def _ancestors(name: str, levels: int = 2) -> list[str]:
     return out
 
 
-def zero_partners(candidates: list[str], names: list[str], params: list) -> set[str]:
+def zero_partners(candidates: list[str], names: list[str], params: list, frozen: bool = False) -> set[str]:
     """The candidates (ZERO_GRAD parameters) that sit next to a trainable weight that is exactly
     zero: within two modules above their own (``q.lora_A.default.weight`` and
     ``q.lora_B.default.weight`` under ``q``). Biases do not count as partners (many start at zero).
-    One fused max-abs reduction per (device, dtype) and one transfer."""
+    ``frozen``: next to a frozen weight that is exactly zero instead. One fused max-abs reduction
+    per (device, dtype) and one transfer."""
     if not candidates:
         return set()
     prefixes = {a for n in candidates for a in _ancestors(n)}
     cand = set(candidates)
     under = lambda n, a: a == ROOT or n.startswith(a + ".")  # noqa: E731
     siblings = [(n, p) for n, p in zip(names, params)
-                if n not in cand and p.requires_grad and not n.endswith("bias") and p.numel()
+                if n not in cand and p.requires_grad is not frozen and not n.endswith("bias") and p.numel()
                 and any(under(n, a) for a in prefixes)]
     if not siblings:
         return set()
@@ -315,3 +339,16 @@ def zero_partners(candidates: list[str], names: list[str], params: list) -> set[
     if not zero:
         return set()
     return {c for c in candidates if any(under(z, a) for a in _ancestors(c) for z in zero)}
+
+
+def frozen_partner(status: Mapping[str, Status], names: Collection[str], step: int) -> list[Finding]:
+    """FROZEN_PARTNER: exactly zero gradients beside a frozen weight that is exactly zero (a LoRA
+    B frozen at its zero init while A trains): nothing can move that weight, so they stay zero."""
+    from .report import describe_names  # (as in persist: imported where used)
+
+    return [Finding(FindingKind.FROZEN_PARTNER, f"{describe_names(status, names)} got {agree(names, 'exactly zero gradients', 'an exactly zero gradient')} "
+                    f"at step {step}: {agree(names, 'their', 'its')} zero-initialised partner is frozen: nothing can move it "
+                    f"off zero, so {agree(names, 'they', 'it')} will never get a gradient (a LoRA B frozen at its zero init "
+                    "while A trains; LoRA-FA freezes A, the random one, and trains B). Unfreeze the zero one, or "
+                    f"freeze {agree(names, 'these', 'this')} instead", params=tuple(n for n in status if n in names), step=step,
+                    data={"cause": "frozen_zero_partner"})]

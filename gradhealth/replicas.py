@@ -49,6 +49,12 @@ class Replicas:
         self._views: list | None = None
         self._key: tuple | None = None
         self._n = 0
+        #: () -> [(id of an optimizer, its entry indices)] (set by the monitor): the reduction is
+        #: inferred per optimizer
+        self.members = None
+        #: optimizers whose step is to be verified once, right after it runs (the guess it concerns)
+        self.verify: set[int] = set()
+        self._pending: list[Finding] = []
 
     @property
     def ddp_known(self) -> bool:
@@ -94,22 +100,68 @@ class Replicas:
             out[pos] = torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), **kw).double().square().cpu()
         return out
 
-    def judge_disagreement(self, disagree: list[int], evidence: int, step: int) -> tuple[bool, list[Finding]]:
-        """(whether the disagreeing gradients are a fault, findings). In ``auto`` without a DDP
-        wrapper, the evidence decides: the replicated gradients that are non-zero somewhere (a
-        gradient that is zero on every rank is equal whether reduced or not). Where most of them
-        differ, nothing has reduced them yet: the optimizer's reduction is still to come. Where most
-        agree, the few that differ are a reduction that missed them. (A gradient that agrees
-        without a reduction, one that does not depend on the rank's data, cannot tip it: it is
-        outnumbered. A wrong guess is caught at the next check: the parameters are compared after
-        the step, and a replica that stepped on its own gradients is ``DESYNC``.)"""
-        if self.mode != "auto" or self.ddp_known or not disagree or 2 * len(disagree) <= evidence:
-            return True, []
+    def take_pending(self) -> list[Finding]:
+        found, self._pending = self._pending, []
+        return found
+
+    def verified(self, opt, params: list, names: list[str], step: int | None, device) -> None:
+        """Inside ``opt``'s step post-hook, once after a guess that its reduction happens inside
+        ``optimizer.step()``: its replicated parameters compared across the ranks now, before a
+        re-broadcast (a fresh DDP wrapper) can hide a step that applied each rank's own gradients.
+        The decision to verify is the same on every rank (made from the check's reduced numbers),
+        so every rank runs the collective at the same step."""
+        if id(opt) not in self.verify:
+            return
+        self.verify.discard(id(opt))
+        from .crossrank import desync_findings  # (crossrank imports this module)
+        from .status import Status
+
+        found = desync_findings(params, names, {n: Status.OK for n in names}, step, device)
+        self._pending += [Finding(f.kind, f"{f.message} (compared right after the step that followed the guess that "
+                                          "the gradients are reduced inside optimizer.step(): the guess was wrong, "
+                                          "this step applied each rank's own gradients)", params=f.params,
+                                  level=f.level, step=f.step, data=f.data) for f in found]
+
+    def _per_optimizer(self, disagree: list[int], comparable_at: list[int], idx: list[int]):
+        """Per optimizer, the majority of its own evidence: (positions whose optimizer reduces inside
+        its step, positions left to a reduction before the check that missed them)."""
+        groups = self.members() if self.members is not None else []
+        inside, fault, seen = [], [], set()
+        for _, members in groups:
+            d = [j for j in disagree if idx[j] in members]
+            e = sum(1 for j in comparable_at if idx[j] in members)
+            seen.update(d)
+            (inside if d and 2 * len(d) > e else fault).append(d)
+        fault = [j for d in fault for j in d] + [j for j in disagree if j not in seen]
+        return [j for d in inside for j in d], sorted(fault), sum(1 for d in inside if d)
+
+    def judge_disagreement(self, disagree: list[int], evidence: int, step: int, comparable_at=None,
+                           idx=None) -> tuple[list[int], list[Finding]]:
+        """(the disagreeing positions that are a fault, findings). In ``auto`` without a DDP
+        wrapper, the evidence decides, per optimizer where there are several (modded-nanogpt reduces
+        Adam's gradients by hand before the check and Muon's inside its step): the replicated
+        gradients that are non-zero somewhere (a gradient that is zero on every rank is equal whether
+        reduced or not). Where most of an optimizer's differ, nothing has reduced them yet: its
+        reduction is still to come. Where most agree, the few that differ are a reduction that
+        missed them. A guess of "inside the step" is verified inside that step (:meth:`verified`),
+        and the parameters are compared after every step from then on (``DESYNC``)."""
+        if self.mode != "auto" or self.ddp_known or not disagree:
+            return disagree, []
+        several = self.members is not None and comparable_at is not None and len(self.members()) > 1
+        if several:
+            inside, fault, count = self._per_optimizer(disagree, comparable_at, idx)
+            if not inside:
+                return disagree, []
+        elif 2 * len(disagree) <= evidence:
+            return disagree, []
+        else:
+            fault, count = [], 1
         self.in_optimizer = True
+        self.verify = {key for key, _ in self.members()} if self.members is not None else set()
         if self._said:
-            return False, []
+            return fault, []
         self._said = True
-        return False, [Finding(
+        return fault, [Finding(
             FindingKind.GRAD_SYNC, f"at step {step} the replicated gradients differ between the ranks ({len(disagree)} of "
             f"the {evidence} that are non-zero) and no DDP wrapper is known: the gradients are reduced later, inside "
             "optimizer.step() (a ZeRO-style optimizer such as nanochat's DistMuonAdamW or modded-nanogpt's DistAdam). "

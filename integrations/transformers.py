@@ -118,6 +118,11 @@ def _first_tensor(output) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return (loss if isinstance(loss, torch.Tensor) else None), grad
 
 
+
+#: what TRL's trainers log that explains a check with nothing to learn (:mod:`gradhealth.fitted`):
+#: the share of prompt groups whose rewards tied (GRPO), so their advantages are 0
+_TRL_NOTES = ("frac_reward_zero_std",)
+
 class _LogsSink:
     """Holds the metrics of the latest check until Trainer logs (``on_log``)."""
 
@@ -303,6 +308,10 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             control.should_log = True  # a problem reaches the report_to backends at its own step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and self.monitor is not None:  # TRL's own statistics, where the trainer logs them
+            for key in _TRL_NOTES:
+                if isinstance(logs.get(key), (int, float)):
+                    self.monitor.carry.fit.notes[key] = (float(logs[key]), state.global_step)
         if self.log and self.monitor is not None and self._sink.pending:
             self.monitor.flush()  # the update norms of the step just taken (on every rank: it may reduce)
         if self.log and logs is not None and state.is_world_process_zero and self._sink.pending:

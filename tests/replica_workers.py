@@ -287,3 +287,8 @@ SCENARIOS = {
     "nanogpt_bug": lambda r, w: nanogpt_sync(r, w, "bug"),
     "nanogpt_skip_step": lambda r, w: nanogpt_sync(r, w, "skip_step"),
 }
+
+
+from reduce_workers import SCENARIOS as _PER_OPTIMIZER  # noqa: E402  (modded-nanogpt's two places, jxmnop's loop)
+
+SCENARIOS.update(_PER_OPTIMIZER)

@@ -109,7 +109,8 @@ def test_timm_one_call_step_is_silent_and_its_norms_are_the_gradients_own(use_sc
 def test_timm_one_call_step_with_lr_zero_is_named(use_scaler, one_thread):
     with pytest.raises(gh.GradHealthError, match="NOT_UPDATED") as caught:
         train_one_epoch(use_scaler, lr=0.0)
-    assert caught.value.report.step == 3  # the second update: lr 0 at the first alone is a warmup's start
+    # the third update (batches 1, 3, 5): lr 0 at the first two in every group is a warm-up's start
+    assert caught.value.report.step == 5
 
 
 # ------------------------------------------------------------------ optimizer in backward

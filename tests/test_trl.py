@@ -101,3 +101,54 @@ def test_dpo_trainer_is_silent_under_raise(tmp_path):
                          callbacks=[GradHealthCallback(on_problem="raise", sinks=[kept])])
     losses = train_strict(trainer, kept)
     assert losses[-1] < losses[0]  # the policy moves away from the reference, towards the chosen
+
+
+def grpo(tmp_path, reward, kept, on_problem="raise", steps=6):
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = tokenizer()
+    rows = sentences(32)
+    ds = datasets.Dataset.from_dict({"prompt": [p for p, _ in rows]})
+    args = GRPOConfig(**{**common(tmp_path), "max_steps": steps}, beta=0.0, num_generations=4, max_completion_length=4,
+                      generation_batch_size=4)
+    trainer = GRPOTrainer(model=tiny_llama(len(tok)), reward_funcs=reward, args=args, train_dataset=ds,
+                          processing_class=tok, callbacks=[GradHealthCallback(on_problem=on_problem, sinks=[kept])])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    return trainer, [str(w.message) for w in caught if issubclass(w.category, gh.GradHealthWarning)]
+
+
+def test_grpo_with_tied_rewards_has_nothing_to_learn_and_is_not_stopped(tmp_path):
+    """GRPOTrainer(beta=0.0) whose rewards tie in every group: advantages 0, the loss exactly 0,
+    every gradient exactly 0. Nothing to learn from those batches, not a fault of the model."""
+    def constant(completions, **kw):
+        return [1.0] * len(completions)
+
+    kept = Kept()
+    trainer, said = grpo(tmp_path, constant, kept)
+    logged = [h for h in trainer.state.log_history if "frac_reward_zero_std" in h]
+    assert logged and all(h["frac_reward_zero_std"] == 1.0 for h in logged)  # premise: TRL's own statistic
+    assert len(kept.reports) == 6 and all(r.loss == 0.0 for r in kept.reports)  # premise: the loss is exactly 0
+    assert all(set(r.status.values()) == {gh.Status.ZERO_GRAD} for r in kept.reports)  # and every gradient
+    assert all(r.ok for r in kept.reports)
+    found = [r.findings_of("NOTHING_TO_LEARN") for r in kept.reports]
+    assert all(len(f) == 1 for f in found)
+    assert [f[0].level for f in found] == ["warning"] + ["info"] * 5
+    assert "nothing to learn from this batch at step 1" in found[0][0].message
+    assert "(6 such checks so far, the first at step 1" in found[-1][0].message
+    assert "TRL logged frac_reward_zero_std = 1 at step" in found[-1][0].message
+    assert len(said) == 1 and "NOTHING_TO_LEARN" in said[0], said  # one warning for all of them
+    assert not [f for r in kept.reports for f in r.findings if f.kind == "TRANSIENT_GRAD" or f.kind == "VANISHING_GRAD"]
+
+
+def test_grpo_with_rewards_that_vary_is_silent_under_raise(tmp_path):
+    """The control: rewards that differ within the groups train without a word (the mean reward rises)."""
+    def likes_mat(completions, **kw):
+        return [float(c.count("mat") + c.count("rug")) - 0.1 * len(c.split()) for c in completions]
+
+    kept = Kept()
+    trainer, said = grpo(tmp_path, likes_mat, kept, steps=8)
+    assert len(kept.reports) == 8 and not said and all(r.ok for r in kept.reports)
+    assert any(r.loss != 0.0 for r in kept.reports)  # premise: there was something to learn
+    assert not [f for r in kept.reports for f in r.findings if f.level != "info"]

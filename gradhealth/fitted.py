@@ -1,0 +1,107 @@
+"""What the loss explains about the gradients: a batch with nothing to learn, a batch already fitted.
+
+Read only where ``check(loss=...)`` gave the loss (one float, already on the host with the check's
+numbers). Two rules:
+
+* **nothing to learn from this batch**: the loss is exactly 0 (finite) and every gradient of the
+  judged parameters is exactly 0. The zeros are the loss's, not the model's: every GRPO/PPO group whose
+  rewards tie has advantages of 0 (TRL logs ``frac_reward_zero_std`` = 1), a selection that picked
+  nothing weights every term by 0. Said as a warning the first time, then as info with the count (one
+  warning however often it repeats); the ZERO_GRAD units of such a check are not counted as misses
+  by the persistence rule, and the norm history does not take the check (it says nothing of the
+  gradients' scale).
+* **a batch already fitted**: a VANISHING_GRAD collapse that the loss's own collapse explains. A
+  batch whose loss is an order of magnitude below the run's running median (``loss / median <=
+  FIT_RATIO``) is one the model already fits: near a minimum the gradient goes to 0 faster than the
+  loss does (the residuals of a fitted batch cancel in its mean gradient), so its collapse is the
+  fit's: info, not a warning. Also where the loss fell about as far as the gradients did
+  (``loss / median <= FIT_SLACK * norm / median`` for every low module). A real collapse
+  (saturated activations, dead ReLUs, a cut path) leaves the loss where it was, or raises it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+from .findings import Finding, FindingKind as K
+from .report import describe_names
+from .status import Status
+
+__all__ = ["LossFit", "WINDOW"]
+
+#: the running median of the loss is taken over this many recent checks (at least WARMUP of them)
+WINDOW, WARMUP = 100, 5
+#: a batch's mean loss and its gradient are not exactly proportional (each sample's error and inputs
+#: weigh differently): the loss's fall explains the gradients' within this factor
+FIT_SLACK = 10.0
+#: a batch whose loss is this far below the running median is already fitted
+FIT_RATIO = 0.1
+
+
+class LossFit:
+    def __init__(self) -> None:
+        self.losses: deque[float] = deque(maxlen=WINDOW)
+        self.nothing = 0  # checks with nothing to learn so far
+        self.first: int | None = None
+        #: what the framework's own logs said about the batches (the Trainer adapter writes TRL's
+        #: ``frac_reward_zero_std`` here, with the step it was logged at)
+        self.notes: dict[str, tuple[float, int]] = {}
+
+    def add(self, loss: float | None) -> None:
+        if loss is not None and math.isfinite(loss):
+            self.losses.append(loss)
+
+    def nothing_to_learn(self, report) -> list[Finding]:
+        """NOTHING_TO_LEARN for a check whose loss is exactly 0 with every gradient exactly 0; its
+        ZERO_GRAD parameters are tolerated. [] otherwise."""
+        loss, status = report.loss, report.status
+        if loss != 0.0 or not report.not_ok or any(c == 0 for c in report.valid_counts.values()):
+            return []  # (a tracked count of 0: EMPTY_VALID_SET says it)
+        zero = [n for n, s in status.items() if s is Status.ZERO_GRAD]
+        if not zero or any(s is Status.OK or s is Status.NON_FINITE_GRAD or s is Status.NOT_IN_OPTIMIZER
+                           for s in status.values()):
+            return []
+        self.nothing += 1
+        if self.first is None:
+            self.first = report.step
+        report.tolerated = report.tolerated | frozenset(zero)
+        seen = self.notes.get("frac_reward_zero_std")
+        trl = (f" TRL logged frac_reward_zero_std = {seen[0]:g} at step {seen[1]}: the rewards of "
+               f"{'every' if seen[0] >= 1 else 'a share of the'} prompt group{'s' if seen[0] < 1 else ''} tied, so "
+               "their advantages are 0." if seen is not None and seen[0] > 0 else "")
+        count = ("" if self.nothing == 1 else
+                 f" ({self.nothing} such checks so far, the first at step {self.first}; said as a warning once)")
+        return [Finding(K.NOTHING_TO_LEARN, f"nothing to learn from this batch at step {report.step}: the loss is exactly 0 "
+                        f"and every gradient is exactly 0, so the zeros come from the loss, not from the model "
+                        f"({describe_names(status, zero)}).{trl} Likely: tied rewards / zero advantages (every completion "
+                        "of a GRPO/PPO group scored the same: a task too hard or too easy for now), or an empty "
+                        f"selection (a mask or weights that kept no term of the loss){count}. If it lasts, make the "
+                        "rewards vary (harder or easier prompts, a graded reward) or skip such batches",
+                        level="warning" if self.nothing == 1 else "info", step=report.step,
+                        data={"count": self.nothing, "first": self.first})]
+
+    def vanishing(self, found: list[Finding], loss: float | None, step: int) -> list[Finding]:
+        """``found`` (the norm history's findings), with a VANISHING_GRAD collapse the loss's own
+        collapse explains turned into info (the batch is already fitted)."""
+        if loss is None or not math.isfinite(loss) or len(self.losses) < WARMUP \
+                or not any(f.kind == K.VANISHING_GRAD for f in found):
+            return found
+        median = statistics.median(self.losses)
+        if not median > 0:
+            return found
+        ratio = loss / median
+        out = []
+        for f in found:
+            ratios = f.data.get("ratios") if f.kind == K.VANISHING_GRAD else None
+            if ratios and (ratio <= FIT_RATIO or all(ratio <= FIT_SLACK * r for r in ratios.values())):
+                out.append(Finding(K.VANISHING_GRAD, f"the batch is already fitted at step {step}: the loss {loss:.3g} is "
+                                   f"{ratio:.3g}x its running median {median:.3g}, and the gradients of "
+                                   f"{', '.join(list(ratios)[:5])}{' ...' if len(ratios) > 5 else ''} fell with it (to "
+                                   f"{max(ratios.values()):.3g}x their median at most): nothing to fix",
+                                   params=f.params, level="info", step=step,
+                                   data={"loss_ratio": ratio, "ratios": ratios, "fitted": True}))
+            else:
+                out.append(f)
+        return out

@@ -1,0 +1,141 @@
+"""Each param group's learning rate across steps: a hold at 0 on purpose, a warm-up from 0, or stuck.
+
+Read on the host at every step, whatever the optimizer (its ``param_groups``: a wrapper's, or a
+:class:`~gradhealth.masters.MasterView`'s live groups). What a verdict rests on is what the steps
+showed, never a scheduler object looked up elsewhere:
+
+* **rose**: the group's lr was above 0 at some step seen (so a schedule, or the user, moved it:
+  a later 0 is a fall);
+* **zeros**: the steps in a row it has been exactly 0;
+* **a schedule's base**: ``initial_lr`` above 0 in the group, the key every torch ``LRScheduler``
+  (Hugging Face's ``LambdaLR`` schedules too) and OLMo-core's schedulers write when they attach: the
+  schedule means the group to train. A group a scheduler holds at 0 has ``initial_lr`` 0.
+
+The words, per group (said by :func:`gradhealth.judges.not_updated`):
+
+* ``""``: lr above 0, or not readable without a sync (a device lr);
+* ``"new"`` (info): the first step at 0 after it rose (a decay's last step), or one of the first
+  ``WARMUP`` steps of a group at 0 from the start that is not a hold (a warm-up from 0: torch's,
+  Hugging Face's and DeepSpeed's ``WarmupLR`` with ``warmup_min_lr: 0`` start there);
+* ``"again"`` (error): 0 for a second step in a row after it rose (a schedule that fell to 0);
+* ``"stuck"`` (error): 0 since the first step, past ``WARMUP`` steps, while nothing else trains
+  (every group of every optimizer at 0) or while the group's own schedule has a base above 0;
+* ``"held"`` (info, once per group): 0 since its first step, no schedule base above 0, while another
+  group trains: a layer held fixed on purpose (skorch's ``param_groups=[("embedding.*", {"lr": 0})]``);
+  ``"quiet"`` at the steps after (nothing said).
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+__all__ = ["LrStory", "lr_of", "all_positive", "WARMUP"]
+
+#: steps at lr 0 from the first one that a warm-up may take before it rises (DeepSpeed's log
+#: warm-up from ``warmup_min_lr: 0`` is exactly 0 at its first two steps)
+WARMUP = 2
+
+
+def lr_of(group) -> float:
+    """The group's lr as a float; nan where reading it would sync (a device tensor) or it is not a
+    number (Adafactor's ``lr=None`` with a relative step)."""
+    lr = group.get("lr")
+    if lr.__class__ is float:
+        return lr
+    if isinstance(lr, Tensor):
+        return float(lr) if lr.device.type == "cpu" and lr.numel() == 1 else math.nan
+    try:
+        return float(lr)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def all_positive(opt) -> bool:
+    """No group at lr 0 (the usual step: decided in one pass over the groups)."""
+    for g in opt.param_groups:
+        lr = g["lr"]
+        if lr.__class__ is not float or not lr > 0:
+            if lr_of(g) == 0:
+                return False
+    return True
+
+
+class LrStory:
+    """Per (optimizer, group): [rose, zeros, said]; the words of a step (see the module docstring)."""
+
+    def __init__(self, optimizers=()):
+        self.optimizers = list(optimizers)
+        self._groups: dict[tuple[int, int], list] = {}
+        self.zero: set[tuple[int, int]] = set()  # groups at lr 0 at their last step
+        self.rose: set[int] = set()  # optimizers whose groups were all above 0 at a step (marked once)
+
+    def mark_rose(self, opt) -> None:
+        """A step at which every group of ``opt`` was above 0 (the usual step, seen without words)."""
+        self.rose.add(id(opt))
+        for gi in range(len(opt.param_groups)):
+            rec = self._groups.setdefault((id(opt), gi), [False, 0, False])
+            rec[0], rec[1] = True, 0
+
+    def _others_train(self, opt) -> bool:
+        for o in self.optimizers:
+            for g in o.param_groups:
+                lr = lr_of(g)
+                if lr != 0:  # (above 0, or unreadable: not known to be held)
+                    return True
+        return False
+
+    def zero_ids(self) -> set[int]:
+        """Ids of the parameters in the groups at lr 0 at their last step."""
+        if not self.zero:
+            return set()
+        out = set()
+        for o in self.optimizers:
+            for gi, g in enumerate(o.param_groups):
+                if (id(o), gi) in self.zero:
+                    out.update(map(id, g["params"]))
+        return out
+
+    def quiet(self, opt) -> bool:
+        """Every group of ``opt`` at lr 0 is a hold already said (no change test needed for it)."""
+        for gi, g in enumerate(opt.param_groups):
+            if lr_of(g) == 0:
+                rec = self._groups.get((id(opt), gi))
+                if rec is None or not rec[2]:
+                    return False
+        return True
+
+    def words(self, opt) -> list[str]:
+        """This step's word per group of ``opt`` (called once per step, after it ran)."""
+        out = []
+        others = None
+        for gi, g in enumerate(opt.param_groups):
+            key = (id(opt), gi)
+            rec = self._groups.get(key)
+            if rec is None:
+                rec = self._groups[key] = [False, 0, False]
+            lr = lr_of(g)
+            if lr != 0:
+                rec[0] = rec[0] or lr > 0
+                rec[1] = 0
+                self.zero.discard(key)
+                out.append("")
+                continue
+            self.zero.add(key)
+            rec[1] += 1
+            if rec[0]:  # it rose before: a fall
+                out.append("new" if rec[1] == 1 else "again")
+                continue
+            if rec[2]:  # a hold already said stays one (what stops the others is theirs to say)
+                out.append("quiet")
+                continue
+            base = lr_of({"lr": g.get("initial_lr", 0.0)})
+            if others is None:
+                others = self._others_train(opt)
+            if others and not base > 0:
+                out.append("held")
+                rec[2] = True
+                continue
+            out.append("new" if rec[1] <= WARMUP else "stuck")
+        return out
