@@ -162,12 +162,15 @@ class GradHealth:
         return report
 
     def _members(self) -> list[tuple[int, set[int]]]:
-        held = [(id(o), {id(q) for g in o.param_groups for q in g["params"]}) for o in self.optimizers]
-        return [(key, {i for i, p in enumerate(self.view.pids) if p in ids}) for key, ids in held]
+        """(id of an optimizer, the entries of one of its param groups), a pair per param group: where
+        the replicas are reduced is inferred per group (one optimizer may reduce a group inside its
+        step and leave another to a reduction by hand before it)."""
+        at = {p: i for i, p in enumerate(self.view.pids)}
+        return [(id(o), {at[id(q)] for q in g["params"] if id(q) in at}) for o in self.optimizers for g in o.param_groups]
 
     def _verify(self, opt) -> None:
         if self.replicas.verify:
-            idx = sorted(dict(self._members()).get(id(opt), ()))
+            idx = sorted(i for key, members in self._members() if key == id(opt) for i in members)
             self.replicas.verified(opt, [self.view.params[i] for i in idx], [self.view.names[i] for i in idx],
                                    self.tracker.armed_step, self.ranks.device)
 

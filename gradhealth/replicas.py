@@ -49,8 +49,8 @@ class Replicas:
         self._views: list | None = None
         self._key: tuple | None = None
         self._n = 0
-        #: () -> [(id of an optimizer, its entry indices)] (set by the monitor): the reduction is
-        #: inferred per optimizer
+        #: () -> [(id of an optimizer, the entry indices of one of its param groups)] (set by the
+        #: monitor): the reduction is inferred per param group
         self.members = None
         #: optimizers whose step is to be verified once, right after it runs (the guess it concerns)
         self.verify: set[int] = set()
@@ -123,8 +123,8 @@ class Replicas:
                                   level=f.level, step=f.step, data=f.data) for f in found]
 
     def _per_optimizer(self, disagree: list[int], comparable_at: list[int], idx: list[int]):
-        """Per optimizer, the majority of its own evidence: (positions whose optimizer reduces inside
-        its step, positions left to a reduction before the check that missed them)."""
+        """Per param group, the majority of its own evidence: (positions whose optimizer reduces them
+        inside its step, positions left to a reduction before the check that missed them)."""
         groups = self.members() if self.members is not None else []
         inside, fault, seen = [], [], set()
         for _, members in groups:
@@ -138,7 +138,7 @@ class Replicas:
     def judge_disagreement(self, disagree: list[int], evidence: int, step: int, comparable_at=None,
                            idx=None) -> tuple[list[int], list[Finding]]:
         """(the disagreeing positions that are a fault, findings). In ``auto`` without a DDP
-        wrapper, the evidence decides, per optimizer where there are several (modded-nanogpt reduces
+        wrapper, the evidence decides, per param group where there are several (modded-nanogpt reduces
         Adam's gradients by hand before the check and Muon's inside its step): the replicated
         gradients that are non-zero somewhere (a gradient that is zero on every rank is equal whether
         reduced or not). Where most of an optimizer's differ, nothing has reduced them yet: its

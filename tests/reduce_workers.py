@@ -120,8 +120,56 @@ def jxmnop(rank, world):
     return {"reports": reports, "drift": drift}
 
 
+class HandAndInside(torch.optim.Optimizer):
+    """One optimizer, two kinds of param group (nanochat's and modded-nanogpt's hybrids hold both in
+    one object): a group marked ``reduce=True`` has its gradients averaged across the ranks inside
+    ``step()``; the others were reduced by hand before the step. SGD updates either way."""
+
+    def __init__(self, groups, lr=0.05):
+        super().__init__(groups, dict(lr=lr, reduce=False))
+
+    @torch.no_grad()
+    def step(self):
+        world = dist.get_world_size()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if group["reduce"]:
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                    p.grad /= world
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def one_optimizer_two_places(rank, world, case="ok"):
+    """TinyGPT with one optimizer: embed and lm_head in a group reduced by hand before the step,
+    the blocks in a group reduced inside it. ``case="head"``: lm_head left out of the hand all-reduce."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    by_hand = [model.embed.weight, model.lm_head.weight]
+    opt = HandAndInside([{"params": by_hand}, {"params": [b.weight for b in model.blocks], "reduce": True}], lr=0.5)
+    mon = gh.GradHealth(model, opt, on_problem="raise" if case == "ok" else "ignore")
+    g = torch.Generator().manual_seed(100 + rank)
+    reports, losses = [], []
+    for step in range(10 if case == "ok" else 3):
+        idx = (torch.randint(0, 32, (8, 1), generator=g) + torch.arange(9)) % 32
+        loss = nn.functional.cross_entropy(model(idx[:, :-1]).reshape(-1, 32), idx[:, 1:].reshape(-1))
+        loss.backward()
+        for p in by_hand:
+            if case == "head" and p is model.lm_head.weight:
+                continue
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad /= world
+        reports.append(_report(mon.check(loss)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    mon.close()
+    return {"reports": reports, "losses": losses, "same": _gather_params(model)}
+
+
 SCENARIOS = {
     "nanogpt_two_places_ok": nanogpt,
     "nanogpt_two_places_head": lambda r, w: nanogpt(r, w, "head"),
     "jxmnop_alternating_ddp": jxmnop,
+    "one_optimizer_two_places_ok": one_optimizer_two_places,
+    "one_optimizer_two_places_head": lambda r, w: one_optimizer_two_places(r, w, "head"),
 }

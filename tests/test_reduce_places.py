@@ -40,3 +40,23 @@ def test_jxmnop_drift_of_a_bare_step_is_named_before_the_fresh_ddp_hides_it(tmp_
     [f] = [f for f in reps[1]["findings"] if f[0] == "DESYNC"]
     assert f[2] == "error" and set(f[1]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert ranks[0]["reports"] == ranks[1]["reports"]
+
+
+def test_one_optimizer_reducing_its_groups_in_two_places_is_silent_under_raise(tmp_path):
+    ranks = spawn("one_optimizer_two_places_ok", tmp_path)
+    for r in ranks:
+        assert r["same"] is True and sum(r["losses"][-3:]) < 0.8 * sum(r["losses"][:3])  # premise: in step, learning
+        assert all(rep["ok"] for rep in r["reports"]) and len(r["reports"]) == 10
+    assert ranks[0]["reports"] == ranks[1]["reports"]
+
+
+def test_a_param_group_reduced_by_hand_is_judged_on_its_own_evidence(tmp_path):
+    """One optimizer whose groups are reduced in two places: the hand-reduced group's own evidence
+    (embed agrees, lm_head does not) names lm_head at check 0, although most of the optimizer's
+    gradients (the blocks', reduced inside its step) differ."""
+    ranks = spawn("one_optimizer_two_places_head", tmp_path)
+    assert ranks[0]["same"] is False  # premise: the replicas drift
+    first = ranks[0]["reports"][0]
+    [f] = [f for f in first["findings"] if f[0] == "GRAD_DISAGREE"]
+    assert f[1] == ["lm_head.weight"] and f[2] == "error"
+    assert ranks[0]["reports"] == ranks[1]["reports"]
