@@ -35,31 +35,7 @@ def register_optim_in_bwd_hooks(model, optim_dict):
             p.register_post_accumulate_grad_hook(optim_step)
 
 
-# torchtune/modules/optim.py's OptimizerInBackward (the current recipes), ported
-class OptimizerInBackward(torch.optim.Optimizer):
-    def __init__(self, params, optimizer_cls, **optimizer_kwargs):
-        params = list(params)
-        self._optimizers = {}
-        self._param_to_index = {}
-        for idx, p in enumerate(params):
-            self._param_to_index[p] = idx
-            if p.requires_grad:
-                self._optimizers[idx] = optimizer_cls([p], **optimizer_kwargs)
-                p.register_post_accumulate_grad_hook(lambda param=p: self._step_and_clear(param))
-        super().__init__(params, optimizer_kwargs)
-
-    def _step_and_clear(self, param):
-        idx = self._param_to_index[param]
-        self._optimizers[idx].step()
-        self._optimizers[idx].zero_grad()
-
-    def step(self, closure=None):
-        if closure is not None:
-            raise RuntimeError("OptimizerInBackward does not support closures.")
-
-    def zero_grad(self, set_to_none=True):
-        for opt in self._optimizers.values():
-            opt.zero_grad(set_to_none=set_to_none)
+from test_idioms_steps import OptimizerInBackward  # noqa: E402  (torchtune/modules/optim.py's, ported)
 
 
 class TinyDecoder(nn.Module):
