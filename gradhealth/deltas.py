@@ -9,23 +9,19 @@ check, not in a step pre-hook, because trainers that run forward and backward in
 step the parameters do not change.
 
 **Did it change? (exact, no copy of θ).** Every step, each group's learning rate is read on the host
-and told apart (:mod:`.lrstory`: a hold, a warm-up from 0, a fall, stuck); lr 0 in SGD/Adam/AdamW
-decides at once (θ - 0·u is θ, exactly), and any other optimizer gets the change test at a step at lr 0. The change test proper runs at the step after every
-``change_every``-th check (default 8), at every step after a step that changed none of the
-parameters it decided (so an update rule that stops working is an error within
-``change_every + 2`` steps), and at every step while a frozen parameter still holds a gradient
-(momentum or weight decay may move it). The steps between are undecided: no finding either way.
-An in-place change of a tensor bumps its version counter (``_version``): for torch.optim's own
-optimizers in their single-tensor and foreach implementations, a parameter whose version did not
-move was not touched (fused kernels and writes through ``p.data`` move no counter, so their
-parameters all count as touched; see ``versions_tell``). A touched one is compared exactly on a
-fixed sample of its elements (up to ``SAMPLE`` per tensor, the whole tensor when smaller, walking
-across rows and columns), ``WINDOW`` tensors per test in turns (the others stay undecided): any
-sampled element that differs proves a change. A touched parameter whose sample did not move (a
-sparse update of a few embedding rows, updates below the ulp) is undecided and watched from then
-on: watched parameters are copied exactly across a tested step, in turns, as many as fit the
-transient budget, and decided exactly at their turn. A single parameter larger than the budget is
-decided by its sample alone (a change proven by the sample, or undecided).
+(:mod:`.lrstory`: a hold, a warm-up from 0, a fall, stuck); lr 0 in SGD/Adam/AdamW decides at once
+(θ - 0·u is θ), any other optimizer gets the change test at a step at lr 0. The change test proper
+runs at the step after every ``change_every``-th check (default 8), at every step after one that
+changed none of the parameters it decided (an update rule that stops working is an error within
+``change_every + 2`` steps), and at every step while a frozen parameter still holds a gradient.
+The steps between are undecided: no finding either way.
+For torch.optim's own single-tensor and foreach optimizers a parameter whose version counter did
+not move was not touched (fused kernels and ``p.data`` writes move none: all count as touched, see
+``versions_tell``). A touched one is compared exactly on a fixed sample of its elements (up to
+``SAMPLE``, walking rows and columns), ``WINDOW`` tensors per test in turns: a sampled element that
+differs proves a change. One whose sample did not move (a sparse update, updates below the ulp) is
+watched: copied exactly across a tested step, in turns, as many as fit the transient budget, and
+decided at its turn (one larger than the budget by its sample alone).
 
 **How much? (every ``update_every`` checks).** ||Δθ|| per parameter from the optimizer's own rule
 for SGD, Adam and AdamW (:mod:`.rules`; bounded by the rounding of θ); for any other optimizer an

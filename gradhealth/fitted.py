@@ -89,7 +89,7 @@ class LossFit:
                 or not any(f.kind == K.VANISHING_GRAD for f in found):
             return found
         median = statistics.median(self.losses)
-        if not median > 0:
+        if not median > 0 or loss < 0:  # (a loss that crosses 0, an RL or GAN objective: no ratio tells a fit)
             return found
         ratio = loss / median
         out = []

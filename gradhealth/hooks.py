@@ -41,9 +41,12 @@ def guarded(fn, what: str, said: set | None = None, fallback=None):
         except Exception as exc:
             if what not in said:
                 said.add(what)
-                warnings.warn(f"gradhealth: its {what} failed ({type(exc).__name__}: {exc}); what it measures is not "
-                              "reported at that call, training continues (said once)", GradHealthInternalWarning,
-                              stacklevel=2)
+                try:  # (under `-W error` the warning itself would raise into the user's backward or step)
+                    warnings.warn(f"gradhealth: its {what} failed ({type(exc).__name__}: {exc}); what it measures is "
+                                  "not reported at that call, training continues (said once)", GradHealthInternalWarning,
+                                  stacklevel=2)
+                except Exception:
+                    pass
             if fallback is not None:
                 try:
                     fallback(*args, **kwargs)

@@ -59,7 +59,7 @@ _LOG_ALPHA = math.log(ALPHA)
 def predictive(missed: float, used: float, gap: int) -> float:
     """log P(the next ``gap`` checks all miss) for a unit that missed ``missed`` of
     ``missed + used`` earlier checks (Beta(1, 1) prior on its skip rate)."""
-    a, b = missed + 1.0, used + 1.0
+    a, b = max(missed, 0.0) + 1.0, max(used, 0.0) + 1.0
     return math.lgamma(a + gap) - math.lgamma(a) + math.lgamma(a + b) - math.lgamma(a + b + gap)
 
 
@@ -123,7 +123,7 @@ class Persistence:
         for n in missing:
             r = rec.get(n)
             if r is None:  # its first miss: every earlier check that judged it, not frozen, had a gradient
-                used = now - self.thawed.get(n, 0)
+                used = max(0, now - self.thawed.get(n, 0))  # (thawed at another optimizer's count: never below 0)
                 r = rec[n] = [used, 0, 0, now, key, used == 0]
                 self.skipping.add(_module(n))
             if r[2] == 0:

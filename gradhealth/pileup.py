@@ -9,10 +9,12 @@ was and every check reads it as OK. The rule, from what the checks see:
 
 * its gradient norm grew at ``PILE`` checks in a row (each backward added onto the last);
 * optimizer steps ran meanwhile (not accumulation over micro-batches before a step);
-* no step changed the parameter: every optimizer that holds it did not step meanwhile (while
-  another one did), or its version counter did not move under optimizers whose steps move it
-  (torch.optim's own, not fused: :func:`.compare.versions_tell`). Where neither tells (a fused
-  step moves no counter), nothing is said.
+* no step changed the parameter: its version counter did not move under optimizers that hold it
+  and whose steps move it (torch.optim's own, not fused: :func:`.compare.versions_tell`), or every
+  optimizer that holds it did not step for ``IDLE`` checks in a row while another one did (a GAN's
+  generator, whose gradients from the critic's backwards pile up over ``n_critic`` steps until its
+  own ``zero_grad``, is not that: its optimizer steps every few checks). Where neither tells (a
+  fused step moves no counter), nothing is said.
 
 Judged for OK parameters whose learning rate is not 0 (a group held at 0 is :mod:`.lrstory`'s).
 """
@@ -29,10 +31,13 @@ from .report import describe_names
 from .compare import versions_tell
 from .status import Status
 
-__all__ = ["PileUp", "PILE"]
+__all__ = ["PileUp", "PILE", "IDLE"]
 
 #: checks in a row with a growing gradient (and no change of the parameter) before it is named
 PILE = 3
+#: ... when the only evidence is that no optimizer holding it stepped meanwhile (longer than the
+#: critic steps between a GAN generator's own steps: WGAN's n_critic is 5)
+IDLE = 8
 
 
 class PileUp:
@@ -50,7 +55,7 @@ class PileUp:
         gn, prev = report.grad_norm, self.prev
         self.prev = gn
         if not gn:
-            self.streak = {}
+            self.streak, self._keys = {}, None
             return []
         status, streak = report.status, self.streak
         keys, vals = list(gn), list(gn.values())
@@ -73,7 +78,7 @@ class PileUp:
             r = streak.get(n)
             if r is None or r[1] != p._version:  # (a version that moved: it was changed)
                 snap = snap or (tracker.total_steps, dict(tracker.stepped))
-                r = [0, p._version, snap, prev[n]]
+                r = [0, p._version, snap, prev.get(n, gn[n])]
             r[0] += 1
             now[n] = r
         self.streak = now
@@ -88,15 +93,16 @@ class PileUp:
             mine = holders.get(id(p), [])
             if not mine or id(p) in held:
                 continue
-            idle = all(tracker.stepped.get(id(o), 0) == then.get(id(o), 0) for o in mine)
-            if idle or all(versions_tell(o) for o in mine):  # (the version did not move: see the streak)
+            stepped = [tracker.stepped.get(id(o), 0) != then.get(id(o), 0) for o in mine]
+            if (now[n][0] >= IDLE and not any(stepped)) or (any(stepped) and all(versions_tell(o) for o in mine)):
+                # (idle holders for long; or holders that stepped, whose steps move the version, did not move it)
                 found.append(n)
         if not found:
             return []
         first = min(now[n][3] for n in found)
         last = max(gn[n] for n in found)
         return [Finding(FindingKind.GRAD_PILEUP, f"{describe_names(status, found)}: {agree(found, 'their gradients have', 'its gradient has')} "
-                        f"grown at each of the last {PILE} checks (norm {first:.3g} to {last:.3g}) while optimizer steps ran "
+                        f"grown at each of the last {min(now[n][0] for n in found)} checks (norm {first:.3g} to {last:.3g}) while optimizer steps ran "
                         f"and none of them changed {agree(found, 'these parameters', 'this parameter')}: {agree(found, 'their gradients pile', 'its gradient piles')} up unapplied. No optimizer steps "
                         f"{agree(found, 'them', 'it')} and nothing clears {agree(found, 'their', 'its')} .grad: an optimizer "
                         "in backward that hooked only the parameters requiring grad when it was set up (a layer "

@@ -346,7 +346,7 @@ class Launched:
             if plan is None or key != plan.key:
                 plain = all(lay is torch.strided for lay in key[2]) and not any(d.is_complex for d in key[0])
                 views = grads if plain else list(map(dense_view, grads))
-                plan = NormPlan(views, key, range(len(views)) if later else ())
+                plan = NormPlan(views, key, [i for i, v in enumerate(views) if v.numel()] if later else ())
                 plan.plain, plan.later = plain, later
             elif not plan.plain:
                 views = list(map(dense_view, grads))

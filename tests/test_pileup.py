@@ -50,7 +50,7 @@ class TinyDecoder(nn.Module):
         return self.output(h + self.layer(h))
 
 
-def recipe(style: str, unfreeze_at: int | None, steps: int = 9, on_problem: str = "raise"):
+def recipe(style: str, unfreeze_at: int | None, steps: int = 12, on_problem: str = "raise"):
     """torchtune's single-device full fine-tune loop with ``optimizer_in_bwd: True``; the embedding
     frozen at setup, unfrozen at ``unfreeze_at`` (None: trainable from the start)."""
     torch.manual_seed(0)
@@ -101,8 +101,10 @@ def test_an_embedding_unfrozen_after_setup_piles_up_its_gradient_and_is_named(on
     report = caught.value.report
     [f] = report.findings_of("GRAD_PILEUP")
     assert f.params == ("tok_embeddings.weight",) and f.level == "error"
-    assert report.step == 2 + gh.pileup.PILE  # unfrozen at 2: its gradient grew at 3, 4, 5
-    assert "grown at each of the last 3 checks" in f.message and "hooked only the parameters requiring grad" in f.message
+    # unfrozen at 2: its gradient grew at 3 to 10; its one optimizer never stepped meanwhile (the only
+    # evidence: fused or not, no hook steps it), named once that lasted IDLE checks
+    assert report.step == 2 + gh.pileup.IDLE
+    assert "grown at each of the last 8 checks" in f.message and "hooked only the parameters requiring grad" in f.message
     assert report.status["tok_embeddings.weight"] is gh.Status.OK  # what the states alone say
     # the premise, from the same loop with the monitor told to ignore: the gradient piles up, the weight never moves
     _, grads, still = recipe(style, unfreeze_at=2, on_problem="ignore")
@@ -116,3 +118,54 @@ def test_the_wrapper_names_an_embedding_it_never_hooked_at_once(one_thread):
         recipe("wrapper", unfreeze_at=2)
     assert caught.value.report.step == 2
     assert caught.value.report.errors == {"tok_embeddings.weight": gh.Status.NOT_IN_OPTIMIZER}
+
+
+def test_a_gans_generator_between_its_own_steps_is_not_a_pileup(one_thread):
+    """WGAN's loop (n_critic=5) with the generator's output not detached for the critic: the
+    generator's .grad grows over the five critic backwards, then its own zero_grad and step. Its
+    optimizer steps every few checks: not a gradient nothing steps."""
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    D = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1, bias=False))  # (a critic bias gets 0 exactly)
+    oG, oD = torch.optim.Adam(G.parameters(), lr=1e-3), torch.optim.Adam(D.parameters(), lr=1e-3)
+    monitor = gh.GradHealth(nn.ModuleDict({"G": G, "D": D}), [oG, oD], on_problem="raise")
+    critic_losses, piled = [], []
+    for it in range(4):
+        for _ in range(5):  # n_critic
+            real = torch.randn(32, 2) * 0.5 + 2.0
+            oD.zero_grad()
+            loss_d = D(G(torch.randn(32, 4))).mean() - D(real).mean()  # (fake not detached: G's .grad piles up)
+            loss_d.backward()
+            monitor.check(loss=loss_d)
+            oD.step()
+            critic_losses.append(loss_d.item())
+            piled.append(G[0].weight.grad.norm().item())
+        oG.zero_grad()
+        loss_g = -D(G(torch.randn(32, 4))).mean()
+        loss_g.backward()
+        monitor.check(loss=loss_g)
+        oG.step()
+    monitor.close()
+    assert all(b > a for a, b in zip(piled[1:5], piled[2:5]))  # premise: G's gradient grows over the critic steps
+    assert sum(critic_losses[-5:]) < sum(critic_losses[:5])  # the critic learns
+
+
+def test_a_check_without_gradients_between_two_checks_breaks_nothing(one_thread):
+    """A check that found no gradient at all (zero_grad, then check before any backward) leaves no
+    stale comparison behind: the next check is judged, not lost to an internal failure."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = gh.GradHealth(model, opt, on_problem="ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthInternalWarning)
+        model(torch.randn(8, 4)).sum().backward()
+        monitor.check()
+        opt.zero_grad()
+        monitor.check()  # nothing has a gradient now
+        (10 * model(torch.randn(8, 4)).sum()).backward()
+        report = monitor.check()
+    monitor.close()
+    assert report is not None and report.status["weight"] is gh.Status.OK
