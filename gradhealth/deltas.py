@@ -24,10 +24,8 @@ watched: copied exactly across a tested step, in turns, as many as fit the trans
 decided at its turn (one larger than the budget by its sample alone).
 
 **How much? (every ``update_every`` checks).** ||Δθ|| per parameter from the optimizer's own rule
-for SGD, Adam and AdamW (:mod:`.rules`; bounded by the rounding of θ); for any other optimizer an
-exact copy of the parameters that fit the memory budget, taken in turns (the others are not
-reported that step). ``mode="exact"`` copies every parameter across every step (1x parameter
-memory) and measures exactly.
+for SGD, Adam and AdamW (:mod:`.rules`); for any other optimizer an exact copy of the parameters
+that fit the memory budget, in turns. ``mode="exact"`` copies every parameter across every step.
 """
 
 from __future__ import annotations
@@ -294,8 +292,10 @@ class UpdateTracker:
         state = self._inflight.pop(key, None)
         if state is not None:
             try:
+                self._zeros = ()
                 stats = self._light(opt) if state is _LIGHT else self._measure(opt, *state)
                 if stats is not None:
+                    stats.on_skip = (lambda z=self._zeros: self.lrs.unskip(z)) if self._zeros else None
                     self.pending.append(with_found_inf(opt, stats))
             except Exception as exc:  # inside the user's optimizer.step(): never break it
                 warnings.warn(f"gradhealth: measuring the update of {type(opt).__name__}.step() failed "
@@ -407,6 +407,7 @@ class UpdateTracker:
         words = self.lrs.words(opt)
         if not any(words):
             return [""] * len(plan.group_of)
+        self._zeros = [(id(opt), g) for g, w in enumerate(words) if w]  # (undone if the step skipped itself)
         return [words[g] for g in plan.group_of]
 
     def close(self) -> None:

@@ -7,9 +7,8 @@ showed, never a scheduler object looked up elsewhere:
 * **rose**: the group's lr was above 0 at some step seen (so a schedule, or the user, moved it:
   a later 0 is a fall);
 * **zeros**: the steps in a row it has been exactly 0;
-* **a schedule's base**: ``initial_lr`` above 0 in the group, the key every torch ``LRScheduler``
-  (Hugging Face's ``LambdaLR`` schedules too) and OLMo-core's schedulers write when they attach: the
-  schedule means the group to train. A group a scheduler holds at 0 has ``initial_lr`` 0.
+* what the others do: a group at 0 since its first step while another trains is a hold (on
+  purpose, or a schedule that starts it later); every group at 0 is nothing training at all.
 
 The words, per group (said by :func:`gradhealth.judges.not_updated`):
 
@@ -19,10 +18,11 @@ The words, per group (said by :func:`gradhealth.judges.not_updated`):
   Hugging Face's and DeepSpeed's ``WarmupLR`` with ``warmup_min_lr: 0`` start there);
 * ``"again"`` (error): 0 for a second step in a row after it rose (a schedule that fell to 0);
 * ``"stuck"`` (error): 0 since the first step, past ``WARMUP`` steps, while nothing else trains
-  (every group of every optimizer at 0) or while the group's own schedule has a base above 0;
-* ``"held"`` (info, once per group): 0 since its first step, no schedule base above 0, while another
-  group trains: a layer held fixed on purpose (skorch's ``param_groups=[("embedding.*", {"lr": 0})]``);
-  ``"quiet"`` at the steps after (nothing said).
+  (every group of every optimizer at 0);
+* ``"held"`` (info, once per group): 0 since its first step while another group trains: a layer held
+  fixed on purpose (skorch's ``param_groups=[("embedding.*", {"lr": 0})]``), or a schedule that
+  starts a group later (its base above 0: it is a fall once it rose); ``"quiet"`` at the steps
+  after (nothing said).
 """
 
 from __future__ import annotations
@@ -106,6 +106,15 @@ class LrStory:
                     return False
         return True
 
+    def unskip(self, keys) -> None:
+        """The step that counted these groups' zeros skipped itself (a grad scaler's found inf, an
+        optimizer's own overflow check): it did not run, and a schedule that does not advance on a
+        skipped step (Hugging Face's) is still at its first value: it is not a step at lr 0."""
+        for key in keys:
+            rec = self._groups.get(key)
+            if rec is not None and rec[1] > 0:
+                rec[1] -= 1
+
     def words(self, opt) -> list[str]:
         """This step's word per group of ``opt`` (called once per step, after it ran)."""
         out = []
@@ -130,10 +139,9 @@ class LrStory:
             if rec[2]:  # a hold already said stays one (what stops the others is theirs to say)
                 out.append("quiet")
                 continue
-            base = lr_of({"lr": g.get("initial_lr", 0.0)})
             if others is None:
                 others = self._others_train(opt)
-            if others and not base > 0:
+            if others:  # (a schedule base above 0 too: a schedule may start a group later on purpose)
                 out.append("held")
                 rec[2] = True
                 continue

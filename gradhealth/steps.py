@@ -4,6 +4,7 @@ fetches them), and the grad scaler's skip flag of a fused step, which rides with
 from __future__ import annotations
 
 import math
+from typing import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ class StepStats:
     skipped: bool = False  # (after fetched) that flag was set: the step skipped itself
     skips: int = 0  # (after fetched) how many steps skipped themselves (several for unarmed steps)
     cause: dict | None = None  # what an optimizer that skipped the step itself said (:mod:`.masters`)
+    on_skip: Callable | None = None  # (after fetched, when skipped) undoes what the step's hook counted
 
     @property
     def pieces(self) -> list[Tensor]:
@@ -54,6 +56,8 @@ class StepStats:
         if self.scaler_flag:
             self.skips, values = round(values[-1]), values[:-1]
             self.skipped = self.skips > 0
+            if self.skipped and self.on_skip is not None:
+                self.on_skip()
         n, f = len(self.indices), len(self.flag_pos)
         # touched: undecided unless tested; untouched: unchanged
         changed = [math.nan] * n if self.touched is None else [math.nan if t else 0.0 for t in self.touched]

@@ -240,3 +240,60 @@ def test_deepspeed_lr_stuck_at_zero_in_every_group_is_an_error_by_check_3(deepsp
     errors = [f for f in case["findings"] if f[0] == "NOT_UPDATED" and f[1] == "error"]
     assert errors and errors[0][2] == 2 and case["error_step"] is not None, case["findings"]
     assert "all 6 parameters" in errors[0][3] and "since the first step" in errors[0][3]
+
+
+def test_a_schedule_that_starts_one_group_later_while_the_head_trains_is_a_hold(one_thread):
+    """Head first: a LambdaLR holds the body at 0 for its first five steps (its base above 0) while the
+    head trains, then starts it. Nothing is an error; the hold is said once at info."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 0.0 if s < 5 else 1.0, lambda s: 1.0])
+    mon = gh.GradHealth(model, opt, on_problem="raise")
+    x = torch.randn(64, 4)
+    y = x[:, :1] - x[:, 1:2]
+    reports, losses, before = [], [], model[0].weight.detach().clone()
+    for _ in range(10):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        reports.append(mon.check(loss=loss))
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    mon.close()
+    assert opt.param_groups[0]["initial_lr"] == 0.05 and not torch.equal(before, model[0].weight)  # premise: base > 0, it started
+    assert losses[-1] < 0.7 * losses[0]
+    found = [f for r in reports for f in r.findings if f.kind == "NOT_UPDATED"]
+    assert found and all(f.level == "info" for f in found), [(f.step, f.level, f.message[:80]) for f in found]
+    assert "held at lr 0" in found[0].message and found[0].params == ("0.weight", "0.bias")
+
+
+def test_steps_a_grad_scaler_skipped_do_not_count_as_steps_at_lr_zero(one_thread):
+    """A warm-up from 0 that Hugging Face's loop advances only on steps that ran, with a grad scaler
+    whose first scales overflow (fused AdamW: its step hooks run on the skipped steps too): the
+    skipped steps did not run, so the first step that ran is the warm-up's first, not a stuck lr."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 4))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)
+    mon = gh.GradHealth(model, opt, scaler=scaler, on_problem="raise")
+    x = torch.randn(64, 4)
+    y = 10 * (x[:, :1] - x[:, 1:2]) + 10  # (gradients above 1: the first scales overflow)
+    skipped, losses = [], []
+    for _ in range(14):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        mon.check(loss=loss)
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.get_scale() < before)
+        if not skipped[-1]:  # (transformers' Trainer: no scheduler step after a skipped optimizer step)
+            sched.step()
+        losses.append(loss.item())
+    mon.close()
+    assert sum(skipped[:4]) >= 3 and not any(skipped[-6:])  # premise: the scale settled after overflowing
+    assert losses[-1] < losses[5]
