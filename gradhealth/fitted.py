@@ -66,7 +66,10 @@ class LossFit:
         self.nothing += 1
         if self.first is None:
             self.first = report.step
-        report.tolerated = report.tolerated | frozenset(zero)
+        # (no streak is counted at such a check: a parameter without a gradient now, a branch this
+        # batch did not take, is judged by the checks around it, not by this one)
+        report.tolerated = report.tolerated | frozenset(n for n, s in status.items() if s is Status.ZERO_GRAD
+                                                        or s is Status.NO_GRAD)
         seen = self.notes.get("frac_reward_zero_std")
         trl = (f" TRL logged frac_reward_zero_std = {seen[0]:g} at step {seen[1]}: the rewards of "
                f"{'every' if seen[0] >= 1 else 'a share of the'} prompt group{'s' if seen[0] < 1 else ''} tied, so "

@@ -92,3 +92,35 @@ def test_a_collapse_is_explained_only_by_a_loss_that_collapsed(loss, grad_ratio,
         fit.add(1.0)
     [f] = fit.vanishing([_collapse(grad_ratio)], loss, 9)
     assert (f.level == "info") is fitted and ("already fitted" in f.message) is fitted
+
+
+def test_a_zero_loss_check_with_a_branch_this_batch_did_not_take_is_not_an_error():
+    """A multimodal model whose image branch is skipped by text-only batches (a transient NO_GRAD the
+    persistence rule tolerates), and tied rewards (advantages 0, the loss exactly 0) on one of those
+    batches: nothing to learn, and the branch is no error there either."""
+    torch.manual_seed(0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.img, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x, use_img):
+            h = self.a(x)
+            return self.head(h + self.img(x) if use_img else h)
+
+    m = M()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    mon = gh.GradHealth(m, opt, on_problem="raise")
+    x, reports = torch.randn(8, 4), []
+    for step in range(10):
+        opt.zero_grad()
+        adv = torch.zeros(8, 1) if step == 8 else torch.randn(8, 1)  # tied rewards at step 8
+        loss = (m(x, use_img=step % 3 != 2) * adv).mean()
+        loss.backward()
+        reports.append(mon.check(loss=loss))
+        opt.step()
+    mon.close()
+    r = reports[8]
+    assert r.loss == 0.0 and r.status["img.weight"] is gh.Status.NO_GRAD  # premise: both at the same check
+    assert r.ok and [f.kind for f in r.findings] == ["NOTHING_TO_LEARN"]
