@@ -4,9 +4,7 @@ every ``change_every``-th step and every step after one that changed nothing), h
 
 Each check arms the step that follows it; the step post-hook measures it on the device, and the
 numbers travel in the next check's single transfer (or ``monitor.flush()``). Arming happens at the
-check, not in a step pre-hook, because trainers that run forward and backward inside
-``optimizer.step(closure)`` (Lightning) call the pre-hook before the check; between a check and its
-step the parameters do not change.
+check, not in a step pre-hook: Lightning's ``optimizer.step(closure)`` calls that before the check.
 
 **Did it change? (exact, no copy of θ).** Every step, each group's learning rate is read on the host
 (:mod:`.lrstory`: a hold, a warm-up from 0, a fall, stuck); lr 0 in SGD/Adam/AdamW decides at once
@@ -303,16 +301,18 @@ class UpdateTracker:
                               GradHealthInternalWarning, stacklevel=3)
         else:  # a step no check armed (every_n_steps): count its skip
             self._unarmed = unarmed_skip(opt, self.pending, self._unarmed)
-        seen = None
-        if self.armed_step is not None:  # (the stale witnesses, and what the one-call-step test keeps)
-            plan = self._plans.get(key) or self._plan(opt)
-            seen = self.witness.arm(opt, plan.idx if plan else [], self.entries)
-        self.ran.stepped(opt, seen or None)
-        if self.after_step is not None:  # (a guess about this optimizer's reduction, verified now)
-            try:
-                self.after_step(opt)
-            except Exception:  # inside the user's optimizer.step(): never break it
-                pass
+        try:
+            seen = None
+            if self.armed_step is not None:  # (the stale witnesses, and what the one-call-step test keeps)
+                plan = self._plans.get(key) or self._plan(opt)
+                seen = self.witness.arm(opt, plan.idx if plan else [], self.entries)
+            self.ran.stepped(opt, seen or None)
+        finally:  # (a guess about this optimizer's reduction, verified now: a collective every rank joins)
+            if self.after_step is not None:
+                try:
+                    self.after_step(opt)
+                except Exception:  # inside the user's optimizer.step(): never break it
+                    pass
 
     def _light(self, opt) -> StepStats | None:
         """A step between change tests: what the learning rates decide (lr 0 in SGD/Adam/AdamW changes
