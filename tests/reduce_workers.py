@@ -67,16 +67,20 @@ class TinyGPT(nn.Module):
         return self.lm_head(x)
 
 
-def nanogpt(rank, world, case="ok"):
+def nanogpt(rank, world, case="ok", one=False):
     """modded-nanogpt's step: backward, Adam's gradients (embed, lm_head) all-reduced by hand,
     every optimizer stepped (Muon reduces its own inside), zero_grad. ``case="head"``: lm_head left
-    out of the manual all-reduce."""
+    out of the manual all-reduce. ``one``: one optimizer (:class:`HandAndInside`) whose two param
+    groups are reduced in those two places."""
     torch.manual_seed(0)
     model = TinyGPT()
     adam_params = [model.embed.weight, model.lm_head.weight]
-    optimizer1 = torch.optim.Adam(adam_params, lr=1e-2, betas=(0.8, 0.95), eps=1e-10)
-    optimizer2 = Muon([b.weight for b in model.blocks], lr=0.02, momentum=0.95)
-    optimizers = [optimizer1, optimizer2]
+    if one:
+        optimizers = [HandAndInside([{"params": adam_params}, {"params": [b.weight for b in model.blocks],
+                                                                "reduce": True}], lr=0.5)]
+    else:
+        optimizers = [torch.optim.Adam(adam_params, lr=1e-2, betas=(0.8, 0.95), eps=1e-10),
+                      Muon([b.weight for b in model.blocks], lr=0.02, momentum=0.95)]
     mon = gh.GradHealth(model, optimizers, on_problem="raise" if case == "ok" else "ignore")
     g = torch.Generator().manual_seed(100 + rank)
     reports, losses = [], []
@@ -138,38 +142,10 @@ class HandAndInside(torch.optim.Optimizer):
                     p.grad /= world
                 p.add_(p.grad, alpha=-group["lr"])
 
-
-def one_optimizer_two_places(rank, world, case="ok"):
-    """TinyGPT with one optimizer: embed and lm_head in a group reduced by hand before the step,
-    the blocks in a group reduced inside it. ``case="head"``: lm_head left out of the hand all-reduce."""
-    torch.manual_seed(0)
-    model = TinyGPT()
-    by_hand = [model.embed.weight, model.lm_head.weight]
-    opt = HandAndInside([{"params": by_hand}, {"params": [b.weight for b in model.blocks], "reduce": True}], lr=0.5)
-    mon = gh.GradHealth(model, opt, on_problem="raise" if case == "ok" else "ignore")
-    g = torch.Generator().manual_seed(100 + rank)
-    reports, losses = [], []
-    for step in range(10 if case == "ok" else 3):
-        idx = (torch.randint(0, 32, (8, 1), generator=g) + torch.arange(9)) % 32
-        loss = nn.functional.cross_entropy(model(idx[:, :-1]).reshape(-1, 32), idx[:, 1:].reshape(-1))
-        loss.backward()
-        for p in by_hand:
-            if case == "head" and p is model.lm_head.weight:
-                continue
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad /= world
-        reports.append(_report(mon.check(loss)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    mon.close()
-    return {"reports": reports, "losses": losses, "same": _gather_params(model)}
-
-
 SCENARIOS = {
     "nanogpt_two_places_ok": nanogpt,
     "nanogpt_two_places_head": lambda r, w: nanogpt(r, w, "head"),
     "jxmnop_alternating_ddp": jxmnop,
-    "one_optimizer_two_places_ok": one_optimizer_two_places,
-    "one_optimizer_two_places_head": lambda r, w: one_optimizer_two_places(r, w, "head"),
+    "one_optimizer_two_places_ok": lambda r, w: nanogpt(r, w, one=True),
+    "one_optimizer_two_places_head": lambda r, w: nanogpt(r, w, "head", one=True),
 }
