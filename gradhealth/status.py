@@ -41,7 +41,8 @@ HINTS = {
     Status.NOT_IN_OPTIMIZER: (
         "get gradients but no optimizer updates them: they are in none of its param_groups. Build "
         "the optimizer from model.parameters() after every submodule exists, or add them with "
-        "optimizer.add_param_group(...)."
+        "optimizer.add_param_group(...) (where a framework builds it, what you give it: DeepSpeed's "
+        "model_parameters, a fastai splitter)."
     ),
     Status.ZERO_GRAD: (
         "have gradients that are exactly zero: dead ReLUs, a mask that selected nothing, a "
@@ -63,7 +64,8 @@ HINTS_ONE = {
     Status.NOT_IN_OPTIMIZER: (
         "gets gradients but no optimizer updates it: it is in none of the optimizer's param_groups. Build "
         "the optimizer from model.parameters() after every submodule exists, or add it with "
-        "optimizer.add_param_group(...)."
+        "optimizer.add_param_group(...) (where a framework builds it, what you give it: DeepSpeed's "
+        "model_parameters, a fastai splitter)."
     ),
     Status.ZERO_GRAD: "has a gradient that is exactly zero" + HINTS[Status.ZERO_GRAD][len("have gradients that are exactly zero"):],
     Status.OK: "trains normally.",
