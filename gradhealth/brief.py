@@ -113,7 +113,7 @@ def brief(report, framework: str = "plain") -> list[str]:
     lines, todo, state_todo = [], [], []
     errors = report.errors
     by_state: dict[Status, list] = {}
-    for row in group_by_module(report.status, lambda n, s: n in errors):
+    for row in group_by_module(report.status, errors):
         by_state.setdefault(row[2], []).append(row)
     for state, rows in by_state.items():
         lines.append(f"{state.value} in {describe_groups(rows)}: {_WHAT.get(state, state.value)}")

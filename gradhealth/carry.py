@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import weakref
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 
 import torch
 from torch import Tensor
@@ -190,21 +192,24 @@ class Carry:
         status = target.status
         changed_any = False
         for u in updates:
-            if u.measured:
-                for i, d, b, c in zip(u.indices, u.update, u.param, u.changed):
-                    if c == 0.0:
-                        d = 0.0  # decided exactly: nothing moved, whatever the rule computed
-                    if d == d:
-                        target.update_norm[names[i]] = d
-                        target.update_ratio[names[i]] = (d / b if b > 0 else math.inf) if d else 0.0
+            if u.measured:  # (decided exactly unchanged: 0, whatever the rule computed)
+                upd = [0.0 if c == 0.0 else d for d, c in zip(u.update, u.changed)] if 0.0 in u.changed else u.update
+                keys = list(map(names.__getitem__, u.indices))
+                if all(map(operator.eq, upd, upd)) and all(map(operator.gt, u.param, repeat(0.0))):  # (in C: no NaN, b > 0)
+                    target.update_norm.update(zip(keys, upd))
+                    target.update_ratio.update(zip(keys, map(operator.truediv, upd, u.param)))
+                else:
+                    for n, d, b in zip(keys, upd, u.param):
+                        if d == d:
+                            target.update_norm[n] = d
+                            target.update_ratio[n] = (d / b if b > 0 else math.inf) if d else 0.0
             if not u.decided:  # a step between change tests
                 continue
             # the decisions: only the few unchanged ones, and the frozen ones, are looked at
-            for k in [k for k, c in enumerate(u.changed) if c == 0.0]:
+            for k in compress(range(len(u.changed)), map(operator.eq, u.changed, repeat(0.0))):
                 if status.get(names[u.indices[k]]) is Status.OK:
                     unchanged[names[u.indices[k]]] = u.lr_zero[k]
-            if any(c == 1.0 for c in u.changed):
-                changed_any = True
+            changed_any = changed_any or 1.0 in u.changed
             if target.not_ok:
                 frozen = {n for n in target.not_ok if status[n] is Status.FROZEN}
                 if frozen:

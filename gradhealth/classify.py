@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Iterable
+from itertools import compress, repeat
 
 import torch
 from torch import nn
@@ -179,13 +180,17 @@ def classify_selection(names: list[str], params: list, pids: list[int], idx: lis
     sel_names = names if len(idx) == len(names) else [names[i] for i in idx]  # idx: sorted, distinct
     status: dict[str, Status] = dict.fromkeys(sel_names, Status.OK)
     in_opt: dict[str, bool] | None = dict.fromkeys(sel_names, True) if ids is not None else None
-    inf = math.inf
-    if dense is not None and len(dense) == len(idx) and dense and 0.0 < min(dense) and sum(dense) < inf \
+    inf, walk = math.inf, idx
+    if dense is not None and len(dense) == len(idx) and dense \
             and (ids is None or (all_inside if all_inside is not None else ids.issuperset(map(pids.__getitem__, idx)))) \
             and all(map(_REQUIRES_GRAD, map(params.__getitem__, idx))):
-        return status, in_opt, []  # every one OK (NaN fails both comparisons): no walk needed
+        if 0.0 < min(dense) and sum(dense) < inf:
+            return status, in_opt, []  # every one OK (NaN fails both comparisons): no walk needed
+        # trainable and in the optimizers: only a norm that is not in (0, inf) can make a state
+        walk = compress(idx, map(operator.not_, map(operator.and_, map(operator.gt, dense, repeat(0.0)),
+                                                     map(operator.lt, dense, repeat(inf)))))
     not_ok: list[str] = []
-    for i in idx:
+    for i in walk:
         p = params[i]
         v = norm_of[i]
         inside = ids is None or pids[i] in ids

@@ -4,6 +4,9 @@ updates, and ``Packed`` views that copy and compare many tensors with a few kern
 from __future__ import annotations
 
 import math
+import operator
+from bisect import bisect_right
+from itertools import accumulate, repeat
 
 import torch
 from torch import Tensor
@@ -11,7 +14,7 @@ from torch import Tensor
 from .host import host_segments, host_to
 from .stats import foreach_norms, plan_groups
 
-__all__ = ["norms", "apply", "water_fill", "Packed", "flat", "sample_view", "versions_tell"]
+__all__ = ["norms", "apply", "water_fill", "in_turn", "Packed", "flat", "sample_view", "versions_tell"]
 
 
 def norms(tensors: list[Tensor], groups: list[list[int]], ord: float = 2.0) -> Tensor:
@@ -99,6 +102,21 @@ class Packed:
         """Per tensor: ||now - snapshot||, accumulated in float64 (no square underflows)."""
         now = self.snapshot(1)
         return self._per_tensor([(a.double() - b.double()) ** 2 for a, b in zip(now, snap)], torch.float64).sqrt()
+
+
+def in_turn(wanted: list[int], tensors: list[Tensor], start: int, budget: int) -> list[int]:
+    """From ``wanted[start]`` on, round: the first contiguous tensor of at most ``budget`` elements,
+    then the ones after it while they are contiguous and fit the budget together (picked in C: a
+    vanishing model's undecided parameters are most of them)."""
+    order = wanted[start:] + wanted[:start]
+    picked = list(map(tensors.__getitem__, order))
+    sizes = list(map(Tensor.numel, picked))
+    fits = list(map(operator.and_, map(Tensor.is_contiguous, picked), map(operator.ge, repeat(budget), sizes)))
+    if True not in fits:
+        return []
+    first = fits.index(True)
+    end = fits.index(False, first) if False in fits[first:] else len(order)
+    return order[first:first + min(end - first, bisect_right(list(accumulate(sizes[first:end])), budget))]
 
 
 def flat(p: Tensor) -> Tensor | None:

@@ -32,6 +32,7 @@ import math
 import operator
 import warnings
 from array import array
+from itertools import compress, repeat
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ from torch.nn.parameter import is_lazy
 from .distributed import dtensor_type, to_local
 from .errors import GradHealthInternalWarning
 from .hooks import step_hooks
-from .compare import Packed, apply, flat, norms, sample_view, versions_tell, water_fill
+from .compare import Packed, apply, flat, in_turn, norms, sample_view, versions_tell, water_fill
 from .lrstory import LrStory, all_positive
 from .rules import rule_norms, rule_of
 from .ranon import RanOn
@@ -117,6 +118,7 @@ class UpdateTracker:
         self._plans: dict[int, _OptPlan] = {}
         self.witness = StaleWatch(defer=len(optimizers) > 1)
         self._in_step: dict[int, int] = {}  # optimizers inside their step(): checks made there so far
+        self._packs: dict[tuple, tuple] = {}  # the exact copies' last plans (:meth:`_copies_in_turn`)
         #: called with the optimizer before each step (the monitor notes whether the armed check's
         #: gradients are still there)
         self.before_step = None
@@ -131,7 +133,7 @@ class UpdateTracker:
         A step measured against the old ones is dropped."""
         self.entries = entries
         self.index = {id(p): i for i, (_, p) in enumerate(entries)}
-        self._plans.clear()
+        self._plans.clear(), self._packs.clear()
         self.watched.clear()
         self.pending.clear()
         self.witness.close()
@@ -141,7 +143,7 @@ class UpdateTracker:
     def settle(self, stats: StepStats) -> None:
         """After a fetch: parameters proven to change need no exact copy any more."""
         if self.watched:
-            self.watched -= {i for i, c in zip(stats.indices, stats.changed) if c == 1.0}
+            self.watched.difference_update(compress(stats.indices, map(operator.eq, stats.changed, repeat(1.0))))
 
     def extra_elements(self) -> int:
         """Elements held across a step in this mode at most (what the memory bound counts)."""
@@ -227,8 +229,9 @@ class UpdateTracker:
             generic = (measure or zero) and not exact and rule_of(opt) is None
             if generic:  # (at lr 0: copied in turns, so the step is decided now, not by a later sample)
                 wanted = list(range(len(plan.idx)))
-            elif self.watched:
-                wanted = [k for k, i in enumerate(plan.idx) if i in self.watched and not plan.whole[k]]
+            elif self.watched:  # (picked in C: a vanishing model's watched parameters are most of them)
+                wanted = list(compress(range(len(plan.idx)), map(operator.and_, map(self.watched.__contains__, plan.idx),
+                                                                  map(operator.not_, plan.whole))))
             else:
                 wanted = []
             copies = self._copies_in_turn(opt, plan, wanted) if wanted and not exact else None
@@ -238,19 +241,17 @@ class UpdateTracker:
         """Exact copies of the next ``wanted`` parameters in turn that fit the budget together
         (one that alone is larger than the budget is never copied)."""
         start = self._turn.get(id(opt), 0) % len(wanted)
-        chosen, used = [], 0
-        for j in range(len(wanted)):
-            k = wanted[(start + j) % len(wanted)]
-            size = plan.params[k].numel()
-            if used + size <= self.budget and plan.params[k].is_contiguous():
-                chosen.append(k)
-                used += size
-            elif chosen:
-                break
+        chosen = in_turn(wanted, plan.params, start, self.budget)
         self._turn[id(opt)] = start + max(1, len(chosen))
         if not chosen:
             return None
-        packed = Packed([plan.flats[k] for k in chosen])
+        key = (id(plan), tuple(chosen))  # (the same ones test after test while they stay undecided: planned once)
+        was, packed = self._packs.pop(key, (None, None))
+        if was is not plan:
+            packed = Packed(list(map(plan.flats.__getitem__, chosen)))
+        self._packs[key] = (plan, packed)
+        while len(self._packs) > 4:
+            self._packs.pop(next(iter(self._packs)))
         return chosen, packed, packed.snapshot()
 
     def disarm(self) -> None:
@@ -416,4 +417,4 @@ class UpdateTracker:
         self._handles.clear()
         self.witness.close()
         self._inflight.clear()
-        self._plans.clear()
+        self._plans.clear(), self._packs.clear()

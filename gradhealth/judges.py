@@ -28,7 +28,7 @@ _MASKED_MEAN = "gh.masked_mean(..., empty='zero')"
 
 
 def _ordered(status: Mapping[str, Status], chosen: Collection[str]) -> tuple[str, ...]:
-    return tuple(n for n in status if n in chosen)
+    return tuple(filter((chosen if isinstance(chosen, (set, frozenset, dict)) else set(chosen)).__contains__, status))
 
 
 def loss_cause(cause: str | None, step: int, where: str = "") -> list[Finding]:
@@ -184,12 +184,10 @@ def not_updated(status: Mapping[str, Status], unchanged: Mapping[str, str], step
     others move is info: their updates fell below the precision of the weights (a converged
     parameter, vanishing gradients).
     """
-    out = []
-    scheduled = {n for n, w in unchanged.items() if w == "new"}
-    stuck = {n for n, w in unchanged.items() if w == "again"}
-    never = {n for n, w in unchanged.items() if w == "stuck"}
-    held = {n for n, w in unchanged.items() if w == "held"}
-    rest = {n for n, w in unchanged.items() if w == ""}
+    out, by_word = [], {w: set() for w in ("new", "again", "stuck", "held", "quiet", "")}
+    for n, w in unchanged.items():  # (one pass)
+        by_word.setdefault(w, set()).add(n)
+    scheduled, stuck, never, held, rest = (by_word[w] for w in ("new", "again", "stuck", "held", ""))
     if rest and gone:  # the check's gradients were gone (set to None) when the step began
         out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, rest)} had {agree(rest, 'finite, non-zero gradients', 'a finite, non-zero gradient')} "
                            f"at step {step}, but {agree(rest, 'they were', 'it was')} gone (set to None) when optimizer.step() "

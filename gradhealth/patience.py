@@ -32,6 +32,7 @@ a parameter's zero gradient is new.
 from __future__ import annotations
 
 import math
+import operator
 import re
 from dataclasses import dataclass
 
@@ -143,7 +144,7 @@ class Persistence:
                 if r[0] + r[1] > CAP:
                     r[0], r[1] = r[0] // 2, r[1] // 2
         self.n[key] = self.n.get(key, 0) + 1
-        trainable = sum(1 for s in status.values() if s is not Status.FROZEN) if missing else 0
+        trainable = len(status) - operator.countOf(status.values(), Status.FROZEN) if missing else 0
         self.blank = self.blank + 1 if missing and len(missing) == trainable else 0
         return gaps
 
@@ -167,7 +168,7 @@ class Persistence:
         errors, history = set(), {}
         if self.blank >= patience:
             return Verdict(gaps, {n for n, g in gaps.items() if g >= patience}, history, self.blank)
-        proxies = None
+        proxies, best = None, {}  # best: gap -> the proxies' largest log-probability of it
         for n, g in gaps.items():
             r = self.rec[n]
             if not r[5]:
@@ -177,8 +178,10 @@ class Persistence:
             if r[5]:  # never used: judged by the most-skipping unit of the model, if any skips
                 if proxies is None:
                     proxies = self._proxies()
-                mine = proxies + self._family(n, status) if status is not None else proxies
-                if not mine or max(predictive(m, u, g) for m, u in mine) < _LOG_ALPHA:
+                if g not in best:  # (none skips: -inf, an error)
+                    best[g] = max((predictive(m, u, g) for m, u in proxies), default=-math.inf)
+                family = self._family(n, status) if status is not None else ()
+                if max([best[g], *(predictive(m, u, g) for m, u in family)]) < _LOG_ALPHA:
                     errors.add(n)
             elif predictive(r[1], r[0], g) < _LOG_ALPHA:
                 errors.add(n)

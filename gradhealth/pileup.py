@@ -22,8 +22,9 @@ Judged for OK parameters whose learning rate is not 0 (a group held at 0 is :mod
 from __future__ import annotations
 
 import math
-import operator
-from itertools import compress
+from collections import deque
+from itertools import compress, repeat
+from operator import add, attrgetter, eq, gt, is_, le, mul, ne
 
 from .findings import Finding, FindingKind
 from .naming import agree
@@ -38,77 +39,93 @@ PILE = 3
 #: ... when the only evidence is that no optimizer holding it stepped meanwhile (longer than the
 #: critic steps between a GAN generator's own steps: WGAN's n_critic is 5)
 IDLE = 8
+#: checks whose norms and step counts are kept (a longer streak is dated from the oldest)
+HISTORY = 64
+_VERSION = attrgetter("_version")
 
 
 class PileUp:
+    """The streaks, kept as lists aligned to the names that had gradients and advanced with
+    ``map`` over ``operator`` functions: no Python bytecode runs per parameter on the usual check
+    (the same parameters with gradients as at the last one); Python runs per parameter only for
+    those already ``PILE`` checks into a streak."""
+
     def __init__(self) -> None:
-        self.prev: dict[str, float] = {}
+        self._keys: list = []  # the names that had gradients at the last check
+        self._vals: list = []  # their gradient norms then
+        self._vers: list = []  # their parameters' version counters then
+        self._runs: list = []  # checks in a row each grew with no change of its parameter
+        self._params: list = []  # the parameters of _keys
         self._names: list | None = None
-        self._keys: list | None = None
-        self._vals: list = []
-        self._index: dict[str, int] = {}
-        self.streak: dict[str, list] = {}  # name -> [growths, version, (steps, per optimizer) then, first grad norm]
+        self._by_name: dict = {}
+        self._hist: deque = deque(maxlen=HISTORY)  # per check: (keys, norms, total steps, steps per optimizer)
 
     def update(self, report, names: list[str], params: list, tracker) -> list[Finding]:
         """GRAD_PILEUP for the parameters piling up now (``tracker``: the monitor's
         :class:`~gradhealth.deltas.UpdateTracker`, its step counts and learning rates)."""
-        gn, prev = report.grad_norm, self.prev
-        self.prev = gn
+        gn, status = report.grad_norm, report.status
         if not gn:
-            self.streak, self._keys = {}, None
+            self.__init__()
             return []
-        status, streak = report.status, self.streak
         keys, vals = list(gn), list(gn.values())
-        if keys == self._keys:  # (the usual check: the same parameters had gradients; compared in C)
-            grown = list(compress(keys, map(operator.gt, vals, self._vals)))
-        else:
-            grown = [n for n, v in gn.items() if v > prev.get(n, math.inf)]
-        self._keys, self._vals = keys, vals
-        if not grown:
-            self.streak = {}
-            return []
-        if names is not self._names:  # (made once per list of names)
-            self._names, self._index = names, {n: i for i, n in enumerate(names)}
-        index = self._index
-        now, snap = {}, None
-        for n in grown:
-            if status.get(n) is not Status.OK or n not in index or gn[n] == math.inf:
-                continue
-            p = params[index[n]]
-            r = streak.get(n)
-            if r is None or r[1] != p._version:  # (a version that moved: it was changed)
-                snap = snap or (tracker.total_steps, dict(tracker.stepped))
-                r = [0, p._version, snap, prev.get(n, gn[n])]
-            r[0] += 1
-            now[n] = r
-        self.streak = now
-        due = [n for n, r in now.items() if r[0] >= PILE and tracker.total_steps > r[2][0]]
+        if keys == self._keys:  # (the usual check; the previous check's lists are aligned already)
+            keys, plist, prev, vers0, runs0 = self._keys, self._params, self._vals, self._vers, self._runs
+        else:  # (other parameters had gradients: realign by name; one absent then did not grow)
+            if names is not self._names:
+                self._names, self._by_name = names, dict(zip(names, params))
+            plist = list(map(self._by_name.__getitem__, keys))
+            old = self._keys
+            prev = list(map(dict(zip(old, self._vals)).get, keys, repeat(math.inf)))
+            vers0 = list(map(dict(zip(old, self._vers)).get, keys, repeat(-1)))
+            runs0 = list(map(dict(zip(old, self._runs)).get, keys, repeat(0)))
+        vers = list(map(_VERSION, plist))
+        # runs = (runs0 * same version + 1) * grew * OK * finite, all in C (bools are 0 and 1)
+        runs = list(map(mul, map(mul, map(mul, map(add, map(mul, runs0, map(eq, vers, vers0)), repeat(1)),
+                                          map(gt, vals, prev)),
+                                 map(is_, map(status.get, keys), repeat(Status.OK))),
+                        map(ne, vals, repeat(math.inf))))
+        self._keys, self._vals, self._vers, self._runs, self._params = keys, vals, vers, runs, plist
+        hist = self._hist
+        hist.append((keys, vals, tracker.total_steps, dict(tracker.stepped)))
+        due = list(compress(range(len(runs)), map(le, repeat(PILE), runs)))
         if not due:
             return []
         held = tracker.lrs.zero_ids()
-        holders = _holders(tracker.lrs.optimizers, {id(params[index[n]]) for n in due})
-        found = []
-        for n in due:
-            p, (_, then) = params[index[n]], now[n][2]
+        holders = _holders(tracker.lrs.optimizers, {id(plist[i]) for i in due})
+        found, firsts, counts = [], [], []
+        for i in due:
+            run = runs[i]
+            start = hist[-min(run, len(hist))]  # (the check where the streak began, or the oldest kept)
+            if tracker.total_steps <= start[2]:  # (no step since: accumulation over micro-batches)
+                continue
+            p = plist[i]
             mine = holders.get(id(p), [])
             if not mine or id(p) in held:
                 continue
+            then = start[3]
             stepped = [tracker.stepped.get(id(o), 0) != then.get(id(o), 0) for o in mine]
-            if (now[n][0] >= IDLE and not any(stepped)) or (any(stepped) and all(versions_tell(o) for o in mine)):
+            if (run >= IDLE and not any(stepped)) or (any(stepped) and all(versions_tell(o) for o in mine)):
                 # (idle holders for long; or holders that stepped, whose steps move the version, did not move it)
-                found.append(n)
+                found.append(keys[i])
+                counts.append(run)
+                firsts.append(_norm_at(hist[-run - 1] if run < len(hist) else start, keys[i]))
         if not found:
             return []
-        first = min(now[n][3] for n in found)
-        last = max(gn[n] for n in found)
+        first, last = min(firsts), max(gn[n] for n in found)
         return [Finding(FindingKind.GRAD_PILEUP, f"{describe_names(status, found)}: {agree(found, 'their gradients have', 'its gradient has')} "
-                        f"grown at each of the last {min(now[n][0] for n in found)} checks (norm {first:.3g} to {last:.3g}) while optimizer steps ran "
+                        f"grown at each of the last {min(counts)} checks (norm {first:.3g} to {last:.3g}) while optimizer steps ran "
                         f"and none of them changed {agree(found, 'these parameters', 'this parameter')}: {agree(found, 'their gradients pile', 'its gradient piles')} up unapplied. No optimizer steps "
                         f"{agree(found, 'them', 'it')} and nothing clears {agree(found, 'their', 'its')} .grad: an optimizer "
                         "in backward that hooked only the parameters requiring grad when it was set up (a layer "
                         "unfrozen later has no hook: register one for it, or rebuild the optimizer), or an optimizer "
                         "that holds them but whose step() never runs", params=tuple(n for n in status if n in found),
                         step=report.step, data={"first": first, "last": last})]
+
+
+def _norm_at(entry, name: str) -> float:
+    """The gradient norm of ``name`` at a kept check (``entry``: keys, norms, ...)."""
+    keys, vals = entry[0], entry[1]
+    return vals[keys.index(name)]
 
 
 def _holders(optimizers, ids: set[int]) -> dict[int, list]:

@@ -51,7 +51,7 @@ def explain(report: Report) -> str:
     lines = [f"gradhealth step {report.step}: {report.headline()}"]
     by_state: dict[Status, list] = {}
     errors = report.errors
-    for row in group_by_module(report.status, lambda n, s: n in errors):
+    for row in group_by_module(report.status, errors):
         by_state.setdefault(row[2], []).append(row)
     for state, rows in by_state.items():
         count = sum(len(names) for _, names, _ in rows)

@@ -26,52 +26,90 @@ class ParamMeta:
 def group_by_module(status: dict[str, Status], select) -> list[tuple[str, list[str], Status]]:
     """Collapse selected parameters into the shortest module prefixes that share one state.
 
-    ``select(name, state)`` picks the parameters to show. A prefix ``enc.*`` is emitted only when
-    *every* parameter under ``enc`` is selected and in the same state; otherwise its children are
-    looked at. When that holds for the whole model the single row is labelled ``*``. Returns
-    ``(label, names, state)`` rows.
+    ``select(name, state)`` picks the parameters to show (or ``select`` is a collection of names).
+    A prefix ``enc.*`` is emitted only when *every* parameter under ``enc`` is selected and in the
+    same state; otherwise its children are looked at. When that holds for the whole model the
+    single row is labelled ``*``. Returns ``(label, names, state)`` rows, in the module tree's order.
+    The tree of the names is built once per set of names; a call walks only the selected ones.
     """
-    tree: dict = {}
-    for name in status:
-        node = tree
-        for part in name.split("."):
-            node = node.setdefault(part, {})
+    if callable(select):
+        chosen = [n for n, s in status.items() if select(n, s)]
+    else:
+        chosen = list(filter(select.__contains__, status))
+    if not chosen:
+        return []
+    tree = _tree(tuple(status))
+    if len(chosen) == len(status) > 1 and len(set(map(status.__getitem__, chosen))) == 1:
+        return [("*", list(status), status[chosen[0]])]
+    ancestors, under = tree.ancestors, tree.under
+    count: dict[str, int] = {}
+    state: dict[str, Status] = {}
+    mixed: set[str] = set()
+    for n in chosen:
+        s = status[n]
+        for a in ancestors[n]:
+            count[a] = count.get(a, 0) + 1
+            if state.setdefault(a, s) is not s:
+                mixed.add(a)
     rows: list[tuple[str, list[str], Status]] = []
-
-    def names_under(prefix: str, node: dict) -> list[str]:
-        if not node:
-            return [prefix]
-        out: list[str] = []
-        for part, child in node.items():
-            out.extend(names_under(f"{prefix}.{part}" if prefix else part, child))
-        return out
-
-    def uniform(names: list[str]) -> Status | None:
-        states = {status[n] for n in names}
-        if len(states) == 1 and all(select(n, status[n]) for n in names):
-            return next(iter(states))
-        return None
-
-    def visit(prefix: str, node: dict) -> None:
-        for part, child in node.items():
-            path = f"{prefix}.{part}" if prefix else part
-            if not child:  # a parameter
-                if select(path, status[path]):
-                    rows.append((path, [path], status[path]))
-                continue
-            names = names_under(path, child)
-            state = uniform(names)
-            if state is not None:
-                rows.append((f"{path}.*", names, state))
-            elif any(select(n, status[n]) for n in names):
-                visit(path, child)
-
-    everything = list(status)
-    state = uniform(everything) if len(everything) > 1 else None
-    if state is not None:
-        return [("*", everything, state)]
-    visit("", tree)
+    done: set[str] = set()
+    for n in sorted(chosen, key=tree.position.__getitem__):
+        for a in ancestors[n]:  # (top down: the first module whose every parameter is chosen, in one state)
+            if a not in mixed and count[a] == len(under[a]):
+                if a not in done:
+                    done.add(a)
+                    rows.append((f"{a}.*", under[a], state[a]))
+                break
+        else:
+            rows.append((n, [n], status[n]))
     return rows
+
+
+class _Tree:
+    """The module tree of a list of names: each name's modules from the top (``ancestors``), each
+    module's parameters in tree order (``under``), and each name's place in that order."""
+
+    def __init__(self, names: tuple[str, ...]):
+        root: dict = {}
+        for name in names:
+            node = root
+            for part in name.split("."):
+                node = node.setdefault(part, {})
+        self.ancestors: dict[str, list[str]] = {}
+        self.under: dict[str, list[str]] = {}
+        order: list[str] = []
+
+        def walk(prefix: str, node: dict, above: list[str]) -> list[str]:
+            if not node:
+                self.ancestors[prefix] = above
+                order.append(prefix)
+                return [prefix]
+            mine = above + [prefix] if prefix else above
+            out: list[str] = []
+            for part, child in node.items():
+                out += walk(f"{prefix}.{part}" if prefix else part, child, mine)
+            if prefix:
+                self.under[prefix] = out
+            return out
+
+        walk("", root, [])
+        for name in names:  # (a name that is also a module's prefix: a row of its own)
+            if name not in self.ancestors:
+                self.ancestors[name] = [name[:i] for i, c in enumerate(name) if c == "."]
+                order.append(name)
+        self.position = {n: i for i, n in enumerate(order)}
+
+
+_TREES: dict[tuple, _Tree] = {}
+
+
+def _tree(names: tuple[str, ...]) -> _Tree:
+    tree = _TREES.get(names)
+    if tree is None:
+        if len(_TREES) >= 8:  # (a few models per process: keep the latest)
+            _TREES.pop(next(iter(_TREES)))
+        tree = _TREES[names] = _Tree(names)
+    return tree
 
 
 def describe_groups(rows) -> str:
@@ -91,8 +129,18 @@ def describe_groups(rows) -> str:
 
 def describe_names(status: dict[str, Status], names) -> str:
     """``enc.* (24 params), head.weight``: ``names`` grouped by the modules they fill."""
-    chosen = set(names)
-    return describe_groups(group_by_module(status, lambda n, s: n in chosen))
+    chosen = names if isinstance(names, (set, frozenset)) else set(names)
+    # (the same names in the same states, check after check: the words are made once)
+    key = (tuple(status), frozenset(zip(chosen, map(status.get, chosen))))
+    text = _DESCRIBED.get(key)
+    if text is None:
+        if len(_DESCRIBED) >= 64:
+            _DESCRIBED.pop(next(iter(_DESCRIBED)))
+        text = _DESCRIBED[key] = describe_groups(group_by_module(status, chosen))
+    return text
+
+
+_DESCRIBED: dict[tuple, str] = {}
 
 
 def frozen_summary(status: dict[str, Status]) -> str | None:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from itertools import repeat, starmap
+from functools import partial
+from itertools import compress, filterfalse, groupby, repeat, starmap
 
 import torch
 from torch import Tensor
@@ -65,6 +66,9 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def plan_groups(tensors: Sequence[Tensor]) -> list[tuple[torch.device, torch.dtype, list[int]]]:
     """Indices of ``tensors`` grouped by (device, dtype): one fused kernel per group."""
+    keys = list(zip(map(_DEVICE, tensors), map(_DTYPE, tensors)))
+    if len(set(keys)) == 1:  # (the usual: one device, one dtype)
+        return [(*keys[0], list(range(len(keys))))]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
@@ -72,7 +76,8 @@ def plan_groups(tensors: Sequence[Tensor]) -> list[tuple[torch.device, torch.dty
 
 
 _DTYPE, _LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("layout")
-_IS_FLOAT = operator.attrgetter("is_floating_point")
+_IS_FLOAT, _DEVICE = operator.attrgetter("is_floating_point"), operator.attrgetter("device")
+_FLAT, _SOMETHING = operator.methodcaller("reshape", -1), partial(operator.is_not, None)
 #: on the CPU, tensors of one shape with at most this many elements are normed stacked (see
 #: ``_batches``), at most ``STACK_ELEMENTS`` elements a stack (its copy: 4 MiB of float32)
 STACK_NUMEL, STACK_ELEMENTS = 1 << 14, 1 << 20
@@ -114,6 +119,10 @@ class NormPlan:
             self.batches.append((dtype, batches))
         self.perm = [i for _, batches in self.batches for _, _, idx in batches for i in idx]
         self.identity = self.perm == list(range(len(self.perm)))
+        inverse = [0] * len(self.perm)  # (where each tensor's norm is in the packed order)
+        for k, i in enumerate(self.perm):
+            inverse[i] = k
+        self.order = operator.itemgetter(*inverse) if len(inverse) > 1 else None
 
     def learn(self, indices, tensors: Sequence[Tensor]) -> None:
         """Norm ``indices`` of ``tensors`` with the exact kernel from now on (an empty one's 0 is exact)."""
@@ -225,7 +234,7 @@ def _pack(tensors: Sequence[Tensor], plan: NormPlan) -> list[Tensor]:
         acc = _acc_dtype(dtype)
         kw = {} if dtype == acc else {"dtype": acc}  # (float32 accumulation, as in foreach_norms)
         for kind, rows, idx in batches:
-            members = [tensors[i] for i in idx]
+            members = list(map(tensors.__getitem__, idx))
             if kind == "stack":
                 out.append(torch.linalg.vector_norm(torch.stack(members).reshape(len(members), -1), dim=1, **kw))
             elif kind == "rows":  # (a view: fails, and is planned again, if a tensor stopped fitting)
@@ -244,7 +253,8 @@ def joined(parts: Sequence[Tensor]) -> Tensor:
     is moved without a sync), in a dtype that holds each of their values exactly: float32 when every
     part is a float of at most 32 bits (the norms, a loss: read back as the very same numbers),
     float64 otherwise (a count, a float64 value)."""
-    if all(map(_IS_FLOAT, map(_DTYPE, parts))):  # the common case: floats (stack promotes: exact)
+    floats = all(map(_IS_FLOAT, map(_DTYPE, parts)))  # the common case (stack and cat promote: exact)
+    if floats:
         if len(parts) == 1:
             return parts[0] if parts[0].dim() == 1 else parts[0].reshape(-1)
         if parts[0].dim() == 0 and parts[-1].dim() == 0:
@@ -252,25 +262,16 @@ def joined(parts: Sequence[Tensor]) -> Tensor:
                 return torch.stack(parts)
             except RuntimeError:
                 pass
-    device = parts[0].device
-    if len(parts) > 1 and any(p.numel() == 0 for p in parts):  # (an empty part holds nothing to read)
+    if len(parts) > 1 and 0 in map(Tensor.numel, parts):  # (an empty part holds nothing to read)
         return joined([p for p in parts if p.numel()] or parts[:1])
-    wide = any(not p.dtype.is_floating_point or p.dtype.itemsize > 4 for p in parts)
-    flat, run = [], []  # (a run of 0-d floats of one device: one stack, not a reshape each)
-    for p in parts:
-        if wide and not p.dtype.is_floating_point:
-            p = p.to(torch.float64)
-        if p.device != device:
-            p = p.to(device, non_blocking=True)
-        if p.dim() == 0 and p.dtype.is_floating_point:
-            run.append(p)
-            continue
-        if run:
-            flat.append(torch.stack(run))
-            run = []
-        flat.append(p if p.dim() == 1 else p.reshape(-1))
-    if run:
-        flat.append(torch.stack(run))
+    if not floats:  # (a count: float64 holds it exactly)
+        parts = [p if p.dtype.is_floating_point else p.to(torch.float64) for p in parts]
+    device = parts[0].device
+    if len(set(map(_DEVICE, parts))) > 1:
+        parts = [p if p.device == device else p.to(device, non_blocking=True) for p in parts]
+    flat = []  # (each run of scalars one stack, walked run by run in C)
+    for dim, run in groupby(parts, key=Tensor.dim):
+        flat += [torch.stack(list(run))] if dim == 0 else run if dim == 1 else map(_FLAT, run)
     return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
@@ -289,7 +290,7 @@ def exact_pieces(members: Sequence[Tensor]) -> list[Tensor]:
     [2e-90, 1.2e77]: nothing under- or overflows; inf and NaN stay). float64: max|x| * ||x / max|x|||
     (a max of 0, inf or NaN is the norm; per-tensor divisors: ``_foreach_div``'s slow path on a GPU)."""
     if members[0].dtype != torch.float64:
-        return list(torch._foreach_norm(members, 2, dtype=torch.float64))
+        return [torch.stack(torch._foreach_norm(members, 2, dtype=torch.float64))]
     top = torch.stack(torch._foreach_norm(members, math.inf))
     usable = torch.isfinite(top) & (top > 0)
     safe = torch.where(usable, top, 1.0)
@@ -356,10 +357,11 @@ class Launched:
             pieces, plan = _pack_fitted(views, plan)
         self.views, self.plan, self.n = views, plan, len(plan.perm) if grads else 0
         self.perm, self.identity, self.exact = (plan.perm, plan.identity, plan.exact) if grads else ([], True, frozenset())
+        self.order = plan.order if grads else None
         self.later = bool(later and grads)
         self._norms = joined(pieces) if self.later else None
         #: what is read back, in order: the norms (as the kernels left them, or joined), the extras
-        self.parts = ([self._norms] if self.later else pieces) + [e for e in extras if e is not None]
+        self.parts = ([self._norms] if self.later else pieces) + list(filter(_SOMETHING, extras))
 
     def norms_part(self) -> Tensor | None:
         """(``later``) the packed norms of every gradient, on the device: exact, so non-finite
@@ -369,9 +371,9 @@ class Launched:
     def read(self) -> tuple[list[float], list[float]]:
         values = fetch(self.parts)
         norms = self._order(values)
-        if 0.0 in norms or math.inf in norms:
-            exact = self.exact
-            suspects = [i for i, v in enumerate(norms) if (v == 0.0 or v == math.inf) and i not in exact]
+        if 0.0 in norms or math.inf in norms:  # (those not normed exactly already: picked out in C)
+            suspects = list(filterfalse(self.exact.__contains__,
+                                        compress(range(len(norms)), map((0.0, math.inf).__contains__, norms))))
             if suspects:
                 for i, v in zip(suspects, exact_norms([self.views[i] for i in suspects])):
                     norms[i] = v
@@ -383,13 +385,9 @@ class Launched:
         return self._order(values), values[self.n:]
 
     def _order(self, values: list[float]) -> list[float]:
-        n, perm = self.n, self.perm
         if self.identity:
-            return values[:n]
-        norms = [0.0] * n
-        for k, i in enumerate(perm):
-            norms[i] = values[k]
-        return norms
+            return values[:self.n]
+        return list(self.order(values))  # (the inverse permutation, applied in C)
 
 
 def module_norms(with_grad: Sequence[int], norms: Sequence[float], module_of: Sequence[int],

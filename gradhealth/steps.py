@@ -4,6 +4,8 @@ fetches them), and the grad scaler's skip flag of a fused step, which rides with
 from __future__ import annotations
 
 import math
+import operator
+from itertools import repeat
 from typing import Callable
 from dataclasses import dataclass, field
 
@@ -50,7 +52,7 @@ class StepStats:
     @property
     def size(self) -> int:
         """How many numbers :attr:`packed` holds."""
-        return sum(p.numel() for p in self.packed) if isinstance(self.packed, list) else self.packed.numel()
+        return sum(map(Tensor.numel, self.packed)) if isinstance(self.packed, list) else self.packed.numel()
 
     def fetched(self, values: list[float]) -> None:
         if self.scaler_flag:
@@ -60,10 +62,16 @@ class StepStats:
                 self.on_skip()
         n, f = len(self.indices), len(self.flag_pos)
         # touched: undecided unless tested; untouched: unchanged
-        changed = [math.nan] * n if self.touched is None else [math.nan if t else 0.0 for t in self.touched]
-        for j, k in enumerate(self.flag_pos):
-            v = values[j]  # (> 0 changed, 0 unchanged, NaN undecided: Packed.changed)
-            changed[k] = 1.0 if v > 0 else (0.0 if v == 0 and self.sure[j] else math.nan)
+        changed = [math.nan] * n if self.touched is None else list(map(_UNTESTED.__getitem__, map(bool, self.touched)))
+        # a flag > 0 changed, 0 unchanged where that is sure, else (NaN) undecided: Packed.changed; in C
+        flags = values[:f]
+        decided = list(map(_DECISION.__getitem__, zip(map(operator.gt, flags, repeat(0.0)),
+                                                     map(operator.and_, map(operator.eq, flags, repeat(0.0)), map(bool, self.sure)))))
+        if f == n and self.flag_pos == list(range(n)):
+            changed = decided
+        else:
+            for k, d in zip(self.flag_pos, decided):
+                changed[k] = d
         self.changed = changed
         self.decided = bool(self.flag_pos) or self.touched is not None
         if self.measured:
@@ -79,6 +87,10 @@ class StepStats:
         n = len(self.indices)
         self.update, self.param, self.changed = values[:n], values[n : 2 * n], values[2 * n :]
         self.decided = any(c == c for c in self.changed)  # every rank tests the same steps
+
+
+_UNTESTED = {True: math.nan, False: 0.0}  # touched by the step (undecided unless tested), or not (unchanged)
+_DECISION = {(True, False): 1.0, (False, True): 0.0, (False, False): math.nan}  # (> 0, == 0 and sure)
 
 
 def found_inf(opt) -> Tensor | None:

@@ -130,3 +130,35 @@ def test_the_first_check_builds_its_plans_in_ops_that_do_not_read_back():
     ops per tensor (views, built once), and the second check is back to the constant."""
     first, mean, _ = ops_per_step("healthy", 100, 0, steps=3)
     assert first <= 12 * 100 and mean <= 40, (first, mean)
+
+
+def instructions_per_check(shape: str, n: int, lag: int, steps: int = 10) -> list[int]:
+    """Python bytecode instructions executed by each check after the first report (``sys.settrace``
+    opcode events, every frame the check enters: the host work a check costs besides its launches),
+    the periodic change test and update norms (every 8 checks here) among them. (The first report
+    builds what every later one reuses; a deferred monitor completes it at its second check.)"""
+    from gradhealth.benchmarks.counts import _instructions
+
+    model = model_of(shape, n)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-30, foreach=False)
+    monitor = gh.GradHealth(model, opt, lag=lag, on_problem="raise", change_every=8, update_every=8)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+        out.append(_instructions(monitor.check))
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    return out[1 + lag:]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+@pytest.mark.parametrize("shape", ["healthy", "vanishing", "mixed"])
+def test_python_work_per_check_does_not_grow_with_the_tensor_count(shape, lag):
+    """Host work is launches and Python: 1000 tensors cost the Python of 10, at the usual check and
+    at the periodic one (no per-parameter loop in Python while every parameter is OK; the
+    per-parameter numbers are picked and written with ``map``/``zip`` in C)."""
+    small, large = instructions_per_check(shape, 10, lag), instructions_per_check(shape, 1000, lag)
+    assert sorted(large)[len(large) // 2] <= 1.2 * sorted(small)[len(small) // 2], (small, large)
+    assert max(large) <= 1.3 * max(small), (small, large)

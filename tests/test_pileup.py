@@ -169,3 +169,88 @@ def test_a_check_without_gradients_between_two_checks_breaks_nothing(one_thread)
         report = monitor.check()
     monitor.close()
     assert report is not None and report.status["weight"] is gh.Status.OK
+
+
+def _naive_pileups(log, held_by, versions_tell):
+    """The rule over a whole run, parameter by parameter (the reference for :class:`gh.pileup.PileUp`,
+    which keeps its streaks as aligned lists): ``log`` per check: (grad norms, states, versions,
+    total steps, steps per optimizer); returns per check {name: (streak, first norm)} named."""
+    streak, prev, out = {}, {}, []
+    for gn, status, ver, total, stepped in log:
+        now = {}
+        for n, v in gn.items():
+            if not v > prev.get(n, float("inf")) or status[n] is not gh.Status.OK or v == float("inf"):
+                continue
+            r = streak.get(n)
+            if r is None or r[1] != ver[n]:
+                r = [0, ver[n], (total, dict(stepped)), prev[n]]
+            r[0] += 1
+            now[n] = r
+        streak, prev = now, gn
+        named = {}
+        for n, r in now.items():
+            if r[0] < gh.pileup.PILE or total <= r[2][0]:
+                continue
+            mine = held_by[n]
+            ran = [stepped[o] != r[2][1][o] for o in mine]
+            if (r[0] >= gh.pileup.IDLE and not any(ran)) or (any(ran) and all(versions_tell[o] for o in mine)):
+                named[n] = (r[0], r[3])
+        out.append(named)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_streaks_agree_with_the_naive_rule_on_random_loops(seed):
+    """A loop that does at random what makes and breaks streaks: layers left out of a forward (no
+    new gradient), gradients dropped (another set of parameters with gradients), an optimizer that
+    steps now and then and clears only then (a GAN's), a parameter whose gradient is set aside
+    around the other optimizer's step (its step runs, the weight never moves), zeroed gradients
+    of layers then left out (ZERO_GRAD).
+    Every check's GRAD_PILEUP agrees with the naive rule, names and numbers."""
+    import random
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(6))
+    opt_a = torch.optim.SGD([p for m in layers[:3] for p in m.parameters()], lr=0.01, foreach=False)
+    opt_b = torch.optim.SGD([p for m in layers[3:] for p in m.parameters()], lr=0.01, foreach=False)
+    names = [n for n, _ in layers.named_parameters()]
+    params = dict(layers.named_parameters())
+    held_by = {n: ["a" if int(n.split(".")[0]) < 3 else "b"] for n in names}
+    monitor = gh.GradHealth(layers, [opt_a, opt_b], on_problem="ignore")
+    log, seen, steps, total = [], [], {"a": 0, "b": 0}, 0
+    for check in range(90):
+        x = torch.randn(8, 4)
+        used = [m for m in layers if rng.random() < 0.8] or [layers[0]]
+        sum(m(x).pow(2).mean() for m in used).backward()
+        for n in names[6:]:  # (opt_b's: dropped now and then)
+            if rng.random() < 0.05:
+                params[n].grad = None
+        report = monitor.check()
+        if not report.grad_norm:  # (nothing had a gradient: the check judges nothing)
+            continue
+        log.append((dict(report.grad_norm), dict(report.status), {n: p._version for n, p in params.items()},
+                    total, dict(steps)))
+        seen.append({n: (f.data["first"], f.message) for f in report.findings_of("GRAD_PILEUP") for n in f.params})
+        aside = params["2.weight"].grad if rng.random() < 0.7 else None
+        if aside is not None:
+            params["2.weight"].grad = None
+        opt_a.step()
+        steps["a"], total = steps["a"] + 1, total + 1
+        opt_a.zero_grad(set_to_none=False)
+        if aside is not None:
+            params["2.weight"].grad = aside  # (kept: it piles on)
+        if rng.random() < 0.12:
+            opt_b.step()
+            steps["b"], total = steps["b"] + 1, total + 1
+            opt_b.zero_grad(set_to_none=rng.random() < 0.5)
+    monitor.close()
+    expected = _naive_pileups(log, held_by, {"a": True, "b": True})
+    named = [n for e in expected for n in e]
+    assert "2.weight" in named and any(n.startswith(("3.", "4.", "5.")) for n in named)  # (both ways are met)
+    for check, (want, got) in enumerate(zip(expected, seen)):
+        assert set(got) == set(want), check
+        if want:
+            first, message = next(iter(got.values()))
+            assert first == min(f for _, f in want.values())
+            assert f"grown at each of the last {min(c for c, _ in want.values())} checks" in message

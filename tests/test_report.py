@@ -30,6 +30,65 @@ def test_group_by_module_collapses_only_whole_modules():
     assert group_by_module({"a.w": S.NO_GRAD, "b.w": S.NO_GRAD}, is_problem)[0][0] == "*"
 
 
+def _naive_groups(status, select):
+    """The grouping by its definition, top down: every module's parameters listed and tested
+    again at each level (the reference for :func:`group_by_module`, which walks only the chosen)."""
+    tree = {}
+    for name in status:
+        node = tree
+        for part in name.split("."):
+            node = node.setdefault(part, {})
+
+    def under(prefix, node):
+        return [prefix] if not node else [n for part, child in node.items()
+                                          for n in under(f"{prefix}.{part}" if prefix else part, child)]
+
+    def uniform(names):
+        states = {status[n] for n in names}
+        return next(iter(states)) if len(states) == 1 and all(select(n, status[n]) for n in names) else None
+
+    rows = []
+
+    def visit(prefix, node):
+        for part, child in node.items():
+            path = f"{prefix}.{part}" if prefix else part
+            if not child:
+                if select(path, status[path]):
+                    rows.append((path, [path], status[path]))
+                continue
+            names = under(path, child)
+            state = uniform(names)
+            if state is not None:
+                rows.append((f"{path}.*", names, state))
+            elif any(select(n, status[n]) for n in names):
+                visit(path, child)
+
+    everything = list(status)
+    state = uniform(everything) if len(everything) > 1 else None
+    if state is not None:
+        return [("*", everything, state)]
+    visit("", tree)
+    return rows
+
+
+def test_group_by_module_agrees_with_the_naive_walk_on_random_trees():
+    import random
+
+    rng = random.Random(0)
+    states = [S.OK, S.ZERO_GRAD, S.NO_GRAD, S.FROZEN]
+    for trial in range(400):
+        names = []
+        for _ in range(rng.randint(1, 40)):  # (interleaved modules: a.b.x, a.c.y, a.b.z)
+            depth = rng.randint(1, 4)
+            names.append(".".join(rng.choice("abc") for _ in range(depth - 1)) + ("." if depth > 1 else "") + f"p{rng.randint(0, 3)}")
+        names = list(dict.fromkeys(n for n in names if not any(m.startswith(n + ".") for m in names)))
+        status = {n: rng.choice(states[:rng.randint(1, 4)]) for n in names}
+        chosen = {n for n in names if rng.random() < rng.choice((0.2, 0.7, 1.0))}
+        for select in (lambda n, s: n in chosen, lambda n, s: s is not S.OK, is_problem):
+            assert group_by_module(status, select) == _naive_groups(status, select), (trial, status, chosen)
+        assert group_by_module(status, chosen) == _naive_groups(status, lambda n, s: n in chosen)
+
+
 def _report(mlp_status, norms):
     return gh.Report(step=3, status=mlp_status, grad_norm=norms, total_grad_norm=math.hypot(*norms.values()))
 
