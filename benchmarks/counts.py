@@ -10,9 +10,10 @@ instead (``clip_grad_norm_(...).item()``):
 * ops per step: the same plus the monitor's own ops in the optimizer step's hooks, the mean over
   ``steps`` steps (the periodic change test and update norms amortised as in a run);
 * Python instructions per check: bytecode instructions executed inside ``check()`` (or the clip),
-  counted with ``sys.settrace`` opcode events (``f_trace_opcodes``), the median over the same
-  checks; torch's C++ is not counted (``scripts/count_instructions.py`` counts machine instructions
-  with valgrind).
+  counted with ``sys.settrace`` opcode events (``f_trace_opcodes``), the median and the mean over
+  ``instructions`` checks after the ``steps`` (8: one period of the default change test, whose
+  checks cost more); torch's C++ is not counted (``scripts/count_instructions.py`` counts machine
+  instructions with valgrind).
 
 Shapes: the small section's 6-tensor MLP and 2-block transformer, 100x (Linear(64), LayerNorm) (400
 small tensors), and 200x (Linear(64, 64), Tanh): gradients that underflow fp32 squares, whose norms
@@ -98,10 +99,10 @@ COUNT_SHAPES = {
 VARIANTS = ("synchronous", "deferred (lag=1)", "clip_grad_norm_().item()")
 
 
-def count_shape(label: str, steps: int = 9, instructions: int = 4) -> dict[str, dict[str, float]]:
+def count_shape(label: str, steps: int = 9, instructions: int = 8) -> dict[str, dict[str, float]]:
     """{variant: {"first": ops at the first check, "check": median ops per check, "step": mean ops
-    per step with the hooks, "py": median Python instructions per check, over ``instructions``
-    checks after the ``steps``}} for one shape."""
+    per step with the hooks, "py": median and "py_mean": mean Python instructions per check, over
+    ``instructions`` checks after the ``steps``}} for one shape."""
     import gradhealth as gh
 
     make, batch = COUNT_SHAPES[label]()
@@ -131,7 +132,8 @@ def count_shape(label: str, steps: int = 9, instructions: int = 4) -> dict[str, 
         if monitor is not None:
             monitor.close()
         out[variant] = {"tensors": len(params), "first": checks[0], "check": statistics.median(checks[1:]),
-                        "step": sum(whole[1:]) / len(whole[1:]), "py": statistics.median(py) if py else float("nan")}
+                        "step": sum(whole[1:]) / len(whole[1:]), "py": statistics.median(py) if py else float("nan"),
+                        "py_mean": statistics.mean(py) if py else float("nan")}
     return out
 
 
@@ -139,12 +141,13 @@ def bench_counts(steps: int = 9, shapes=None) -> dict:
     print("\nwhat a check costs the host, counted: torch ops dispatched (TorchDispatchMode; on a GPU each is a kernel "
           "launch) and Python bytecode instructions (sys.settrace opcode events), per check after the first; "
           "'+hooks': the mean per step with the monitor's optimizer-step hooks (periodic tests amortised)")
-    print(f"  {'shape':<34}{'tensors':>8}  {'variant':<26}{'first':>7}{'ops/check':>11}{'+hooks':>8}{'py instr/check':>16}")
+    print(f"  {'shape':<34}{'tensors':>8}  {'variant':<26}{'first':>7}{'ops/check':>11}{'+hooks':>8}{'py instr/check':>16}"
+          f"{'(mean of 8)':>13}")
     out = {}
     for label in shapes or COUNT_SHAPES:
-        res = count_shape(label, steps, 4 if steps >= 9 else 1)
+        res = count_shape(label, steps, 8 if steps >= 9 else 1)
         for variant, r in res.items():
             print(f"  {label:<34}{r['tensors']:>8}  {variant:<26}{r['first']:>7}{r['check']:>11.0f}{r['step']:>8.1f}"
-                  f"{r['py']:>16.0f}")
+                  f"{r['py']:>16.0f}{r['py_mean']:>13.0f}")
         out[label] = res
     return out

@@ -84,7 +84,7 @@ class Transfer:
         if not parts:
             self.host = torch.zeros(0, dtype=torch.float64)
             return
-        packed = joined(parts)
+        packed = parts[0] if len(parts) == 1 and parts[0].dim() == 1 else joined(parts)
         device = packed.device
         if device.type == "cpu":
             self.host = packed

@@ -290,9 +290,10 @@ class GradHealth:
         # a closure's later evaluation inside one step (LBFGS): judged, but it neither resolves nor arms a step
         reeval = self.tracker is not None and self.tracker.reevaluation()
         judged = [optimizer] if optimizer is not None else self.optimizers
-        discarded = self.carry._discarded() if deferred else None  # (the armed check's, as of now)
+        t = self.tracker  # (deferred: the armed check's gradients, as of now, where no step ran since it)
+        discarded = self.carry._discarded() if deferred and t is not None and (
+            not t.steps_since_check or any(u.scaler_flag for u in t.pending)) else None
         obs, steps_ran = self._observe(sel, loss, reeval, judged, deferred)
-        t = self.tracker
         return Launch(step, sel, optimizer, reeval, obs, steps_ran, self._after_step, self.carry.take_output_grad(),
                       discarded, (dict(t.stepped), t.total_steps) if t is not None else None)
 

@@ -35,6 +35,8 @@ import math
 import operator
 import re
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import compress, filterfalse, repeat
 
 import torch
 
@@ -181,7 +183,7 @@ class Persistence:
                 if g not in best:  # (none skips: -inf, an error)
                     best[g] = max((predictive(m, u, g) for m, u in proxies), default=-math.inf)
                 family = self._family(n, status) if status is not None else ()
-                if max([best[g], *(predictive(m, u, g) for m, u in family)]) < _LOG_ALPHA:
+                if (max(best[g], *(predictive(m, u, g) for m, u in family)) if family else best[g]) < _LOG_ALPHA:
                     errors.add(n)
             elif predictive(r[1], r[0], g) < _LOG_ALPHA:
                 errors.add(n)
@@ -245,6 +247,7 @@ class Persistence:
 _EXPERT = re.compile(r"^(.*?(?:^|\.)experts?)(?:\.(\d+)(\..*)?|\[(\d+)\])$", re.IGNORECASE)
 
 
+@lru_cache(maxsize=65536)  # (a model's names, judged check after check)
 def family_of(name: str) -> tuple[str, str] | None:
     """``("layers.0.mlp.experts", ".weight")`` for ``layers.0.mlp.experts.3.weight`` (and
     ``("layers.0.mlp.experts", "")`` for the stacked expert ``layers.0.mlp.experts[3]``); None for
@@ -285,16 +288,18 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
     # a zero gradient explained by a trainable partner that is still exactly zero (LoRA's B before
     # its first real step: a warmup from lr 0 and accumulation make that several checks) is no
     # persistent fault; the partner is read at the first zero and again while it stays zero
-    zeros = [n for n, c in gaps.items() if n not in units and status[n] is Status.ZERO_GRAD
-             and (c == 1 or n in persistence.partnered)]
+    # (the candidates picked in C: a first zero, or a partnered one; then their states looked at)
+    new = set(compress(gaps, map(operator.eq, gaps.values(), repeat(1))))
+    zeros = [n for n in gaps if (n in new or n in persistence.partnered) and n not in units
+             and status[n] is Status.ZERO_GRAD] if new or persistence.partnered else []
     partners = persistence.partnered = zero_partners(zeros, names, params) if zeros else set()
     persistence.forgive(partners)
     # a zero gradient beside a frozen partner that is exactly zero (LoRA's B frozen at its zero
     # init while A trains): nothing can move the partner, so the gradient stays zero: an error now
-    lone = [n for n, c in gaps.items() if n not in units and n not in partners and status[n] is Status.ZERO_GRAD
-            and (c == 1 or n in persistence.stuck_partner)]
+    lone = [n for n in gaps if (n in new or n in persistence.stuck_partner) and n not in units and n not in partners
+            and status[n] is Status.ZERO_GRAD] if new or persistence.stuck_partner else []
     stuck = persistence.stuck_partner = zero_partners(lone, names, params, frozen=True) if lone else set()
-    mine = Verdict({n: g for n, g in gaps.items() if n not in units},
+    mine = Verdict({n: g for n, g in gaps.items() if n not in units} if units else gaps,
                    (verdict.errors - set(units) - partners) | stuck, verdict.history)
     report.tolerated, found = transient_grads(report.status, mine, patience, partners, report.step)
     if stuck:
@@ -316,6 +321,21 @@ def _ancestors(name: str, levels: int = 2) -> list[str]:
     return out
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_WEIGHTS: dict[int, tuple] = {}
+
+
+def _weights(names: list[str]) -> tuple[list[int], dict[str, int]]:
+    """The indices of ``names`` that are not biases, and each name's index (kept per list of names)."""
+    kept = _WEIGHTS.get(id(names))
+    if kept is None or kept[0] is not names:
+        if len(_WEIGHTS) >= 8:
+            _WEIGHTS.pop(next(iter(_WEIGHTS)))
+        kept = _WEIGHTS[id(names)] = (names, [i for i, n in enumerate(names) if not n.endswith("bias")],
+                                      {n: i for i, n in enumerate(names)})
+    return kept[1], kept[2]
+
+
 def zero_partners(candidates: list[str], names: list[str], params: list, frozen: bool = False) -> set[str]:
     """The candidates (ZERO_GRAD parameters) that sit next to a trainable weight that is exactly
     zero: within two modules above their own (``q.lora_A.default.weight`` and
@@ -327,12 +347,19 @@ def zero_partners(candidates: list[str], names: list[str], params: list, frozen:
     prefixes = {a for n in candidates for a in _ancestors(n)}
     cand = set(candidates)
     under = lambda n, a: a == ROOT or n.startswith(a + ".")  # noqa: E731
-    siblings = [(n, p) for n, p in zip(names, params)
-                if n not in cand and p.requires_grad is not frozen and not n.endswith("bias") and p.numel()
-                and any(under(n, a) for a in prefixes)]
+    # (picked in C, parameter by parameter: the model's non-bias weights, trainable or frozen as
+    # asked, not candidates, under a prefix, not empty)
+    base, index = _weights(names)
+    near = filterfalse(cand.__contains__, compress(map(names.__getitem__, base), map(
+        operator.is_not, map(_REQUIRES_GRAD, map(params.__getitem__, base)), repeat(frozen))))
+    if ROOT not in prefixes:
+        near = filter(operator.methodcaller("startswith", tuple(a + "." for a in prefixes)), near)
+    near = list(near)
+    held = list(map(params.__getitem__, map(index.__getitem__, near)))
+    sizes = list(map(torch.Tensor.numel, held))
+    siblings, tensors = list(zip(compress(near, sizes), repeat(None))), list(compress(held, sizes))
     if not siblings:
         return set()
-    tensors = [p for _, p in siblings]
     maxima: list = [None] * len(tensors)
     with torch.no_grad():  # (the parameters themselves: no detached view of each)
         for _, _, idx in plan_groups(tensors):

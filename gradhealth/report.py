@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter
+from itertools import chain, compress, repeat
 from dataclasses import dataclass, field
 
 from .findings import Finding
@@ -41,24 +43,22 @@ def group_by_module(status: dict[str, Status], select) -> list[tuple[str, list[s
     tree = _tree(tuple(status))
     if len(chosen) == len(status) > 1 and len(set(map(status.__getitem__, chosen))) == 1:
         return [("*", list(status), status[chosen[0]])]
-    ancestors, under = tree.ancestors, tree.under
-    count: dict[str, int] = {}
-    state: dict[str, Status] = {}
-    mixed: set[str] = set()
-    for n in chosen:
-        s = status[n]
-        for a in ancestors[n]:
-            count[a] = count.get(a, 0) + 1
-            if state.setdefault(a, s) is not s:
-                mixed.add(a)
+    ancestors, under, size = tree.ancestors, tree.under, tree.size
+    states = list(map(status.__getitem__, chosen))
+    full: dict[str, Status] = {}  # the modules whose every parameter is chosen, in one state (counted in C)
+    kinds = set(states)
+    for s in kinds:
+        mine = chosen if len(kinds) == 1 else compress(chosen, map(operator.is_, states, repeat(s)))
+        count = Counter(chain.from_iterable(map(ancestors.__getitem__, mine)))
+        full.update(zip(compress(count, map(operator.eq, count.values(), map(size.__getitem__, count))), repeat(s)))
     rows: list[tuple[str, list[str], Status]] = []
     done: set[str] = set()
     for n in sorted(chosen, key=tree.position.__getitem__):
-        for a in ancestors[n]:  # (top down: the first module whose every parameter is chosen, in one state)
-            if a not in mixed and count[a] == len(under[a]):
+        for a in ancestors[n]:  # (top down: the first such module)
+            if a in full:
                 if a not in done:
                     done.add(a)
-                    rows.append((f"{a}.*", under[a], state[a]))
+                    rows.append((f"{a}.*", under[a], full[a]))
                 break
         else:
             rows.append((n, [n], status[n]))
@@ -98,6 +98,7 @@ class _Tree:
                 self.ancestors[name] = [name[:i] for i, c in enumerate(name) if c == "."]
                 order.append(name)
         self.position = {n: i for i, n in enumerate(order)}
+        self.size = {a: len(names) for a, names in self.under.items()}
 
 
 _TREES: dict[tuple, _Tree] = {}

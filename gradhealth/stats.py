@@ -241,7 +241,7 @@ def _pack(tensors: Sequence[Tensor], plan: NormPlan) -> list[Tensor]:
                 parts = torch.stack([torch.linalg.vector_norm(m.view(rows, -1), dim=1, **kw) for m in members])
                 out.append(torch.linalg.vector_norm(parts, dim=1))
             elif kind == "exact":
-                out += exact_pieces(members)
+                out += exact_pieces(members, stacked=False)
             else:
                 out += foreach_norms(members)
     return out
@@ -284,13 +284,14 @@ def fetch(parts: Sequence[Tensor]) -> list[float]:
     return joined(parts).tolist()
 
 
-def exact_pieces(members: Sequence[Tensor]) -> list[Tensor]:
+def exact_pieces(members: Sequence[Tensor], stacked: bool = True) -> list[Tensor]:
     """Exact float64 L2 norms of non-empty real tensors of one device and dtype, in a constant number
     of ops. At most 32 bits: one ``_foreach_norm`` accumulating in float64 (a float32 square lies in
     [2e-90, 1.2e77]: nothing under- or overflows; inf and NaN stay). float64: max|x| * ||x / max|x|||
     (a max of 0, inf or NaN is the norm; per-tensor divisors: ``_foreach_div``'s slow path on a GPU)."""
-    if members[0].dtype != torch.float64:
-        return [torch.stack(torch._foreach_norm(members, 2, dtype=torch.float64))]
+    if members[0].dtype != torch.float64:  # (``stacked``: one vector; else scalars, for a stack with others)
+        pieces = torch._foreach_norm(members, 2, dtype=torch.float64)
+        return [torch.stack(pieces)] if stacked else list(pieces)
     top = torch.stack(torch._foreach_norm(members, math.inf))
     usable = torch.isfinite(top) & (top > 0)
     safe = torch.where(usable, top, 1.0)
