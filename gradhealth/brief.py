@@ -56,6 +56,8 @@ _DO = {
     K.UNEXPECTED_TRAINABLE: {"plain": "freeze them (requires_grad_(False)) or change expect_frozen"},
     K.DEAD_EXPERT: {"plain": "raise the load-balancing loss, or add router noise or capacity"},
     K.CHECKPOINT_NO_GRAD: {"plain": "checkpoint with use_reentrant=False"},
+    K.VANISHING_GRAD: {"plain": "keep the gradient's scale through the layers: an init for the activation (Xavier for tanh), "
+                                "normalisation layers, residual connections"},
 }
 
 
@@ -136,7 +138,9 @@ def brief(report, framework: str = "plain") -> list[str]:
             lines.append(f"the loss is {f.data.get('value', 'NaN/inf')}")
         else:
             where = _names(report, f.params) if f.params and not f.message.startswith("the model") else ""
-            lines.append(f"{f.kind.value}" + (f" in {where}" if where else "") + f": {_SAY.get(f.kind) or _first_words(f.message)}")
+            say = ("the gradient underflows to exact zeros on its way through the layers" if f.data.get("cause") == "underflow"
+                   else _SAY.get(f.kind) or _first_words(f.message))
+            lines.append(f"{f.kind.value}" + (f" in {where}" if where else "") + f": {say}")
             todo.append(_do(f.kind, framework))
     todo = [t for t in todo + state_todo if t]
     if todo:

@@ -53,6 +53,9 @@ __all__ = ["Persistence", "Verdict", "persist", "predictive", "gap_limit", "fami
 ALPHA = 1e-8
 #: counts are halved past this many checks per unit (a bounded memory that follows a schedule)
 CAP = 4096
+#: a gradient norm this small is within 8 orders of float32's smallest normal number (1.2e-38): a
+#: unit whose gradient comes and goes at that size underflows to exact zeros, it does not skip
+FAINT = 1e-30
 
 _NO_USABLE = (Status.NO_GRAD, Status.ZERO_GRAD)
 _USABLE = (Status.OK, Status.NON_FINITE_GRAD, Status.NOT_IN_OPTIMIZER)
@@ -102,6 +105,10 @@ class Persistence:
         self.thawed: dict[str, int] = {}
         #: ZERO_GRAD units whose zero partner weight is frozen (nothing can move it off zero)
         self.stuck_partner: set[str] = set()
+        #: units whose gradient, back after a gap, was below ``FAINT``: their zeros are underflow
+        #: (a gradient vanishing through depth), not skipping: no proxy for a never-used unit
+        self.faint: set[str] = set()
+        self._norms: Mapping[str, float] = {}  # (the last check's gradient norms)
 
     # ------------------------------------------------------------------ update
     def _judged(self, key) -> int:
@@ -110,9 +117,10 @@ class Persistence:
     def _used(self, r: list) -> int:
         return r[0] + (self._judged(r[4]) - r[3] if r[2] == 0 else 0)
 
-    def update(self, status: dict, not_ok: list, key=None) -> dict:
+    def update(self, status: dict, not_ok: list, key=None, norms: Mapping[str, float] | None = None) -> dict:
         """Count this check; return the gap of every NO_GRAD / ZERO_GRAD unit now. Units not
-        judged at this check (another optimizer's) keep their numbers."""
+        judged at this check (another optimizer's) keep their numbers. ``norms``: the gradient
+        norms, read for the units whose gap closes now (is the gradient back, or faint?)."""
         missing = [n for n in not_ok if status[n] in _NO_USABLE]
         rec = self.rec
         now = self._judged(key)
@@ -129,6 +137,8 @@ class Persistence:
                 used = max(0, now - self.thawed.get(n, 0))  # (thawed at another optimizer's count: never below 0)
                 r = rec[n] = [used, 0, 0, now, key, used == 0]
                 self.skipping.add(_module(n))
+                if self._norms.get(n, math.inf) < FAINT:  # (its gradient before this first gap was faint)
+                    self.faint.add(n)
             if r[2] == 0:
                 r[0] = self._used(r)
                 self.open.add(n)
@@ -143,9 +153,14 @@ class Persistence:
                 r[2], r[5] = 0, False
                 r[3] = now + 1
                 self.open.discard(n)
+                if norms is not None and norms.get(n, math.inf) < FAINT:
+                    self.faint.add(n)
+                else:
+                    self.faint.discard(n)
                 if r[0] + r[1] > CAP:
                     r[0], r[1] = r[0] // 2, r[1] // 2
         self.n[key] = self.n.get(key, 0) + 1
+        self._norms = norms if norms is not None else {}
         trainable = len(status) - operator.countOf(status.values(), Status.FROZEN) if missing else 0
         self.blank = self.blank + 1 if missing and len(missing) == trainable else 0
         return gaps
@@ -192,9 +207,9 @@ class Persistence:
     def _proxies(self) -> list[tuple[int, int]]:
         """(misses, uses) of the units that have both had and missed gradients, one per distinct
         history (the most-skipping ones decide)."""
-        out = set()
-        for r in self.rec.values():
-            if not r[5]:
+        out, faint = set(), self.faint
+        for n, r in self.rec.items():
+            if not r[5] and n not in faint:
                 used = self._used(r)
                 if used and r[1] + r[2]:
                     out.add((r[1] + r[2], used))
@@ -277,7 +292,7 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
     if units:
         status = {**status, **units}
         not_ok = list(not_ok) + [u for u, s in units.items() if s is not Status.OK]
-    gaps = persistence.update(status, not_ok, report.optimizer_index)
+    gaps = persistence.update(status, not_ok, report.optimizer_index, report.grad_norm)
     report.grad_streak = gaps
     if not gaps:
         return []
@@ -302,6 +317,10 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
     mine = Verdict({n: g for n, g in gaps.items() if n not in units} if units else gaps,
                    (verdict.errors - set(units) - partners) | stuck, verdict.history)
     report.tolerated, found = transient_grads(report.status, mine, patience, partners, report.step)
+    if mine.errors:
+        from .underflow import underflow
+
+        found += underflow(report.status, mine.errors, report.grad_norm, gaps, report.step)
     if stuck:
         found += frozen_partner(report.status, stuck, report.step)
     if units:

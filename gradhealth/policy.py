@@ -34,10 +34,13 @@ def _how_long(report: Report, rows) -> str:
     return f" for {gap} checks in a row," if gap > 1 else ""
 
 
-def _explained(report: Report, rows) -> bool:
-    """Every parameter of these rows has its zero gradient explained by a finding (a frozen zero partner)."""
-    named = {n for f in report.findings if f.data.get("cause") == "frozen_zero_partner" for n in f.params}
-    return bool(named) and all(n in named for _, names, _ in rows for n in names)
+def _explained(report: Report, rows) -> str | None:
+    """The finding that explains every zero gradient of these rows (a frozen zero partner, underflow)."""
+    for cause, kind in (("frozen_zero_partner", "FROZEN_PARTNER"), ("underflow", "VANISHING_GRAD")):
+        named = {n for f in report.findings if f.data.get("cause") == cause for n in f.params}
+        if named and all(n in named for _, names, _ in rows for n in names):
+            return kind
+    return None
 
 
 def alarm(report: Report) -> bool:
@@ -56,8 +59,8 @@ def explain(report: Report) -> str:
     for state, rows in by_state.items():
         count = sum(len(names) for _, names, _ in rows)
         words = hint(state, count)
-        if state is Status.ZERO_GRAD and _explained(report, rows):  # (the cause is known: said below)
-            words = "exactly zero gradients: see FROZEN_PARTNER below."
+        if state is Status.ZERO_GRAD and (kind := _explained(report, rows)):  # (the cause is known: said below)
+            words = f"exactly zero gradients: see {kind} below."
         if state is Status.NON_FINITE_GRAD and report.findings_of("NONFINITE_ORIGIN"):
             words = words.split(" Wrap one step in")[0]  # the origin is said below: no hint to go and trace it
         lines.append(f"  {state.value}: {describe_groups(rows)}{_how_long(report, rows)} {words}")
