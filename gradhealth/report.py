@@ -128,16 +128,19 @@ def describe_groups(rows) -> str:
     return ", ".join(parts)
 
 
-def describe_names(status: dict[str, Status], names) -> str:
-    """``enc.* (24 params), head.weight``: ``names`` grouped by the modules they fill."""
+def describe_names(status: dict[str, Status], names, most: int | None = None) -> str:
+    """``enc.* (24 params), head.weight``: ``names`` grouped by the modules they fill (the first
+    ``most`` groups, then how many more)."""
     chosen = names if isinstance(names, (set, frozenset)) else set(names)
     # (the same names in the same states, check after check: the words are made once)
-    key = (tuple(status), frozenset(zip(chosen, map(status.get, chosen))))
+    key = (tuple(status), frozenset(zip(chosen, map(status.get, chosen))), most)
     text = _DESCRIBED.get(key)
     if text is None:
         if len(_DESCRIBED) >= 64:
             _DESCRIBED.pop(next(iter(_DESCRIBED)))
-        text = _DESCRIBED[key] = describe_groups(group_by_module(status, chosen))
+        rows = group_by_module(status, chosen)
+        more = f" and {len(rows) - most} more modules" if most is not None and len(rows) > most else ""
+        text = _DESCRIBED[key] = describe_groups(rows[:most]) + more
     return text
 
 

@@ -27,16 +27,15 @@ def underflow(status: Mapping[str, Status], errors: Collection[str], grad_norm: 
     norms = grad_norm.values()
     if not errors or not norms or min(norms) >= FAINT:  # (the usual check: one pass in C)
         return []
-    zero = [n for n in status if n in errors and status[n] is Status.ZERO_GRAD]
+    zero = [n for n in filter(errors.__contains__, status) if status[n] is Status.ZERO_GRAD]
     faint = list(compress(grad_norm, map(operator.and_, map(operator.lt, norms, repeat(FAINT)),
                                          map(operator.gt, norms, repeat(0.0)))))
     if not zero or not faint:
         return []
-    from .report import describe_groups, describe_names, group_by_module  # (it imports the findings' modules)
+    from .report import describe_names  # (the report module imports the findings' modules)
 
-    top = max(grad_norm[n] for n in faint)
-    rows = group_by_module(status, set(faint))  # (the first few: where the gradient fades)
-    where = describe_groups(rows[:4]) + (f" and {len(rows) - 4} more modules" if len(rows) > 4 else "")
+    top = max(map(grad_norm.__getitem__, faint))
+    where = describe_names(status, faint, most=4)  # (the first few: where the gradient fades)
     return [Finding(
         FindingKind.VANISHING_GRAD,
         f"{describe_names(status, zero)} got exactly zero gradients at step {step} (for {max(gaps.get(n, 1) for n in zero)} "
