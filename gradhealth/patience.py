@@ -236,7 +236,8 @@ class Persistence:
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
         return {"n": {("all" if k is None else str(k)): v for k, v in self.n.items()},
-                "units": {n: list(r) for n, r in self.rec.items()}, "blank": self.blank}
+                "units": {n: list(r) for n, r in self.rec.items()}, "blank": self.blank,
+                "faint": sorted(self.faint), "frozen": sorted(self.frozen), "thawed": dict(self.thawed)}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict):
@@ -254,6 +255,17 @@ class Persistence:
             if not isinstance(r[5], bool):
                 raise TypeError(f"streaks unit {name!r}: 'never' must be a bool")
             rec[str(name)] = [_count(r[0]), _count(r[1]), _count(r[2]), _count(r[3]), key, r[5]]
+        sets = {}  # (absent from a state saved before they were kept: empty, as a fresh run's)
+        for key in ("faint", "frozen"):
+            names = state.get(key, [])
+            if not isinstance(names, (list, tuple)) or not all(isinstance(x, str) for x in names):
+                raise TypeError(f"streaks[{key!r}] must be a list of names")
+            sets[key] = set(names)
+        thawed = state.get("thawed", {})
+        if not isinstance(thawed, dict) or not all(isinstance(x, str) for x in thawed):
+            raise TypeError("streaks['thawed'] must map names to counts")
+        self.thawed = {k: _count(v) for k, v in thawed.items()}
+        self.faint, self.frozen = sets["faint"], sets["frozen"]
         self.n, self.rec, self.blank = n, rec, _count(state.get("blank", 0))
         self.open = {k for k, r in rec.items() if r[2] > 0}
         self.skipping = {_module(k) for k in rec}

@@ -71,9 +71,10 @@ def check_persistence(state, path: str, units: set[str] | None) -> None:
             raise TypeError(f"{path}[{key!r}] must be a dict; got {type(state[key]).__name__}")
     count(state["blank"], f"{path}['blank']")
     if units is not None:
-        odd = sorted(set(state["units"]) - units)
-        if odd:
-            raise ValueError(f"{path}['units'] names parameters this model does not have: {', '.join(map(str, odd[:5]))}")
+        for key in ("units", "faint", "frozen", "thawed"):  # (the last three: absent from older states)
+            odd = sorted(set(state.get(key) or ()) - units) if isinstance(state.get(key) or (), (dict, list, tuple)) else []
+            if odd:
+                raise ValueError(f"{path}[{key!r}] names parameters this model does not have: {', '.join(map(str, odd[:5]))}")
 
 
 def check_params(saved, names: list[str]) -> None:

@@ -98,12 +98,24 @@ def test_history_values_and_widths_are_checked():
                           (lambda s: s["history"]["modules"].append("not.a.module"), "does not have"),
                           (lambda s: s.pop("streaks"), "lacks 'streaks'"),
                           (lambda s: s["streaks"]["units"].update({"ghost.weight": [0, 0, 1, 0, None, True]}),
-                           "does not have: ghost.weight")]:
+                           "does not have: ghost.weight"),
+                          (lambda s: s["streaks"].__setitem__("faint", ["ghost.weight"]), r"\['faint'\] names parameters"),
+                          (lambda s: s["streaks"].__setitem__("thawed", {"0.weight": -1}), "a count must be an int"),
+                          (lambda s: s["streaks"].__setitem__("frozen", "0.weight"), "must be a list of names")]:
         bad = copy.deepcopy(GOOD)
         change(bad)
         with pytest.raises(ValueError, match=words):
             mon.load_state_dict(bad)
     # a 10^4 spike after a history of infinities could never be EXPLODING_GRAD: refused above
+
+
+def test_a_state_saved_before_the_faint_frozen_and_thawed_units_were_kept_loads():
+    older = copy.deepcopy(GOOD)
+    for key in ("faint", "frozen", "thawed"):
+        del older["streaks"][key]
+    mon = trained(steps=2)
+    mon.load_state_dict(older)
+    assert mon.state_dict()["streaks"] == {**GOOD["streaks"], "faint": [], "frozen": [], "thawed": {}}
 
 
 def test_a_state_from_another_model_is_refused_naming_the_parameters():

@@ -91,3 +91,33 @@ def test_the_same_depth_with_a_path_for_the_gradient_is_silent():
     assert losses[-1] < 0.9 * losses[0], losses
     assert all(r.ok and not r.findings_of("VANISHING_GRAD") for r in reports)
     assert min(min(r.grad_norm.values()) for r in reports) > 1e-8
+
+
+def test_a_resumed_run_keeps_the_verdict():
+    """What the rule learnt (which units' gradients are faint, which were frozen and when they
+    thawed) is in ``state_dict()``: a monitor loaded from it mid-run says what the uninterrupted
+    one says, check for check (before, the faint units counted as skipping again after a resume,
+    and the zero layers were tolerated for checks)."""
+    def loop(resume_at: int | None, steps: int = 9):
+        torch.manual_seed(0)
+        model = Stack()
+        x, y = torch.randn(16, 64), torch.randn(16, 64)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        monitor, out = gh.GradHealth(model, opt, on_problem="ignore"), []
+        for step in range(steps):
+            if step == resume_at:
+                state = monitor.state_dict()
+                monitor.close()
+                monitor = gh.GradHealth(model, opt, on_problem="ignore")
+                monitor.load_state_dict(state)
+            opt.zero_grad()
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            r = monitor.check(loss)
+            out.append((sorted(r.errors), sorted((f.kind.value, f.params) for f in r.findings if f.level != "info")))
+            opt.step()
+        monitor.close()
+        return out
+
+    straight, resumed = loop(None), loop(5)
+    assert straight[4][0] and straight[5:] == resumed[5:]
