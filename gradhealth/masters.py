@@ -88,10 +88,21 @@ def view_for(optimizer) -> MasterView | None:
 
 def _parallel_masters(wrapper, groups: list[list[nn.Parameter]], held: set[int]) -> dict[int, Tensor]:
     """Masters by position: an attribute of the wrapper shaped like ``groups`` (same lengths, same
-    shapes) whose tensors the inner optimizer holds (Apex's and DeepSpeed's ``fp32_groups``)."""
+    shapes) whose tensors the inner optimizer holds (Apex's and DeepSpeed's ``fp32_groups``); or one
+    flat tensor per group that the inner optimizer holds, as long as the group's parameters together,
+    each master a slice of it in the group's order (DeepSpeed's fused ``FP16_Optimizer``, which bf16
+    without ZeRO takes with a ``FusedAdam``: ``fp32_groups_flat``, the parameters flattened with no
+    padding)."""
     for value in vars(wrapper).values():
         if not isinstance(value, (list, tuple)) or len(value) != len(groups):
             continue
+        if all(isinstance(t, Tensor) and t.dim() == 1 and id(t) in held and t.numel() == sum(p.numel() for p in m)
+               for t, m in zip(value, groups)):
+            out = {}
+            for flat, m in zip(value, groups):
+                for p, piece in zip(m, flat.split([p.numel() for p in m])):
+                    out[id(p)] = piece.view(p.shape)
+            return out
         if not all(isinstance(g, (list, tuple)) and len(g) == len(m) for g, m in zip(value, groups)):
             continue
         pairs = [(p, t) for m, g in zip(groups, value) for p, t in zip(m, g)]

@@ -160,6 +160,53 @@ def run(stage: int, precision: str, kind: str) -> dict:
     return out
 
 
+def fused(lr: float = 1e-4) -> dict:
+    """bf16 without ZeRO and the optimizer from the config (``"optimizer": {"type": "Adam"}``, a
+    ``FusedAdam``): DeepSpeed wraps it in its fused ``FP16_Optimizer``, whose fp32 masters are one
+    flat tensor per group (``fp32_groups_flat``). At a fine-tuning learning rate a step moves the
+    masters by less than a bf16 weight's precision: the weights stay, the masters move."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = Net()
+    config = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": 0}, "steps_per_print": 10**9, "bf16": {"enabled": True},
+              "optimizer": {"type": "Adam", "params": {"lr": lr}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    opt = engine.optimizer
+    keep = Keep()
+    monitor = gh.GradHealth(engine.module, opt, on_problem="raise", update_every=1, change_every=1, sinks=[keep])
+
+    def flat_masters():  # (the oracle: each parameter's slice of its group's flat fp32 master, in order)
+        return [piece.clone() for flat, group in zip(opt.fp32_groups_flat, opt.fp16_groups)
+                for piece in flat.detach().split([p.numel() for p in group])]
+
+    order = [n for g in opt.fp16_groups for p in g for n, q in model.named_parameters() if q is p]
+    out = {"wrapper": type(opt).__name__, "inner": type(opt.optimizer).__name__, "error": None, "losses": [],
+           "weights_still": [], "masters_moved": [], "true_updates": [], "order": order}
+    try:
+        for step in range(STEPS):
+            x, y = batch(step, "bf16")
+            loss = ((engine(x).float() - y) ** 2).mean()
+            engine.backward(loss)
+            monitor.check(loss=loss)
+            weights, masters = [p.detach().clone() for g in opt.fp16_groups for p in g], flat_masters()
+            engine.step()
+            after_w, after_m = [p.detach() for g in opt.fp16_groups for p in g], flat_masters()
+            out["losses"].append(float(loss))
+            out["weights_still"].append([bool(torch.equal(a, b)) for a, b in zip(weights, after_w)])
+            out["masters_moved"].append([not torch.equal(a, b) for a, b in zip(masters, after_m)])
+            out["true_updates"].append([float((a - b).double().norm()) for a, b in zip(after_m, masters)])
+        monitor.flush()
+    except gh.GradHealthError as exc:
+        out["error"] = str(exc)
+    finally:
+        monitor.close()
+    out["findings"] = [(f.kind, f.level, f.step, f.message) for r in keep.reports for f in r.findings]
+    out["updates"] = [dict(r.update_norm) for r in keep.reports]
+    return out
+
+
 class Keep:
     def __init__(self):
         self.reports = []
@@ -220,6 +267,9 @@ def main(argv: list[str]) -> None:
     for case in cases:
         if case == "fp16-unfused":
             results[case] = unfused()
+            continue
+        if case == "0-bf16-fused":
+            results[case] = fused()
             continue
         s, p, k = case.split("-")
         results[case] = run(int(s), p, k)

@@ -26,7 +26,8 @@ HERE = Path(__file__).parent
 NAMES = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "head.weight", "head.bias"]
 CONFIGS = [(s, p) for s in (0, 1, 2, 3) for p in ("fp32", "bf16")]
 ONE = ([f"{s}-{p}-healthy" for s, p in CONFIGS] + ["1-bf16-frozen", "3-fp32-frozen", "1-fp32-lr0", "2-bf16-lr0", "3-bf16-lr0"]
-       + ["0-fp32-inf", "0-bf16-inf", "1-bf16-inf", "2-fp32-inf", "3-bf16-inf", "2-bf16-engine", "fp16-unfused"])
+       + ["0-fp32-inf", "0-bf16-inf", "1-bf16-inf", "2-fp32-inf", "3-bf16-inf", "2-bf16-engine", "fp16-unfused",
+          "0-bf16-fused"])
 TWO = ["2-bf16-healthy", "3-bf16-healthy", "1-fp32-frozen", "2-fp32-lr0", "3-bf16-inf"]
 HF = ["trainer-2", "trainer-3", "accelerate-3", "accelerate-2-bug", "accelerate-2-gas"]
 HF_NAMES = ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"]
@@ -158,6 +159,21 @@ def test_a_stage_0_fp32_step_is_not_skipped_and_not_called_skipped(one):
     assert case["skipped_steps"] == 0 and case["moved"] is True
     assert not _kinds(case, "OPTIMIZER_SKIPPED")
     assert set(case["problems"][0].values()) == {"NON_FINITE_GRAD"}
+
+
+def test_bf16_without_zero_steps_flat_fp32_masters_and_they_are_what_is_judged(one):
+    """DeepSpeed's fused FP16_Optimizer (bf16, ZeRO off, the config's Adam): its masters are one flat
+    fp32 tensor per group. Premise: at lr 1e-4 some steps leave a bf16 weight as it was while its
+    master moves. Verdict: silent under raise (before: 'left exactly unchanged by optimizer.step()',
+    read from the bf16 weights), and every update norm is that of the master's slice."""
+    case = one["0-bf16-fused"]
+    assert (case["wrapper"], case["inner"]) == ("FP16_Optimizer", "FusedAdam") and case["error"] is None, case
+    still_but_moved = [(s, k) for s, (still, moved) in enumerate(zip(case["weights_still"], case["masters_moved"]))
+                       for k, (a, b) in enumerate(zip(still, moved)) if a and b]
+    assert still_but_moved, "premise: a step moved a master but not its bf16 weight"
+    assert not [f for f in case["findings"] if f[0] == "NOT_UPDATED"], case["findings"]
+    for step, (ours, truth) in enumerate(zip(case["updates"], case["true_updates"])):
+        assert all(_close(ours[n], t, 1e-4) for n, t in zip(case["order"], truth)), (step, ours, truth)
 
 
 def test_a_monitor_on_the_engine_itself_names_the_models_parameters(one):
