@@ -46,6 +46,7 @@ from .findings import Finding, FindingKind
 from .naming import ROOT, agree, module_of
 from .stats import fetch, plan_groups
 from .status import Status
+from .underflow import Faint, underflow
 
 __all__ = ["Persistence", "Verdict", "persist", "predictive", "gap_limit", "family_of", "zero_partners", "frozen_partner", "ALPHA", "CAP"]
 
@@ -53,9 +54,6 @@ __all__ = ["Persistence", "Verdict", "persist", "predictive", "gap_limit", "fami
 ALPHA = 1e-8
 #: counts are halved past this many checks per unit (a bounded memory that follows a schedule)
 CAP = 4096
-#: a gradient norm this small is within 8 orders of float32's smallest normal number (1.2e-38): a
-#: unit whose gradient comes and goes at that size underflows to exact zeros, it does not skip
-FAINT = 1e-30
 
 _NO_USABLE = (Status.NO_GRAD, Status.ZERO_GRAD)
 _USABLE = (Status.OK, Status.NON_FINITE_GRAD, Status.NOT_IN_OPTIMIZER)
@@ -105,10 +103,11 @@ class Persistence:
         self.thawed: dict[str, int] = {}
         #: ZERO_GRAD units whose zero partner weight is frozen (nothing can move it off zero)
         self.stuck_partner: set[str] = set()
-        #: units whose gradient, back after a gap, was below ``FAINT``: their zeros are underflow
+        #: units whose gradient, back after a gap or before it, was faint: their zeros are underflow
         #: (a gradient vanishing through depth), not skipping: no proxy for a never-used unit
         self.faint: set[str] = set()
-        self._norms: Mapping[str, float] = {}  # (the last check's gradient norms)
+        self._dropped: set[str] = set()  # units with a NO_GRAD check in their open gap
+        self.faint_reader = Faint()  # (this check's gradient norms and the last one's)
 
     # ------------------------------------------------------------------ update
     def _judged(self, key) -> int:
@@ -117,10 +116,10 @@ class Persistence:
     def _used(self, r: list) -> int:
         return r[0] + (self._judged(r[4]) - r[3] if r[2] == 0 else 0)
 
-    def update(self, status: dict, not_ok: list, key=None, norms: Mapping[str, float] | None = None) -> dict:
+    def update(self, status: dict, not_ok: list, key=None, faint: Faint | None = None) -> dict:
         """Count this check; return the gap of every NO_GRAD / ZERO_GRAD unit now. Units not
-        judged at this check (another optimizer's) keep their numbers. ``norms``: the gradient
-        norms, read for the units whose gap closes now (is the gradient back, or faint?)."""
+        judged at this check (another optimizer's) keep their numbers. ``faint``: this check's
+        gradient norms, for the units whose gap opens or closes now (:class:`.underflow.Faint`)."""
         missing = [n for n in not_ok if status[n] in _NO_USABLE]
         rec = self.rec
         now = self._judged(key)
@@ -137,8 +136,11 @@ class Persistence:
                 used = max(0, now - self.thawed.get(n, 0))  # (thawed at another optimizer's count: never below 0)
                 r = rec[n] = [used, 0, 0, now, key, used == 0]
                 self.skipping.add(_module(n))
-                if self._norms.get(n, math.inf) < FAINT:  # (its gradient before this first gap was faint)
-                    self.faint.add(n)
+                if faint is not None and status[n] is Status.ZERO_GRAD and faint.before(n):
+                    self.faint.add(n)  # (its gradient before this first gap, exactly zero now, was faint)
+            if status[n] is Status.NO_GRAD:  # (None: skipped, whatever its size when it is there)
+                self.faint.discard(n)
+                self._dropped.add(n)
             if r[2] == 0:
                 r[0] = self._used(r)
                 self.open.add(n)
@@ -153,14 +155,16 @@ class Persistence:
                 r[2], r[5] = 0, False
                 r[3] = now + 1
                 self.open.discard(n)
-                if norms is not None and norms.get(n, math.inf) < FAINT:
+                if faint is not None and n not in self._dropped and faint.now(n):
                     self.faint.add(n)
                 else:
                     self.faint.discard(n)
+                self._dropped.discard(n)
                 if r[0] + r[1] > CAP:
                     r[0], r[1] = r[0] // 2, r[1] // 2
         self.n[key] = self.n.get(key, 0) + 1
-        self._norms = norms if norms is not None else {}
+        if faint is not None:
+            faint.keep()
         trainable = len(status) - operator.countOf(status.values(), Status.FROZEN) if missing else 0
         self.blank = self.blank + 1 if missing and len(missing) == trainable else 0
         return gaps
@@ -304,7 +308,8 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
     if units:
         status = {**status, **units}
         not_ok = list(not_ok) + [u for u, s in units.items() if s is not Status.OK]
-    gaps = persistence.update(status, not_ok, report.optimizer_index, report.grad_norm)
+    faint = persistence.faint_reader.read(report.grad_norm, names, params)
+    gaps = persistence.update(status, not_ok, report.optimizer_index, faint)
     report.grad_streak = gaps
     if not gaps:
         return []
@@ -330,9 +335,7 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
                    (verdict.errors - set(units) - partners) | stuck, verdict.history)
     report.tolerated, found = transient_grads(report.status, mine, patience, partners, report.step)
     if mine.errors:
-        from .underflow import underflow
-
-        found += underflow(report.status, mine.errors, report.grad_norm, gaps, report.step)
+        found += underflow(report.status, mine.errors - stuck, report.grad_norm, gaps, report.step, faint)
     if stuck:
         found += frozen_partner(report.status, stuck, report.step)
     if units:
@@ -360,8 +363,9 @@ def _weights(names: list[str]) -> tuple[list[int], dict[str, int]]:
     """The indices of ``names`` that are not biases, and each name's index (kept per list of names)."""
     kept = _WEIGHTS.get(id(names))
     if kept is None or kept[0] is not names:
-        if len(_WEIGHTS) >= 8:
-            _WEIGHTS.pop(next(iter(_WEIGHTS)))
+        from .report import evict
+
+        evict(_WEIGHTS, 8)
         kept = _WEIGHTS[id(names)] = (names, [i for i, n in enumerate(names) if not n.endswith("bias")],
                                       {n: i for i, n in enumerate(names)})
     return kept[1], kept[2]

@@ -57,8 +57,10 @@ class PileUp:
         self._runs: list = []  # checks in a row each grew with no change of its parameter
         self._params: list = []  # the parameters of _keys
         self._names: list | None = None
+        self._src: list | None = None  # the monitor's list of parameters _params were taken from
         self._by_name: dict = {}
         self._hist: deque = deque(maxlen=HISTORY)  # per check: (keys, norms, total steps, steps per optimizer)
+        self._long: dict = {}  # name -> (total steps, steps per optimizer, first norm) of a streak older than _hist
 
     def update(self, report, names: list[str], params: list, tracker) -> list[Finding]:
         """GRAD_PILEUP for the parameters piling up now (``tracker``: the monitor's
@@ -68,11 +70,11 @@ class PileUp:
             self.__init__()
             return []
         keys, vals = list(gn), list(gn.values())
-        if keys == self._keys:  # (the usual check; the previous check's lists are aligned already)
+        if keys == self._keys and params is self._src:  # (the usual check: the last check's lists are aligned)
             keys, plist, prev, vers0, runs0 = self._keys, self._params, self._vals, self._vers, self._runs
-        else:  # (other parameters had gradients: realign by name; one absent then did not grow)
-            if names is not self._names:
-                self._names, self._by_name = names, dict(zip(names, params))
+        else:  # (other parameters had gradients, or were replaced: realign by name; one absent then did not grow)
+            if names is not self._names or params is not self._src:
+                self._names, self._src, self._by_name = names, params, dict(zip(names, params))
             plist = list(map(self._by_name.__getitem__, keys))
             old = self._keys
             prev = list(map(dict(zip(old, self._vals)).get, keys, repeat(math.inf)))
@@ -85,8 +87,15 @@ class PileUp:
                                  map(is_, map(status.get, keys), repeat(Status.OK))),
                         map(ne, vals, repeat(math.inf))))
         self._keys, self._vals, self._vers, self._runs, self._params = keys, vals, vers, runs, plist
-        hist = self._hist
+        hist, long = self._hist, self._long
         hist.append((keys, vals, tracker.total_steps, dict(tracker.stepped)))
+        if long:  # (streaks that ended)
+            alive = dict(zip(keys, runs))
+            for n in [n for n in long if alive.get(n, 0) < HISTORY - 1]:
+                del long[n]
+        for i in compress(range(len(runs)), map(eq, runs, repeat(HISTORY - 1))):  # (a streak about to outlive _hist)
+            start = hist[-(HISTORY - 1)]
+            long[keys[i]] = (start[2], start[3], _norm_at(hist[-HISTORY], keys[i]))
         due = list(compress(range(len(runs)), map(le, repeat(PILE), runs)))
         if not due:
             return []
@@ -94,21 +103,20 @@ class PileUp:
         holders = _holders(tracker.lrs.optimizers, {id(plist[i]) for i in due})
         found, firsts, counts = [], [], []
         for i in due:
-            run = runs[i]
-            start = hist[-min(run, len(hist))]  # (the check where the streak began, or the oldest kept)
-            if tracker.total_steps <= start[2]:  # (no step since: accumulation over micro-batches)
+            run = runs[i]  # (where the streak began: its check kept, or noted before it left _hist)
+            steps0, then, first = long[keys[i]] if run >= HISTORY - 1 else (*hist[-run][2:], _norm_at(hist[-run - 1], keys[i]))
+            if tracker.total_steps <= steps0:  # (no step since: accumulation over micro-batches)
                 continue
             p = plist[i]
             mine = holders.get(id(p), [])
             if not mine or id(p) in held:
                 continue
-            then = start[3]
             stepped = [tracker.stepped.get(id(o), 0) != then.get(id(o), 0) for o in mine]
             if (run >= IDLE and not any(stepped)) or (any(stepped) and all(versions_tell(o) for o in mine)):
                 # (idle holders for long; or holders that stepped, whose steps move the version, did not move it)
                 found.append(keys[i])
                 counts.append(run)
-                firsts.append(_norm_at(hist[-run - 1] if run < len(hist) else start, keys[i]))
+                firsts.append(first)
         if not found:
             return []
         first, last = min(firsts), max(gn[n] for n in found)

@@ -58,7 +58,7 @@ def group_by_module(status: dict[str, Status], select) -> list[tuple[str, list[s
             if a in full:
                 if a not in done:
                     done.add(a)
-                    rows.append((f"{a}.*", under[a], full[a]))
+                    rows.append((f"{a}.*", list(under[a]), full[a]))  # (a copy: the tree is shared)
                 break
         else:
             rows.append((n, [n], status[n]))
@@ -107,10 +107,18 @@ _TREES: dict[tuple, _Tree] = {}
 def _tree(names: tuple[str, ...]) -> _Tree:
     tree = _TREES.get(names)
     if tree is None:
-        if len(_TREES) >= 8:  # (a few models per process: keep the latest)
-            _TREES.pop(next(iter(_TREES)))
+        evict(_TREES, 8)  # (a few models per process: keep the latest)
         tree = _TREES[names] = _Tree(names)
     return tree
+
+
+def evict(cache: dict, most: int) -> None:
+    """Drop the oldest entries of ``cache`` down to ``most - 1`` (another thread may be at it: no error)."""
+    try:
+        while len(cache) >= most:
+            cache.pop(next(iter(cache)), None)
+    except (RuntimeError, StopIteration):  # (changed size during iteration, or emptied meanwhile)
+        pass
 
 
 def describe_groups(rows) -> str:
@@ -136,8 +144,7 @@ def describe_names(status: dict[str, Status], names, most: int | None = None) ->
     key = (tuple(status), frozenset(zip(chosen, map(status.get, chosen))), most)
     text = _DESCRIBED.get(key)
     if text is None:
-        if len(_DESCRIBED) >= 64:
-            _DESCRIBED.pop(next(iter(_DESCRIBED)))
+        evict(_DESCRIBED, 64)
         rows = group_by_module(status, chosen)
         more = f" and {len(rows) - most} more modules" if most is not None and len(rows) > most else ""
         text = _DESCRIBED[key] = describe_groups(rows[:most]) + more

@@ -1,47 +1,104 @@
 """Exactly zero gradients that are underflow: a gradient that shrinks through the layers of a deep
 stack (saturated tanh or sigmoid, no normalisation, no residual path) reaches the first layers
 below float32's smallest number, and every element there is 0. It reads as ZERO_GRAD, like a cut
-path or a dead ReLU, but the layers after those get gradients of 1e-38 and the like, which no
-healthy run has; and the units at the edge come and go, zero at one check and 1e-38 at the next,
-which is not skipping (:data:`.patience.FAINT`: such a unit is no proxy for the persistence rule).
-Said as VANISHING_GRAD beside the ZERO_GRAD errors, with what to do."""
+path or a dead ReLU. What tells it apart is the edge: the parameter right after the zero ones (in
+the model's order) has a *subnormal* gradient, a norm below its dtype's smallest normal number
+(float32 and bfloat16: 1.2e-38; float16: 6.1e-5): every element of it is subnormal, on its way to 0.
+Such units come and go, zero at one check and 1e-44 at the next, which is not skipping: a unit
+whose gradient was subnormal before its first gap, or when it came back, is no proxy for the
+persistence rule (:class:`Faint`), unless its gap held a NO_GRAD check (its gradient was None:
+skipped). Said as VANISHING_GRAD beside the ZERO_GRAD errors, naming the fading layers (gradients
+below ``1e8`` times the smallest normal number, :data:`FAINT` for float32), with what to do.
+"""
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Collection, Mapping
-from itertools import compress, repeat
+from functools import lru_cache
+
+import torch
 
 from .findings import Finding, FindingKind
 from .naming import agree
-from .patience import FAINT
 from .status import Status
 
-__all__ = ["underflow"]
+__all__ = ["underflow", "Faint", "FAINT", "tiny_of"]
+
+#: a fading float32 (or bfloat16) gradient: 1e8 times its smallest normal number (1.2e-38)
+FAINT = 1e8 * torch.finfo(torch.float32).tiny
+
+
+@lru_cache(maxsize=None)
+def tiny_of(dtype: torch.dtype) -> float:
+    """The smallest normal number of ``dtype``: a norm below it is a tensor of subnormal elements."""
+    return torch.finfo(dtype).tiny if dtype.is_floating_point else 0.0
+
+
+class Faint:
+    """This check's gradient norms and the last check's, read against each parameter's floor."""
+
+    def __init__(self) -> None:
+        self.norms: Mapping[str, float] = {}
+        self.last: Mapping[str, float] = {}
+        self._names: list | None = None
+        self._index: dict[str, int] = {}
+        self._params: list = []
+
+    def read(self, norms: Mapping[str, float], names: list[str], params: list) -> Faint:
+        if names is not self._names:
+            self._names, self._index = names, {n: i for i, n in enumerate(names)}
+        self.norms, self._params = norms, params
+        return self
+
+    def below(self, name: str, norm: float | None, times: float = 1.0) -> bool:
+        """0 < ``norm`` < ``times`` x the smallest normal number of ``name``'s dtype."""
+        i = self._index.get(name)
+        return i is not None and norm is not None and 0.0 < norm < times * tiny_of(self._params[i].dtype)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._params[self._index[name]].dtype
+
+    def now(self, name: str) -> bool:
+        """Is ``name``'s gradient subnormal at this check?"""
+        return self.below(name, self.norms.get(name))
+
+    def before(self, name: str) -> bool:
+        """... at the last check?"""
+        return self.below(name, self.last.get(name))
+
+    def keep(self) -> None:
+        self.last = self.norms
 
 
 def underflow(status: Mapping[str, Status], errors: Collection[str], grad_norm: Mapping[str, float],
-              gaps: Mapping[str, int], step: int) -> list[Finding]:
+              gaps: Mapping[str, int], step: int, faint: Faint) -> list[Finding]:
     """VANISHING_GRAD (cause ``underflow``) when parameters the persistence rule counts as errors got
-    exactly zero gradients while others got non-zero gradients below ``FAINT``."""
+    exactly zero gradients and the first parameter after the last of them (in the model's order)
+    with a non-zero gradient has a subnormal one: the edge of an underflow."""
     norms = grad_norm.values()
-    if not errors or not norms or min(norms) >= FAINT:  # (the usual check: one pass in C)
+    if not errors or not norms:
         return []
     zero = [n for n in filter(errors.__contains__, status) if status[n] is Status.ZERO_GRAD]
-    faint = list(compress(grad_norm, map(operator.and_, map(operator.lt, norms, repeat(FAINT)),
-                                         map(operator.gt, norms, repeat(0.0)))))
-    if not zero or not faint:
+    if not zero:
         return []
+    order = list(status)
+    last = max(map(order.index, zero))
+    after = next((n for n in order[last + 1:] if grad_norm.get(n, 0.0) > 0.0), None)
+    if after is None or not faint.below(after, grad_norm[after]):
+        return []
+    weak = [n for n, v in grad_norm.items() if faint.below(n, v, 1e8)]  # (the layers where it fades)
+    dtype = faint.dtype(after)
+    half = " In float16, scale the loss (torch.amp.GradScaler) or train in bfloat16." if dtype == torch.float16 else ""
     from .report import describe_names  # (the report module imports the findings' modules)
 
-    top = max(map(grad_norm.__getitem__, faint))
-    where = describe_names(status, faint, most=4)  # (the first few: where the gradient fades)
     return [Finding(
         FindingKind.VANISHING_GRAD,
         f"{describe_names(status, zero)} got exactly zero gradients at step {step} (for {max(gaps.get(n, 1) for n in zero)} "
-        f"checks in a row), and {where} got {agree(faint, 'gradients', 'a gradient')} of at most "
-        f"{top:.3g}: the gradient shrinks through the layers until it underflows float32 (below about 1e-38 every "
-        "element is 0): saturated tanh or sigmoid units, or a deep stack without normalisation or residual "
-        "connections. Use an initialisation that keeps the scale (Xavier for tanh, Kaiming for ReLU), add "
-        "normalisation layers or residual connections; one backward in float64 shows the gradients that are there",
-        params=tuple(zero), level="warning", step=step, data={"cause": "underflow", "faint": {n: grad_norm[n] for n in faint[:8]}})]
+        f"checks in a row), and {describe_names(status, weak, most=4)} got {agree(weak, 'gradients', 'a gradient')} of at "
+        f"most {max(map(grad_norm.__getitem__, weak)):.3g}: the gradient shrinks through the layers until it underflows "
+        f"{str(dtype).replace('torch.', '')} (below {tiny_of(dtype):.2g} its elements are subnormal, then 0): saturated "
+        "tanh or sigmoid units, or a deep stack without normalisation or residual connections. Use an initialisation "
+        "that keeps the scale (Xavier for tanh, Kaiming for ReLU), add normalisation layers or residual connections; "
+        f"one backward in float64 shows the gradients that are there.{half}",
+        params=tuple(zero), level="warning", step=step,
+        data={"cause": "underflow", "faint": {n: grad_norm[n] for n in weak[:8]}})]

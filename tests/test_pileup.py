@@ -254,3 +254,48 @@ def test_streaks_agree_with_the_naive_rule_on_random_loops(seed):
             first, message = next(iter(got.values()))
             assert first == min(f for _, f in want.values())
             assert f"grown at each of the last {min(c for c, _ in want.values())} checks" in message
+
+
+def _aside_loop(checks: int, replace_at: int | None = None):
+    """The first layer's gradient set aside around every step (the step runs, the weight never
+    moves, the gradient piles up), a fixed batch; ``replace_at``: that weight replaced by a new
+    Parameter (in the model and the optimizer) at that check. Returns (log, findings per check)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, foreach=False)
+    monitor = gh.GradHealth(net, opt, on_problem="ignore")
+    x, log, seen, total = torch.randn(8, 4), [], [], 0
+    for check in range(checks):
+        if check == replace_at:
+            new = nn.Parameter(net[0].weight.detach().clone())
+            new.grad = net[0].weight.grad
+            opt.param_groups[0]["params"][0] = new
+            net[0].weight = new
+        net(x).pow(2).mean().backward()
+        report = monitor.check()
+        params = dict(net.named_parameters())
+        log.append((dict(report.grad_norm), dict(report.status), {n: p._version for n, p in params.items()}, total,
+                    {"a": total}))
+        seen.append({n: (f.data["first"], f.message) for f in report.findings_of("GRAD_PILEUP") for n in f.params})
+        aside, net[0].weight.grad = net[0].weight.grad, None
+        opt.step()
+        total += 1
+        opt.zero_grad(set_to_none=False)
+        net[0].weight.grad = aside
+    monitor.close()
+    return log, seen
+
+
+@pytest.mark.parametrize("checks, replace_at", [(72, None), (16, 6)], ids=["a streak longer than the checks kept", "replaced"])
+def test_long_streaks_and_replaced_parameters_agree_with_the_naive_rule(checks, replace_at):
+    """A streak older than the checks the rule keeps (64) is dated from its real start, and a
+    parameter replaced mid-run is followed (its new tensor's version, its new optimizer slot)."""
+    log, seen = _aside_loop(checks, replace_at)
+    expected = _naive_pileups(log, {n: ["a"] for n in log[0][0]}, {"a": True})
+    assert any("0.weight" in e for e in expected[-4:])  # (named to the end)
+    for check, (want, got) in enumerate(zip(expected, seen)):
+        assert set(got) == set(want), check
+        if want:
+            first, message = next(iter(got.values()))
+            assert first == min(f for _, f in want.values()), check
+            assert f"grown at each of the last {min(c for c, _ in want.values())} checks" in message, check
