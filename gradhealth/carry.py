@@ -74,6 +74,8 @@ class Carry:
         self.histories: dict[int, NormHistory] = {}  # per optimizer index
         self.streaks = Persistence()  # each unit's gaps without a usable gradient, and its past rate
         self.still = 0  # consecutive steps that changed no OK parameter (with lr > 0) that was decided
+        self._still_seen: set[int] = set()  # ... the entries those steps decided, and those they judged
+        self._still_of: set[int] = set()
         self.skips = 0  # optimizer steps the step guard dropped (skip_nonfinite / skip_spikes)
         self.skips_in_a_row = 0
         self.gone: set[int] = set()  # the checks whose gradients were gone when their step began
@@ -190,7 +192,7 @@ class Carry:
         unchanged: dict[str, str] = {}
         moved: list[str] = []
         status = target.status
-        changed_any = False
+        changed_any, decided, judged = False, set(), set()
         for u in updates:
             if u.measured:  # (decided exactly unchanged: 0, whatever the rule computed)
                 upd = [0.0 if c == 0.0 else d for d, c in zip(u.update, u.changed)] if 0.0 in u.changed else u.update
@@ -205,6 +207,8 @@ class Carry:
                             target.update_ratio[n] = (d / b if b > 0 else math.inf) if d else 0.0
             if not u.decided:  # a step between change tests
                 continue
+            decided.update(compress(u.indices, map(operator.eq, u.changed, u.changed)))  # (NaN: undecided)
+            judged.update(u.indices)
             # the decisions: only the few unchanged ones, and the frozen ones, are looked at
             for k in compress(range(len(u.changed)), map(operator.eq, u.changed, repeat(0.0))):
                 if status.get(names[u.indices[k]]) is Status.OK:
@@ -216,10 +220,15 @@ class Carry:
                     moved += [names[i] for i, c in zip(u.indices, u.changed) if c == 1.0 and names[i] in frozen]
         if any(w == "" for w in unchanged.values()) and not changed_any:
             self.still += 1  # a step that moved nothing it was seen to move
+            self._still_seen |= decided
+            self._still_of |= judged
         elif changed_any:
-            self.still = 0
+            self.still, self._still_seen, self._still_of = 0, set(), set()
+        # (tests in turns decide a window of the parameters each: "changed no parameter" only once the
+        # streak decided every one; a deep model whose first windows vanish is not a stopped update rule)
+        still = self.still if self._still_seen >= self._still_of else min(self.still, self.patience - 1)
         gone, self.gone = target.step in self.gone, {s for s in self.gone if s > target.step}
-        found = (judges.not_updated(target.status, unchanged, target.step, self.still, self.patience, gone)
+        found = (judges.not_updated(target.status, unchanged, target.step, still, self.patience, gone)
                  if unchanged else [])
         if moved:
             found += judges.frozen_but_changed(target.status, moved, target.step)

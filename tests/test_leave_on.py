@@ -181,6 +181,63 @@ def test_a_step_that_changes_nothing_although_versions_move():
     assert "changed no parameter for 3 steps in a row" in errors[0].message
 
 
+def test_a_deep_model_whose_step_changes_nothing_is_caught_once_every_window_was_decided():
+    """400 tensors: the change test decides one window of 64 of them at a time, in turns. An update
+    rule that changes nothing is an error once the streak of unchanged steps has decided them all."""
+    class Idle(torch.optim.Optimizer):  # touches every parameter, changes none
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.mul_(1.0)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(200)])
+    opt = Idle(model.parameters())
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    seen = []
+    for _ in range(12):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        seen.append(mon.check())
+        opt.step()
+    mon.flush()
+    errors = [f for r in seen for f in r.findings_of("NOT_UPDATED") if f.level == "error"]
+    assert errors and errors[0].step <= 8, [(f.step, f.level) for r in seen for f in r.findings_of("NOT_UPDATED")]
+    assert "changed no parameter for" in errors[0].message
+
+
+def test_a_deep_tanh_stack_whose_first_windows_vanish_is_not_a_stopped_update_rule():
+    """200 tanh layers and SGD: the first layers' updates fall below the precision of their weights
+    (unchanged), the last ones move at every step. Tests in turns decide the vanishing windows
+    three steps in a row: info (their updates are below the weights' precision), never the error
+    "changed no parameter" (before: an error at step 19)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 30), nn.Tanh()]
+    for _ in range(198):
+        layers += [nn.Linear(30, 30), nn.Tanh()]
+    net = nn.Sequential(*layers, nn.Linear(30, 10))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    mon = gh.GradHealth(net, opt, on_problem="ignore")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(512, 64, generator=g), torch.randint(0, 10, (512,), generator=g)
+    findings = []
+    for _ in range(30):
+        idx = torch.randint(0, 512, (64,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+        findings += mon.check().findings_of("NOT_UPDATED")
+        before = [p.detach().clone() for p in net.parameters()]
+        opt.step()
+        assert sum(not torch.equal(a, p) for a, p in zip(before, net.parameters())) >= 20  # premise: it moves
+    mon.close()
+    assert any(f.level == "info" for f in findings)  # (premise: whole windows were unchanged at tests)
+    assert not [f for f in findings if f.level == "error"], [(f.step, f.message[-120:]) for f in findings if f.level == "error"]
+
+
 @pytest.mark.parametrize("change_every", [1, 4])
 def test_updates_below_the_precision_of_bf16_weights(change_every):
     """The change test runs every ``change_every`` steps, then at every step after one that changed
