@@ -9,7 +9,7 @@ import os
 
 from .findings import FindingKind as K
 from .naming import terminal_safe
-from .report import Report, describe_groups, describe_names, group_by_module
+from .report import LONG, Report, describe_groups, describe_names, group_by_module
 from .status import Status
 
 __all__ = ["brief", "FRAMEWORKS"]
@@ -99,7 +99,7 @@ def _origin(f) -> tuple[str, str | None]:
 def _names(report, params) -> str:
     """Parameters grouped by module (``enc.* (4 params)``); other names (modules) as they are."""
     if params and all(p in report.status for p in params):
-        return describe_names(report.status, params)
+        return describe_names(report.status, params, most=LONG)
     return ", ".join(params[:3]) + (" ..." if len(params) > 3 else "")
 
 
@@ -118,7 +118,7 @@ def brief(report, framework: str = "plain") -> list[str]:
     for row in group_by_module(report.status, errors):
         by_state.setdefault(row[2], []).append(row)
     for state, rows in by_state.items():
-        lines.append(f"{state.value} in {describe_groups(rows)}: {_WHAT.get(state, state.value)}")
+        lines.append(f"{state.value} in {describe_groups(rows, LONG)}: {_WHAT.get(state, state.value)}")
         state_todo.append(_do(state, framework))
     kinds = set()
     # the most precise origin first: one that names an operation and line, then the others

@@ -7,7 +7,7 @@ import sys
 import warnings
 
 from .errors import GradHealthError, GradHealthInternalWarning, GradHealthWarning
-from .report import Report, describe_groups, group_by_module
+from .report import LONG, Report, describe_groups, group_by_module
 from .naming import terminal_safe
 from .once import Once
 from .patience import ALPHA
@@ -63,7 +63,7 @@ def explain(report: Report) -> str:
             words = f"exactly zero gradients: see {kind} below."
         if state is Status.NON_FINITE_GRAD and report.findings_of("NONFINITE_ORIGIN"):
             words = words.split(" Wrap one step in")[0]  # the origin is said below: no hint to go and trace it
-        lines.append(f"  {state.value}: {describe_groups(rows)}{_how_long(report, rows)} {words}")
+        lines.append(f"  {state.value}: {describe_groups(rows, LONG)}{_how_long(report, rows)} {words}")
         experts = [label for label, _, _ in rows if _EXPERT.search(label)]
         if experts and state in (Status.NO_GRAD, Status.ZERO_GRAD):
             lines.append(f"    expert{'s' if len(experts) > 1 else ''} {', '.join(experts)} received no tokens"

@@ -121,8 +121,15 @@ def evict(cache: dict, most: int) -> None:
         pass
 
 
-def describe_groups(rows) -> str:
-    """``enc.* (24 params), head.weight`` from :func:`group_by_module` rows."""
+#: the modules a line of words names before "and N more modules" (the report's dicts hold every name)
+LONG = 8
+
+
+def describe_groups(rows, most: int | None = None) -> str:
+    """``enc.* (24 params), head.weight`` from :func:`group_by_module` rows (the first ``most``, then
+    how many more)."""
+    if most is not None and len(rows) > most:
+        return describe_groups(rows[:most]) + f" and {len(rows) - most} more modules"
     parts = []
     for label, names, _ in rows:
         if label == "*":
@@ -145,9 +152,7 @@ def describe_names(status: dict[str, Status], names, most: int | None = None) ->
     text = _DESCRIBED.get(key)
     if text is None:
         evict(_DESCRIBED, 64)
-        rows = group_by_module(status, chosen)
-        more = f" and {len(rows) - most} more modules" if most is not None and len(rows) > most else ""
-        text = _DESCRIBED[key] = describe_groups(rows[:most]) + more
+        text = _DESCRIBED[key] = describe_groups(group_by_module(status, chosen), most)
     return text
 
 

@@ -89,11 +89,11 @@ def underflow(status: Mapping[str, Status], errors: Collection[str], grad_norm: 
     weak = [n for n, v in grad_norm.items() if faint.below(n, v, 1e8)]  # (the layers where it fades)
     dtype = faint.dtype(after)
     half = " In float16, scale the loss (torch.amp.GradScaler) or train in bfloat16." if dtype == torch.float16 else ""
-    from .report import describe_names  # (the report module imports the findings' modules)
+    from .report import LONG, describe_names  # (the report module imports the findings' modules)
 
     return [Finding(
         FindingKind.VANISHING_GRAD,
-        f"{describe_names(status, zero)} got exactly zero gradients at step {step} (for {max(gaps.get(n, 1) for n in zero)} "
+        f"{describe_names(status, zero, most=LONG)} got exactly zero gradients at step {step} (for {max(gaps.get(n, 1) for n in zero)} "
         f"checks in a row), and {describe_names(status, weak, most=4)} got {agree(weak, 'gradients', 'a gradient')} of at "
         f"most {max(map(grad_norm.__getitem__, weak)):.3g}: the gradient shrinks through the layers until it underflows "
         f"{str(dtype).replace('torch.', '')} (below {tiny_of(dtype):.2g} its elements are subnormal, then 0): saturated "
