@@ -13,8 +13,10 @@ below ``1e8`` times the smallest normal number, :data:`FAINT` for float32), with
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection, Mapping
 from functools import lru_cache
+from itertools import compress, repeat
 
 import torch
 
@@ -24,8 +26,10 @@ from .status import Status
 
 __all__ = ["underflow", "Faint", "FAINT", "tiny_of"]
 
-#: a fading float32 (or bfloat16) gradient: 1e8 times its smallest normal number (1.2e-38)
-FAINT = 1e8 * torch.finfo(torch.float32).tiny
+#: a fading gradient: below FADING times its dtype's smallest normal number (float32: :data:`FAINT`)
+FADING = 1e8
+FAINT = FADING * torch.finfo(torch.float32).tiny
+_DTYPE = operator.attrgetter("dtype")
 
 
 @lru_cache(maxsize=None)
@@ -43,12 +47,21 @@ class Faint:
         self._names: list | None = None
         self._index: dict[str, int] = {}
         self._params: list = []
+        self._dtypes: tuple = ()
+        self._fading: dict[str, float] = {}
 
     def read(self, norms: Mapping[str, float], names: list[str], params: list) -> Faint:
         if names is not self._names:
             self._names, self._index = names, {n: i for i, n in enumerate(names)}
         self.norms, self._params = norms, params
         return self
+
+    def fading(self) -> dict[str, float]:
+        """name -> FADING times its dtype's smallest normal number (made again when a dtype changed)."""
+        dtypes = tuple(map(_DTYPE, self._params))
+        if dtypes != self._dtypes:
+            self._dtypes, self._fading = dtypes, {n: FADING * tiny_of(d) for n, d in zip(self._names, dtypes)}
+        return self._fading
 
     def below(self, name: str, norm: float | None, times: float = 1.0) -> bool:
         """0 < ``norm`` < ``times`` x the smallest normal number of ``name``'s dtype."""
@@ -86,7 +99,9 @@ def underflow(status: Mapping[str, Status], errors: Collection[str], grad_norm: 
     after = next((n for n in order[last + 1:] if grad_norm.get(n, 0.0) > 0.0), None)
     if after is None or not faint.below(after, grad_norm[after]):
         return []
-    weak = [n for n, v in grad_norm.items() if faint.below(n, v, 1e8)]  # (the layers where it fades)
+    values = grad_norm.values()  # (the layers where it fades, picked in C)
+    weak = list(compress(grad_norm, map(operator.and_, map(operator.gt, values, repeat(0.0)),
+                                        map(operator.lt, values, map(faint.fading().__getitem__, grad_norm)))))
     dtype = faint.dtype(after)
     half = " In float16, scale the loss (torch.amp.GradScaler) or train in bfloat16." if dtype == torch.float16 else ""
     from .report import LONG, describe_names  # (the report module imports the findings' modules)
