@@ -124,7 +124,8 @@ def run(stage: int, precision: str, kind: str) -> dict:
     first = masters_of(engine)
     out["eval_before"] = eval_loss(engine, precision)
     out["oracle"] = []
-    try:
+
+    def steps():
         for step in range(STEPS):
             x, y = batch(step, precision)
             pred = engine(x).float()
@@ -145,13 +146,8 @@ def run(stage: int, precision: str, kind: str) -> dict:
             out["names"] = list(report.status)
             out["status"] = {k: v.value for k, v in report.status.items()}
             out["true_updates"].append([float((a - b).norm()) for a, b in zip(after, before)])
-        monitor.flush()
-    except gh.GradHealthError as exc:
-        out["error"] = str(exc)
-    finally:
-        monitor.close()
-    out["findings"] = [(f.kind, f.level, f.step, f.message) for r in keep.reports for f in r.findings]
-    out["updates"] = [dict(r.update_norm) for r in keep.reports]
+
+    drive(monitor, keep, out, steps)
     out["skipped_steps"] = engine.skipped_steps
     out["moved"] = any(not torch.equal(a, b) for a, b in zip(first, masters_of(engine)))
     out["eval_after"] = eval_loss(engine, precision)
@@ -184,7 +180,8 @@ def fused(lr: float = 1e-4) -> dict:
     order = [n for g in opt.fp16_groups for p in g for n, q in model.named_parameters() if q is p]
     out = {"wrapper": type(opt).__name__, "inner": type(opt.optimizer).__name__, "error": None, "losses": [],
            "weights_still": [], "masters_moved": [], "true_updates": [], "order": order}
-    try:
+
+    def steps():
         for step in range(STEPS):
             x, y = batch(step, "bf16")
             loss = ((engine(x).float() - y) ** 2).mean()
@@ -197,6 +194,16 @@ def fused(lr: float = 1e-4) -> dict:
             out["weights_still"].append([bool(torch.equal(a, b)) for a, b in zip(weights, after_w)])
             out["masters_moved"].append([not torch.equal(a, b) for a, b in zip(masters, after_m)])
             out["true_updates"].append([float((a - b).double().norm()) for a, b in zip(after_m, masters)])
+
+    drive(monitor, keep, out, steps)
+    return out
+
+
+def drive(monitor, keep, out: dict, steps) -> None:
+    """Run ``steps()`` (the loop), then the monitor's last report; a raise is recorded as the error;
+    the findings and update norms of every report."""
+    try:
+        steps()
         monitor.flush()
     except gh.GradHealthError as exc:
         out["error"] = str(exc)
@@ -204,7 +211,6 @@ def fused(lr: float = 1e-4) -> dict:
         monitor.close()
     out["findings"] = [(f.kind, f.level, f.step, f.message) for r in keep.reports for f in r.findings]
     out["updates"] = [dict(r.update_norm) for r in keep.reports]
-    return out
 
 
 class Keep:

@@ -152,17 +152,18 @@ def test_caches_follow_dtype_conversions_mid_run(convert):
 
 
 # ------------------------------------------------------------------------ still caught
+class Idle(torch.optim.Optimizer):  # touches every parameter, changes none
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.mul_(1.0)
+
+
 def test_a_step_that_changes_nothing_although_versions_move():
-    class Idle(torch.optim.Optimizer):  # touches every parameter, changes none
-        def __init__(self, params):
-            super().__init__(params, {"lr": 0.1})
-
-        @torch.no_grad()
-        def step(self, closure=None):
-            for g in self.param_groups:
-                for p in g["params"]:
-                    p.mul_(1.0)
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     opt = Idle(model.parameters())
@@ -184,16 +185,6 @@ def test_a_step_that_changes_nothing_although_versions_move():
 def test_a_deep_model_whose_step_changes_nothing_is_caught_once_every_window_was_decided():
     """400 tensors: the change test decides one window of 64 of them at a time, in turns. An update
     rule that changes nothing is an error once the streak of unchanged steps has decided them all."""
-    class Idle(torch.optim.Optimizer):  # touches every parameter, changes none
-        def __init__(self, params):
-            super().__init__(params, {"lr": 0.1})
-
-        @torch.no_grad()
-        def step(self, closure=None):
-            for g in self.param_groups:
-                for p in g["params"]:
-                    p.mul_(1.0)
-
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(200)])
     opt = Idle(model.parameters())
