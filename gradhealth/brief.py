@@ -138,8 +138,9 @@ def brief(report, framework: str = "plain") -> list[str]:
             lines.append(f"the loss is {f.data.get('value', 'NaN/inf')}")
         else:
             where = _names(report, f.params) if f.params and not f.message.startswith("the model") else ""
-            say = ("the gradient underflows to exact zeros on its way through the layers" if f.data.get("cause") == "underflow"
-                   else _SAY.get(f.kind) or _first_words(f.message))
+            say = {"underflow": "the gradient underflows to exact zeros on its way through the layers",
+                   "subnormal": "the gradient vanishes below the normal range on its way through the layers"}.get(
+                       f.data.get("cause")) or _SAY.get(f.kind) or _first_words(f.message)
             lines.append(f"{f.kind.value}" + (f" in {where}" if where else "") + f": {say}")
             todo.append(_do(f.kind, framework))
     todo = [t for t in todo + state_todo if t]

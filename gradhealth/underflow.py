@@ -49,6 +49,8 @@ class Faint:
         self._params: list = []
         self._dtypes: tuple = ()
         self._fading: dict[str, float] = {}
+        self.lead: list[str] = []  # the model's first parameters with subnormal gradients, at the last check
+        self.streak = 0  # ... checks in a row
 
     def read(self, norms: Mapping[str, float], names: list[str], params: list) -> Faint:
         if names is not self._names:
@@ -81,6 +83,37 @@ class Faint:
 
     def keep(self) -> None:
         self.last = self.norms
+
+    def prefix(self, status: Mapping[str, Status], grad_norm: Mapping[str, float], step: int, patience: int) -> list[Finding]:
+        """VANISHING_GRAD (cause ``subnormal``) when the model's first parameters (in its order, the
+        frozen ones passed over), at least two, have subnormal gradients at ``patience`` checks in a
+        row: a gradient that vanishes through the layers above them before it is exactly zero (a
+        deep sigmoid stack). Only a prefix: a parameter whose gradient is subnormal by its nature
+        elsewhere in a model (an attention key bias in float16) is not one."""
+        lead = []
+        for n, s in status.items():  # (the usual check: the first parameter's gradient is normal, one step)
+            if s is Status.FROZEN:
+                continue
+            if not self.below(n, grad_norm.get(n)):
+                break
+            lead.append(n)
+        self.streak = self.streak + 1 if len(lead) >= 2 and lead[:1] == self.lead[:1] else int(len(lead) >= 2)
+        self.lead = lead
+        if self.streak < max(1, patience):
+            return []
+        from .report import LONG, describe_names
+
+        dtype = self.dtype(lead[0])
+        return [Finding(
+            FindingKind.VANISHING_GRAD,
+            f"{describe_names(status, lead, most=LONG)}, the first parameters of the model, got gradients below "
+            f"{str(dtype).replace('torch.', '')}'s smallest normal number ({tiny_of(dtype):.2g}; at most "
+            f"{max(map(grad_norm.__getitem__, lead)):.3g}) at each of the last {self.streak} checks: the gradient vanishes "
+            "through the layers above them and their steps barely move them (a deeper stack makes it exactly 0). "
+            "Saturated tanh or sigmoid units, or a deep stack without normalisation or residual connections: use an "
+            "initialisation that keeps the scale (Xavier for tanh, Kaiming for ReLU), normalisation layers or "
+            "residual connections",
+            params=tuple(lead), level="warning", step=step, data={"cause": "subnormal", "checks": self.streak})]
 
 
 def underflow(status: Mapping[str, Status], errors: Collection[str], grad_norm: Mapping[str, float],

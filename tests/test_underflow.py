@@ -220,3 +220,72 @@ def test_a_float16_stack_underflows_at_float16s_edge():
     assert "layers.0.weight" in report.errors
     (found,) = [f for f in report.findings_of("VANISHING_GRAD") if f.data.get("cause") == "underflow"]
     assert "underflows float16 (below 6.1e-05" in found.message and "GradScaler" in found.message
+
+
+def test_a_deep_sigmoid_stack_whose_first_layers_get_subnormal_gradients_is_named():
+    """The textbook demonstration: 50 sigmoid layers, default init, SGD. The first layers' gradients
+    are not zero but subnormal (below float32's smallest normal number) at every check: their steps
+    barely move them. Named after grad_patience checks as VANISHING_GRAD (cause subnormal)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 30), nn.Sigmoid()]
+    for _ in range(48):
+        layers += [nn.Linear(30, 30), nn.Sigmoid()]
+    net = nn.Sequential(*layers, nn.Linear(30, 10))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    monitor = gh.GradHealth(net, opt, on_problem="ignore")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(256, 64, generator=g), torch.randint(0, 10, (256,), generator=g)
+    reports = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(net(x[:64]), y[:64])
+        loss.backward()
+        assert 0.0 < net[0].weight.grad.double().norm().item() < torch.finfo(torch.float32).tiny  # premise: subnormal, not 0
+        reports.append(monitor.check(loss))
+        opt.step()
+    monitor.close()
+    found = [[f for f in r.findings_of("VANISHING_GRAD") if f.data.get("cause") == "subnormal"] for r in reports]
+    assert not found[0] and not found[1] and all(len(f) == 1 for f in found[2:])  # (from grad_patience checks on)
+    assert found[-1][0].params[:2] == ("0.weight", "0.bias") and found[-1][0].level == "warning"
+    assert "below the normal range" in str(gh.brief(reports[-1]))
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["inside", "first"])
+def test_subnormal_gradients_are_vanishing_only_as_the_models_first_parameters(first):
+    """Two parameters used at a scale of 1e-42 get subnormal gradients at every check. Inside the
+    model (after a healthy layer in its order: a gradient that is small by its nature, like a
+    float16 attention key bias) nothing is said; as the model's first parameters, the gradient
+    reaching the bottom of the model is subnormal: VANISHING_GRAD (cause subnormal)."""
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.ones(8)), nn.Parameter(torch.ones(8))
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            if first:
+                self.pair = Pair()
+            self.enc, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+            if not first:
+                self.pair = Pair()
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.enc(x)) + (self.pair.a + self.pair.b) * 1e-42)
+
+    torch.manual_seed(0)
+    model = Scaled()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    monitor = gh.GradHealth(model, opt, on_problem="ignore")
+    for _ in range(5):
+        opt.zero_grad()
+        loss = model(torch.randn(16, 8)).pow(2).mean()
+        loss.backward()
+        report = monitor.check(loss)
+        opt.step()
+    monitor.close()
+    pair = ["pair.a", "pair.b"]
+    assert list(report.status)[:2] == (pair if first else ["enc.weight", "enc.bias"])
+    assert all(0.0 < report.grad_norm[n] < torch.finfo(torch.float32).tiny for n in pair)  # premise
+    found = [f for f in report.findings_of("VANISHING_GRAD") if f.data.get("cause") == "subnormal"]
+    assert [f.params for f in found] == ([tuple(pair)] if first else [])
