@@ -206,11 +206,10 @@ def test_a_deep_tanh_stack_whose_first_windows_vanish_is_not_a_stopped_update_ru
     (unchanged), the last ones move at every step. Tests in turns decide the vanishing windows
     three steps in a row: info (their updates are below the weights' precision), never the error
     "changed no parameter" (before: an error at step 19)."""
+    from test_underflow import textbook_mlp
+
     torch.manual_seed(0)
-    layers = [nn.Linear(64, 30), nn.Tanh()]
-    for _ in range(198):
-        layers += [nn.Linear(30, 30), nn.Tanh()]
-    net = nn.Sequential(*layers, nn.Linear(30, 10))
+    net = textbook_mlp(nn.Tanh, 200)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     mon = gh.GradHealth(net, opt, on_problem="ignore")
     g = torch.Generator().manual_seed(0)

@@ -33,6 +33,29 @@ class Stack(nn.Module):
         return x
 
 
+def textbook_mlp(act, depth: int) -> nn.Sequential:
+    """A deep plain MLP as textbooks write it to show vanishing gradients: Linear(64, 30), then
+    Linear(30, 30) layers, each followed by ``act``, and a Linear(30, 10) head; PyTorch's default init."""
+    layers = [nn.Linear(64, 30), act()]
+    for _ in range(depth - 2):
+        layers += [nn.Linear(30, 30), act()]
+    return nn.Sequential(*layers, nn.Linear(30, 10))
+
+
+def last_report(model, steps: int = 5):
+    """``steps`` SGD steps on random batches (loss: the output's mean square); the last report."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    monitor = gh.GradHealth(model, opt, on_problem="ignore")
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(torch.randn(16, 8)).pow(2).mean()
+        loss.backward()
+        report = monitor.check(loss)
+        opt.step()
+    monitor.close()
+    return report
+
+
 def run(residual: bool, steps: int = 8, on_problem: str = "ignore"):
     torch.manual_seed(0)
     model = Stack(residual)
@@ -182,16 +205,7 @@ def test_a_zero_layer_beside_an_unrelated_tiny_gradient_keeps_its_own_words():
             return self.head(h * (1 + torch.sigmoid(self.gate)))
 
     torch.manual_seed(0)
-    model = Gated()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    monitor = gh.GradHealth(model, opt, on_problem="ignore")
-    for _ in range(5):
-        opt.zero_grad()
-        loss = model(torch.randn(16, 8)).pow(2).mean()
-        loss.backward()
-        report = monitor.check(loss)
-        opt.step()
-    monitor.close()
+    report = last_report(Gated())
     assert 0.0 < report.grad_norm["gate"] < 1e-30  # premise
     assert set(report.errors) == {"masked.weight", "masked.bias"}
     assert not report.findings_of("VANISHING_GRAD")
@@ -227,10 +241,7 @@ def test_a_deep_sigmoid_stack_whose_first_layers_get_subnormal_gradients_is_name
     are not zero but subnormal (below float32's smallest normal number) at every check: their steps
     barely move them. Named after grad_patience checks as VANISHING_GRAD (cause subnormal)."""
     torch.manual_seed(0)
-    layers = [nn.Linear(64, 30), nn.Sigmoid()]
-    for _ in range(48):
-        layers += [nn.Linear(30, 30), nn.Sigmoid()]
-    net = nn.Sequential(*layers, nn.Linear(30, 10))
+    net = textbook_mlp(nn.Sigmoid, 50)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     monitor = gh.GradHealth(net, opt, on_problem="ignore")
     g = torch.Generator().manual_seed(0)
@@ -274,16 +285,7 @@ def test_subnormal_gradients_are_vanishing_only_as_the_models_first_parameters(f
             return self.head(torch.tanh(self.enc(x)) + (self.pair.a + self.pair.b) * 1e-42)
 
     torch.manual_seed(0)
-    model = Scaled()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    monitor = gh.GradHealth(model, opt, on_problem="ignore")
-    for _ in range(5):
-        opt.zero_grad()
-        loss = model(torch.randn(16, 8)).pow(2).mean()
-        loss.backward()
-        report = monitor.check(loss)
-        opt.step()
-    monitor.close()
+    report = last_report(Scaled())
     pair = ["pair.a", "pair.b"]
     assert list(report.status)[:2] == (pair if first else ["enc.weight", "enc.bias"])
     assert all(0.0 < report.grad_norm[n] < torch.finfo(torch.float32).tiny for n in pair)  # premise
