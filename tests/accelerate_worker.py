@@ -52,6 +52,7 @@ def main(out: str, mode: str) -> None:
                    "found_ddp": monitor.ranks.ddp is model,
                    "before": before, "after": after}, f)
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # (as the docs end a script: the process group destroyed, not torn down at exit)
 
 
 if __name__ == "__main__":
