@@ -30,6 +30,7 @@ __all__ = ["underflow", "Faint", "FAINT", "tiny_of"]
 FADING = 1e8
 FAINT = FADING * torch.finfo(torch.float32).tiny
 _DTYPE = operator.attrgetter("dtype")
+_WIDEST = torch.finfo(torch.float16).tiny  # (the largest smallest-normal number of the float dtypes)
 
 
 @lru_cache(maxsize=None)
@@ -90,8 +91,13 @@ class Faint:
         row: a gradient that vanishes through the layers above them before it is exactly zero (a
         deep sigmoid stack). Only a prefix: a parameter whose gradient is subnormal by its nature
         elsewhere in a model (an attention key bias in float16) is not one."""
+        if not self.streak:  # (the usual check: the first gradient is normal in any dtype, no streak to count)
+            first = next(iter(grad_norm.items()), None)
+            if first is None or (first[1] >= _WIDEST and status.get(first[0]) is not Status.FROZEN):
+                self.lead = []
+                return []
         lead = []
-        for n, s in status.items():  # (the usual check: the first parameter's gradient is normal, one step)
+        for n, s in status.items():
             if s is Status.FROZEN:
                 continue
             if not self.below(n, grad_norm.get(n)):
