@@ -74,8 +74,7 @@ class Carry:
         self.histories: dict[int, NormHistory] = {}  # per optimizer index
         self.streaks = Persistence()  # each unit's gaps without a usable gradient, and its past rate
         self.still = 0  # consecutive steps that changed no OK parameter (with lr > 0) that was decided
-        self._still_seen: set[int] = set()  # ... the entries those steps decided, and those they judged
-        self._still_of: set[int] = set()
+        self._still_seen: set[int] = set()  # ... the entries those steps decided
         self.skips = 0  # optimizer steps the step guard dropped (skip_nonfinite / skip_spikes)
         self.skips_in_a_row = 0
         self.gone: set[int] = set()  # the checks whose gradients were gone when their step began
@@ -221,12 +220,12 @@ class Carry:
         if any(w == "" for w in unchanged.values()) and not changed_any:
             self.still += 1  # a step that moved nothing it was seen to move
             self._still_seen |= decided
-            self._still_of |= judged
         elif changed_any:
-            self.still, self._still_seen, self._still_of = 0, set(), set()
+            self.still, self._still_seen = 0, set()
         # (tests in turns decide a window of the parameters each: "changed no parameter" only once the
-        # streak decided every one; a deep model whose first windows vanish is not a stopped update rule)
-        still = self.still if self._still_seen >= self._still_of else min(self.still, self.patience - 1)
+        # streak decided every one this step judged; a deep model whose first windows vanish is not a
+        # stopped update rule. The entries of this step's view: a rebuilt view's new ones get decided)
+        still = self.still if self._still_seen >= judged else min(self.still, self.patience - 1)
         gone, self.gone = target.step in self.gone, {s for s in self.gone if s > target.step}
         found = (judges.not_updated(target.status, unchanged, target.step, still, self.patience, gone)
                  if unchanged else [])
