@@ -77,21 +77,18 @@ class Transfer:
     """Packed device numbers on their way to host memory: a non-blocking copy into pinned memory and
     an event (on the CPU they are there already). :meth:`values` is the deferred path's only read."""
 
+    __slots__ = ("host", "event")
     _pinned: dict = {}  # (device, size, dtype) -> two (pinned buffer, event) pairs used in turn
 
-    def __init__(self, parts: list[Tensor]):
-        self.event = None
-        if not parts:
-            self.host = torch.zeros(0, dtype=torch.float64)
-            return
-        packed = parts[0] if len(parts) == 1 and parts[0].dim() == 1 else joined(parts)
-        device = packed.device
-        if device.type == "cpu":
-            self.host = packed
-            return
-        self.host, self.event = self._buffer(device, packed.numel(), packed.dtype)
-        self.host.copy_(packed, non_blocking=True)
-        self.event.record()  # (re-recorded: nothing allocated per check)
+    def __init__(self, packed: Tensor | None):
+        if packed is None:
+            self.host, self.event = torch.zeros(0, dtype=torch.float64), None
+        elif packed.device.type == "cpu":  # (their numbers are on the host already)
+            self.host, self.event = packed, None
+        else:
+            self.host, self.event = self._buffer(packed.device, packed.numel(), packed.dtype)
+            self.host.copy_(packed, non_blocking=True)
+            self.event.record()  # (re-recorded: nothing allocated per check)
 
     @classmethod
     def _buffer(cls, device, n: int, dtype) -> tuple[Tensor, object]:
@@ -125,15 +122,15 @@ class Deferred:
         m = self.monitor
         launch = m._launch(step, loss, optimizer, deferred=True)
         pending = launch.obs
-        parts = pending.launched.parts  # (no None among them)
-        r = m.ranks
-        if r.active:  # what DDP's hooks saw of this backward, taken now, read with the same copy
+        packed = pending.launched.packed
+        if m.ranks.active:  # what DDP's hooks saw of this backward, taken now, read with the same copy
+            r = m.ranks
             snap = r.origin.snapshot([m.view.params[i] for i in launch.sel.idx]) if r.origin else None
             launch.ranks = [snap, None, r.origin is not None and r.origin.unsynced() and bool(pending.with_grad),
                             r.take_nosync_step()]
             if snap is not None and snap[1] is not None:
-                parts = [*parts, snap[1]]
-        launch.transfer = Transfer(parts)
+                packed = joined([*pending.launched.parts, snap[1]])
+        launch.transfer = Transfer(packed)
         if m.tracker is not None and not launch.reeval:
             judged = [optimizer] if optimizer is not None else m.optimizers
             last = m.last_report

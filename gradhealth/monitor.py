@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import warnings
 
 import torch
@@ -55,6 +56,7 @@ __all__ = ["GradHealth"]
 
 log = logging.getLogger("gradhealth")
 _NO_CONTEXT = contextlib.nullcontext()  # (reusable)
+_SCALER_FLAG = operator.attrgetter("scaler_flag")  # (a step a grad scaler may have skipped)
 
 
 class GradHealth:
@@ -292,7 +294,7 @@ class GradHealth:
         judged = [optimizer] if optimizer is not None else self.optimizers
         t = self.tracker  # (deferred: the armed check's gradients, as of now, where no step ran since it)
         discarded = self.carry._discarded() if deferred and t is not None and (
-            not t.steps_since_check or any(u.scaler_flag for u in t.pending)) else None
+            not t.steps_since_check or any(map(_SCALER_FLAG, t.pending))) else None
         obs, steps_ran = self._observe(sel, loss, reeval, judged, deferred)
         return Launch(step, sel, optimizer, reeval, obs, steps_ran, self._after_step, self.carry.take_output_grad(),
                       discarded, (dict(t.stepped), t.total_steps) if t is not None else None)

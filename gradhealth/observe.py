@@ -216,16 +216,16 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     return finish(*launched.read()), plan
 
 
-@dataclass
 class Pending:
-    """An observation whose numbers are on their way to the host (:mod:`.deferred`)."""
+    """An observation whose numbers are on their way to the host (:mod:`.deferred`). (A plain
+    class: made at every deferred check, it costs the host no more than it holds.)"""
 
-    launched: stats.Launched
-    finish: object  # (norms, extras) -> Observation
-    with_grad: list[int] = field(default_factory=list)  # the judged entries with a gradient
-    loss_cause: str | None = None  # what the rank saw besides numbers, as of launch
-    eval_record: ForwardRecord | None = None
-    stale: set[int] = field(default_factory=set)
+    __slots__ = ("launched", "finish", "with_grad", "loss_cause", "eval_record", "stale")
+
+    def __init__(self, launched: stats.Launched, finish, with_grad: list[int]):
+        self.launched, self.finish = launched, finish  # (finish: (norms, extras) -> Observation)
+        self.with_grad = with_grad  # the judged entries with a gradient
+        # (``loss_cause``, ``eval_record``, ``stale``: what the rank saw besides numbers, set at launch)
 
     def complete(self, values: list[float]) -> Observation:
         obs = self.finish(*self.launched.resolve(values))

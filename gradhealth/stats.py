@@ -360,14 +360,15 @@ class Launched:
         self.perm, self.identity, self.exact = (plan.perm, plan.identity, plan.exact) if grads else ([], True, frozenset())
         self.order = plan.order if grads else None
         self.later = bool(later and grads)
-        self._norms = joined(pieces) if self.later else None
-        #: what is read back, in order: the norms (as the kernels left them, or joined), the extras
-        self.parts = ([self._norms] if self.later else pieces) + list(filter(_SOMETHING, extras))
+        #: what is read back, in order: the norms (as the kernels left them, or joined), the extras; and
+        #: (``later``) as one vector, ``packed``, the transfer's one source (None: nothing to read)
+        self.parts = (pieces if not self.later else [joined(pieces)]) + (rest := list(filter(_SOMETHING, extras)))
+        self.packed = None if not later else self.parts[0] if self.later and not rest else (joined(self.parts) if self.parts else None)
 
     def norms_part(self) -> Tensor | None:
         """(``later``) the packed norms of every gradient, on the device: exact, so non-finite
         exactly where a gradient holds a NaN or inf."""
-        return self._norms
+        return self.parts[0] if self.later else None
 
     def read(self) -> tuple[list[float], list[float]]:
         values = fetch(self.parts)
