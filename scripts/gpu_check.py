@@ -6,7 +6,12 @@ checkout (no install needed).
     python scripts/gpu_check.py --tiny     # tiny sizes, few rounds: a smoke test
 
 Each section runs on its own: a failure prints its traceback and the next section runs; the exit
-status is 1 when any section failed (2 without a CUDA device and without ``--cpu``).
+status is 1 when any section failed (2 without a CUDA device and without ``--cpu``). With ``--cpu``
+every section but 8 runs on the CPU, so that a GPU session's first run finds no mistake a CPU could
+have found: ``set_sync_debug_mode`` is played there by :class:`CpuSyncs` (it sees the host reads a
+CPU can see: a scalar read, an op whose output size depends on the values; ``tests/test_deferred.py``
+counts the copies too), and section 4 runs Lightning's ``bf16-mixed`` (CPU autocast has no
+``16-mixed``).
 
 1. The hot path under torch.cuda.set_sync_debug_mode("error") from the first check on (plans
    included), allowed to synchronise only in a check's transfer (gradhealth.stats.fetch).
@@ -83,6 +88,7 @@ _plain_checkout()
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import gradhealth as gh  # noqa: E402
 from gradhealth import stats  # noqa: E402
@@ -96,6 +102,43 @@ def _sync():
         torch.cuda.synchronize()
 
 
+class CpuSyncs(TorchDispatchMode):
+    """(``--cpu``) ``torch.cuda.set_sync_debug_mode``'s stand-in: at the level "error" an op that
+    would make the host wait for a CUDA device raises, as CUDA's mode does (at "warn" it warns). It
+    sees a scalar read (``item``, ``bool()``, ``float()``) and an op whose output's size depends on
+    the values; a device-to-host copy is invisible on the CPU, where every tensor is on the host."""
+
+    READS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "nonzero_static", "masked_select", "unique",
+             "_unique", "_unique2", "unique_dim", "unique_consecutive", "argwhere", "masked_scatter"}
+    level = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if CpuSyncs.level and name in self.READS:
+            if CpuSyncs.level == 2:
+                raise RuntimeError(f"called a synchronizing CUDA operation (the CPU's stand-in: {func})")
+            warnings.warn(f"called a synchronizing CUDA operation (the CPU's stand-in: {func})")
+        return func(*args, **(kwargs or {}))
+
+
+def sync_debug(level) -> None:
+    """``torch.cuda.set_sync_debug_mode(level)`` on a GPU; with ``--cpu``, :class:`CpuSyncs`'s."""
+    if DEV.type == "cuda":
+        torch.cuda.set_sync_debug_mode(level)
+    else:
+        CpuSyncs.level = {"default": 0, "warn": 1, "error": 2}.get(level, level)
+
+
+@contextlib.contextmanager
+def sync_watch():
+    """Around a section that switches the sync debug mode: on the CPU, its stand-in listens."""
+    with CpuSyncs() if DEV.type != "cuda" else contextlib.nullcontext():
+        try:
+            yield
+        finally:
+            sync_debug(0)
+
+
 @contextlib.contextmanager
 def only_the_transfer_may_sync():
     """Inside: stats.fetch (a check's one transfer) may synchronise; sync_debug_mode "error" is
@@ -103,11 +146,11 @@ def only_the_transfer_may_sync():
     original = stats.fetch
 
     def fetch(parts):
-        torch.cuda.set_sync_debug_mode(0)
+        sync_debug(0)
         try:
             return original(parts)
         finally:
-            torch.cuda.set_sync_debug_mode("error")
+            sync_debug("error")
 
     stats.fetch = fetch
     try:
@@ -117,21 +160,21 @@ def only_the_transfer_may_sync():
 
 
 def sync_free_hot_path() -> None:
-    dev = torch.device("cuda")
+    dev = DEV
     model = nn.Sequential(*[m for _ in range(50) for m in (nn.Linear(256, 256), nn.LayerNorm(256))]).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = gh.GradHealth(model, opt, on_problem="raise")
-    with only_the_transfer_may_sync():
+    with sync_watch(), only_the_transfer_may_sync():
         for _ in range(5):
             opt.zero_grad(set_to_none=True)
             loss = model(torch.randn(64, 256, device=dev)).square().mean()
             loss.backward()
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
+            _sync()
+            sync_debug("error")
             try:
                 report = mon.check()
             finally:
-                torch.cuda.set_sync_debug_mode(0)
+                sync_debug(0)
             assert report.ok, str(report)
             opt.step()
     mon.close()
@@ -139,16 +182,16 @@ def sync_free_hot_path() -> None:
 
 
 def amp_fp16() -> None:
-    dev = torch.device("cuda")
+    dev = DEV
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**14)
+    scaler = torch.amp.GradScaler(dev.type, init_scale=2.0**14)
     mon = gh.GradHealth(model, opt, scaler=scaler, on_problem="ignore", amp_skip_alarm=3)
     said = []
     for step in range(8):
         opt.zero_grad()
-        with torch.autocast("cuda", dtype=torch.float16):
+        with torch.autocast(dev.type, dtype=torch.float16):
             loss = model(torch.randn(32, 64, device=dev)).square().mean()
         scaler.scale(loss).backward()
         if step in (3, 5, 6, 7):
@@ -171,9 +214,11 @@ def lightning_16_mixed() -> None:
     from gradhealth.integrations.lightning import GradHealthCallback
     from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
 
+    gpu = DEV.type == "cuda"
     for bug, expect in [("not_in_optimizer", "NOT_IN_OPTIMIZER"), ("none", None)]:
         cb = GradHealthCallback(on_problem="ignore")
-        trainer = pl.Trainer(max_steps=5, accelerator="gpu", devices=1, precision="16-mixed", callbacks=[cb], logger=False,
+        trainer = pl.Trainer(max_steps=5, accelerator="gpu" if gpu else "cpu", devices=1,
+                             precision="16-mixed" if gpu else "bf16-mixed", callbacks=[cb], logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(DemoModule(bug=bug), SyntheticData(n_batches=8))
         r = cb.last_report
@@ -181,30 +226,30 @@ def lightning_16_mixed() -> None:
             assert expect in r.headline(), str(r)
         else:
             assert r.ok, str(r)
-    print("4. Lightning 16-mixed: the planted bug found, the healthy run clean")
+    print(f"4. Lightning {'16' if gpu else 'bf16'}-mixed: the planted bug found, the healthy run clean")
 
 
 def fused_skip() -> None:
-    dev = torch.device("cuda")
+    dev = DEV
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     mon = gh.GradHealth(model, opt, on_problem="raise", skip_nonfinite=True)
-    with only_the_transfer_may_sync():
+    with sync_watch(), only_the_transfer_may_sync():
         for step in range(4):
             x = torch.randn(32, 64, device=dev)
             if step == 2:
                 x[0, 0] = float("nan")
             opt.zero_grad(set_to_none=True)
             model(x).square().mean().backward()
-            torch.cuda.synchronize()
+            _sync()
             before = [p.detach().clone() for p in model.parameters()]
             state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters() if opt.state[p]}
-            torch.cuda.set_sync_debug_mode("error")
+            sync_debug("error")
             try:
                 report = mon.check()
             finally:
-                torch.cuda.set_sync_debug_mode(0)
+                sync_debug(0)
             opt.step()
             if step == 2:
                 assert report.skipped == "nonfinite" and report.findings_of("STEP_SKIPPED"), str(report)
@@ -218,21 +263,21 @@ def model_of(width: int, depth: int) -> nn.Module:
     layers = []
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(width, 1)).cuda()
+    return nn.Sequential(*layers, nn.Linear(width, 1)).to(DEV)
 
 
 def no_sync_checks(steps: int = 30) -> None:
     torch.manual_seed(0)
     model = model_of(256, 4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    x, y = torch.randn(64, 256, device="cuda"), torch.randn(64, 1, device="cuda")
+    x, y = torch.randn(64, 256, device=DEV), torch.randn(64, 1, device=DEV)
     for step in range(2):  # the plain loop's own first steps (allocator, optimizer state), no monitor yet
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:  # the monitor made and every check from the first on (plans, pinned buffers) inside the mode
+    _sync()
+    with sync_watch():  # the monitor made and every check from the first on (plans, pinned buffers) inside the mode
+        sync_debug("error")
         monitor = gh.GradHealth(model, opt, lag=1, skip_nonfinite=True, on_problem="ignore")
         for step in range(steps):
             opt.zero_grad()
@@ -240,8 +285,10 @@ def no_sync_checks(steps: int = 30) -> None:
             loss.backward()
             monitor.check(loss=loss)
             opt.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+        sync_debug("default")
+        monitor.flush()  # (the last check's report, delivered: one read, outside the mode)
+    last = monitor.last_report
+    assert last is not None and last.ok and last.step == steps - 1, str(last)  # (a healthy run: judged, and clean)
     monitor.close()
     print(f"6. {steps} deferred checks from the first (fused AdamW, the guard on) under set_sync_debug_mode('error'): "
           "no synchronisation")
@@ -252,7 +299,7 @@ def device_guard() -> None:
     model = model_of(256, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     monitor = gh.GradHealth(model, opt, lag=1, skip_nonfinite=True, on_problem="ignore")
-    x, y = torch.randn(64, 256, device="cuda"), torch.randn(64, 1, device="cuda")
+    x, y = torch.randn(64, 256, device=DEV), torch.randn(64, 1, device=DEV)
     for step in range(6):
         opt.zero_grad()
         xb = x.clone()
@@ -263,12 +310,10 @@ def device_guard() -> None:
         if step == 4:
             before = [p.detach().clone() for p in model.parameters()]
             state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with sync_watch():
+            sync_debug("error")
             monitor.check(loss=loss)
             opt.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         if step == 4:
             same = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
             same_state = all(torch.equal(s[k], opt.state[p][k]) for s, p in zip(state, model.parameters()) for k in s)
@@ -281,7 +326,7 @@ def core_bench() -> None:
     from gradhealth.benchmarks.core import main as bench
 
     print("2. core benchmark, absolute times:", flush=True)
-    assert bench(["--device", "cuda", "--rounds", "5", "--sections", "checks"]) == 0
+    assert bench(["--device", DEV.type, "--rounds", "1" if ARGS.tiny else "5", "--sections", "checks"]) == 0
 
 
 # ----------------------------------------------------------------------------- the whole-step table
@@ -427,11 +472,10 @@ def whole_step() -> None:
                 mon.close()
 
 
-SECTIONS = [("1. hot path without a sync", "sync_free_hot_path", True), ("2. core benchmark", "core_bench", True),
-            ("3. fp16 AMP", "amp_fp16", True), ("4. Lightning 16-mixed", "lightning_16_mixed", True),
-            ("5. fused skip", "fused_skip", True), ("6. deferred without a sync", "no_sync_checks", True),
-            ("7. the deferred guard", "device_guard", True), ("8. syncs per step", "sync_counts", False),
-            ("9. whole steps", "whole_step", False)]
+SECTIONS = [("1. hot path without a sync", "sync_free_hot_path"), ("2. core benchmark", "core_bench"),
+            ("3. fp16 AMP", "amp_fp16"), ("4. Lightning 16-mixed", "lightning_16_mixed"), ("5. fused skip", "fused_skip"),
+            ("6. deferred without a sync", "no_sync_checks"), ("7. the deferred guard", "device_guard"),
+            ("8. syncs per step", "sync_counts"), ("9. whole steps", "whole_step")]
 
 
 def main(argv=None) -> int:
@@ -453,13 +497,11 @@ def main(argv=None) -> int:
     print(f"gpu_check on {name} (torch {torch.__version__}; gradhealth from {os.path.dirname(gh.__file__)}, "
           f"gradhealth.integrations from {os.path.dirname(integrations.__file__)})")
     warnings.simplefilter("ignore")
+    warnings.simplefilter("error", gh.GradHealthInternalWarning)  # (a check that failed inside fails its section)
     chosen = {s for s in ARGS.sections.split(",") if s}
     failed = []
-    for title, fn, cuda_only in SECTIONS:
+    for title, fn in SECTIONS:
         if chosen and title.split(".")[0] not in chosen:
-            continue
-        if cuda_only and DEV.type != "cuda":
-            print(f"{title}: skipped (needs CUDA)")
             continue
         try:
             if os.environ.get("GPU_CHECK_FAIL") == title.split(".")[0]:  # (the harness's own test: a section that fails)

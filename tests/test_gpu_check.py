@@ -1,14 +1,23 @@
 """``scripts/gpu_check.py`` from a plain checkout (no install: the subpackages that setuptools maps
-from folders outside ``gradhealth/`` registered by the script), on the CPU with tiny sizes: the
-whole-step table's rows, each section on its own (a failure reported with its traceback, the next
-section run, the exit status 1), the CUDA-only sections saying they are skipped."""
+from folders outside ``gradhealth/`` registered by the script), on the CPU with tiny sizes: every
+section but the CUDA sync count runs (the sync debug mode played by the script's CPU stand-in, which
+fails a check that reads the device), the whole-step table's rows, each section on its own (a
+failure reported with its traceback, the next section run, the exit status 1)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import warnings
+
+import pytest
+import torch
+
+from gradhealth import deferred
+from gradhealth.errors import GradHealthInternalWarning
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,12 +38,18 @@ def _run(root, *args, env=None):
 
 def test_gpu_check_runs_from_a_plain_checkout_on_the_cpu(tmp_path):
     root = _checkout(tmp_path)
-    res = _run(root, "--sections", "4,8,9")
+    res = _run(root)  # every section
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     # the checkout's own package and its mapped integrations, not an installed copy
     assert f"gradhealth from {root / 'gradhealth'}" in out and f"integrations from {root / 'integrations'}" in out, out
-    assert "4. Lightning 16-mixed: skipped (needs CUDA)" in out and "8. synchronisations per step: skipped" in out
+    for done in ("1. hot path: no host sync outside the one transfer", "2. core benchmark, absolute times",
+                 "3. fp16 AMP: unscaled norms, one skip = info, three in a row = alarm",
+                 "4. Lightning bf16-mixed: the planted bug found, the healthy run clean",
+                 "5. skip_nonfinite with fused AdamW: the NaN step changed nothing",
+                 "6. 30 deferred checks from the first", "7. the fused guard under set_sync_debug_mode('error')",
+                 "8. synchronisations per step: skipped (no CUDA"):
+        assert done in out, (done, out)
     for shape in ("6-tensor MLP, batch 64", "GPT", "8x Linear(256), batch 64", "8x Linear(2048), batch 256",
                   "200x (Linear(64, 64), Tanh): vanishing"):
         row = next(line for line in out.splitlines() if shape in line)
@@ -49,3 +64,37 @@ def test_a_failed_section_is_reported_and_the_next_one_runs(tmp_path):
     assert "8. syncs per step: FAILED" in res.stdout and "RuntimeError: a failure planted" in res.stderr
     assert "200x (Linear(64, 64), Tanh): vanishing" in res.stdout  # section 9 still ran
     assert "gpu_check FAILED: 8. syncs per step" in res.stdout
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", os.path.join(HERE, "scripts", "gpu_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.DEV = torch.device("cpu")
+    return module
+
+
+def test_the_cpu_stand_in_for_the_sync_debug_mode_fails_a_check_that_reads_the_device(monkeypatch):
+    """With ``--cpu``, section 6 runs under :class:`CpuSyncs`: a host read planted inside the
+    deferred check makes the check fail internally, and the section fails (it passes without it)."""
+    gc = _script()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradHealthInternalWarning)
+        gc.no_sync_checks(steps=4)  # the premise: clean as it is
+        with gc.sync_watch():
+            gc.sync_debug("error")
+            with pytest.raises(RuntimeError, match="synchronizing"):
+                torch.ones(2).sum().item()
+            gc.sync_debug("warn")
+            with pytest.warns(UserWarning, match="synchronizing"):
+                torch.ones(2).nonzero()
+        launch = deferred.Deferred.check
+
+        def reads_the_device(self, *args):
+            torch.ones(1).sum().item()  # (what a .item() on the hot path is on a GPU: a synchronisation)
+            return launch(self, *args)
+
+        monkeypatch.setattr(deferred.Deferred, "check", reads_the_device)
+        with pytest.raises(GradHealthInternalWarning, match="synchronizing CUDA operation"):
+            gc.no_sync_checks(steps=4)
+    torch.ones(1).sum().item()  # (the stand-in is gone after the section)
