@@ -32,12 +32,15 @@ that one flag (a synchronisation) and says so once.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from . import skipping
+from .errors import GradHealthError, GradHealthInternalWarning
+from .observe import Pending, failed_observation
 from .stale import witnesses
 from .stats import joined
 from .status import Status
@@ -115,22 +118,28 @@ class Deferred:
         self.inflight: Launch | None = None
         self._said_host_guard = False
         self._handles: dict = {}  # optimizer id -> the post-hook that takes the flag back after its step
+        self._step = None  # the step of the check last completed
 
     def check(self, step: int, loss, optimizer):
-        """Complete the check in flight (its report, or None), then launch this one."""
-        done = self.complete() if self.inflight is not None else None
+        """Complete the check in flight (its report, or None), then launch this one (also when the
+        one in flight failed: under torch.distributed every rank fails it together, and goes on)."""
+        done = self._completed() if self.inflight is not None else None
         m = self.monitor
         launch = m._launch(step, loss, optimizer, deferred=True)
         pending = launch.obs
-        packed = pending.launched.packed
+        ok = type(pending) is Pending  # (else this rank's observation failed: it joins the ranks flagged, at completion)
+        packed = pending.launched.packed if ok else None
         if m.ranks.active:  # what DDP's hooks saw of this backward, taken now, read with the same copy
             r = m.ranks
             snap = r.origin.snapshot([m.view.params[i] for i in launch.sel.idx]) if r.origin else None
             launch.ranks = [snap, None, r.origin is not None and r.origin.unsynced() and bool(pending.with_grad),
                             r.take_nosync_step()]
             if snap is not None and snap[1] is not None:
-                packed = joined([*pending.launched.parts, snap[1]])
+                packed = joined([*(pending.launched.parts if ok else ()), snap[1]])
         launch.transfer = Transfer(packed)
+        if not ok:
+            self.inflight = launch
+            return done
         if m.tracker is not None and not launch.reeval:
             judged = [optimizer] if optimizer is not None else m.optimizers
             last = m.last_report
@@ -142,16 +151,34 @@ class Deferred:
         self.inflight = launch
         return done
 
+    def _completed(self):
+        try:
+            return self.complete()
+        except GradHealthError:
+            raise
+        except Exception as exc:  # (as a synchronous check's failure: said, and training goes on)
+            warnings.warn(f"gradhealth: check at step {self._step} failed internally and was skipped "
+                          f"({type(exc).__name__}: {exc}); training continues", GradHealthInternalWarning, stacklevel=5)
+            return None
+
     def complete(self):
         """The report of the check in flight (its numbers read now: their copy finished long ago)."""
         launch, self.inflight = self.inflight, None
-        m = self.monitor
+        m, self._step = self.monitor, launch.step
         pending = launch.obs
         values = launch.transfer.values()
-        if launch.ranks is not None:  # (the ranks' numbers follow the check's own)
-            k = sum(p.numel() for p in pending.launched.parts)
-            values, launch.ranks[1] = values[:k], values[k:]
-        launch.obs = pending.complete(values)
+        if type(pending) is Pending:
+            if launch.ranks is not None:  # (the ranks' numbers follow the check's own)
+                k = sum(p.numel() for p in pending.launched.parts)
+                values, launch.ranks[1] = values[:k], values[k:]
+            try:
+                launch.obs = pending.complete(values)
+            except Exception as exc:
+                if not m.ranks.active:
+                    raise  # (the other ranks must not be left waiting in the collective: joined, flagged)
+                launch.obs, m._failed = failed_observation(m.view, launch.sel, *pending.asked), exc
+        elif launch.ranks is not None:
+            launch.ranks[1] = values
         report = m._complete(launch)
         m.carry.checks += 1
         m.last_report = report

@@ -197,8 +197,9 @@ class GradHealth:
     def flush(self) -> None:
         """Fetch the last measured optimizer step now (one transfer) instead of at the next check;
         with ``lag=1``, first deliver the check in flight (its report reaches the sinks and the policy)."""
-        if self._deferred is not None and self._deferred.inflight is not None:
-            self.publish(self._deferred.complete())
+        if self._deferred is not None and self._deferred.inflight is not None:  # (a failure said, not raised)
+            if (report := self._deferred._completed()) is not None:
+                self.publish(report)
         tracker = self.tracker
         if tracker is None or not tracker.pending:
             return

@@ -212,7 +212,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         return obs
 
     if deferred:  # read later: :mod:`.deferred`
-        return Pending(launched, finish, list(with_grad)), plan
+        return Pending(launched, finish, list(with_grad), (valid, updates)), plan
     return finish(*launched.read()), plan
 
 
@@ -220,11 +220,12 @@ class Pending:
     """An observation whose numbers are on their way to the host (:mod:`.deferred`). (A plain
     class: made at every deferred check, it costs the host no more than it holds.)"""
 
-    __slots__ = ("launched", "finish", "with_grad", "loss_cause", "eval_record", "stale")
+    __slots__ = ("launched", "finish", "with_grad", "asked", "loss_cause", "eval_record", "stale")
 
-    def __init__(self, launched: stats.Launched, finish, with_grad: list[int]):
+    def __init__(self, launched: stats.Launched, finish, with_grad: list[int], asked: tuple):
         self.launched, self.finish = launched, finish  # (finish: (norms, extras) -> Observation)
         self.with_grad = with_grad  # the judged entries with a gradient
+        self.asked = asked  # (valid masks, measured steps): what a failed completion still joins the ranks with
         # (``loss_cause``, ``eval_record``, ``stale``: what the rank saw besides numbers, set at launch)
 
     def complete(self, values: list[float]) -> Observation:

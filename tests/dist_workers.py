@@ -413,7 +413,53 @@ def s_deferred(rank, world):
     return out
 
 
-SCENARIOS = {"skip_rank1": s_skip_rank1, "healthy_replicas": s_healthy_replicas, "fsdp2_healthy": s_fsdp2_healthy,
+def s_deferred_failure(rank, world):
+    """Deferred checks (lag=1) under DDP whose work fails on rank 1 only: at check 1 while launching
+    (the observation), at check 3 while completing (the numbers read back). Every rank skips those
+    two checks together, no rank waits in a collective the other never joins, DDP trains on."""
+    from gradhealth import observe, stats
+
+    launched, complete = stats.Launched.__init__, observe.Pending.complete
+    calls = {"launch": 0, "complete": 0}
+
+    def launch_once(self, *args, **kwargs):
+        calls["launch"] += 1
+        if rank == 1 and calls["launch"] == 2:
+            raise RuntimeError("planted failure at launch")
+        return launched(self, *args, **kwargs)
+
+    def complete_once(self, values):
+        calls["complete"] += 1
+        if rank == 1 and calls["complete"] == 3:  # (checks 0, 2, 3: check 1 has nothing to complete)
+            raise RuntimeError("planted failure at completion")
+        return complete(self, values)
+
+    stats.Launched.__init__, observe.Pending.complete = launch_once, complete_once
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    mon = gh.GradHealth(ddp, opt, on_problem="warn", lag=1)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(rank))
+    returned, losses = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            loss = (ddp(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            loss.backward()
+            r = mon.check(loss=loss)
+            returned.append(None if r is None else [r.step, r.ok])
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        mon.flush()
+        last = mon.last_report
+        mon.close()
+    said = [str(w.message) for w in caught if issubclass(w.category, gh.GradHealthInternalWarning)]
+    return {"returned": returned, "last": [last.step, last.ok], "said": said, "losses": losses}
+
+
+SCENARIOS = {"deferred_failure": s_deferred_failure, "skip_rank1": s_skip_rank1, "healthy_replicas": s_healthy_replicas, "fsdp2_healthy": s_fsdp2_healthy,
              **{f"replicas_{c}": (lambda c: lambda rank, world: _replicas(rank, world, c))(c)
                 for c in ("roundtrip", "roundtrip_fixed", "around", "around_fixed", "bucket", "bucket_fixed",
                           "nan_collective")},

@@ -430,3 +430,44 @@ def test_the_hf_trainer_callback_takes_lag(tmp_path):
     said = lambda reports: {(f.kind, f.level, f.step, f.message) for r in reports for f in r.findings}  # noqa: E731
     assert said(late) == said(sync) | {f for f in said(late) if f[0] == "NOT_UPDATED" and f[1] == "info"}
     assert {s for s in sync[0].problems.values()} == {gh.Status.NOT_IN_OPTIMIZER}
+
+
+def test_a_deferred_check_that_fails_inside_is_said_and_the_next_one_still_launches(monkeypatch):
+    """A failure while completing the check in flight (its numbers read back) is said as a
+    synchronous check's failure is; the check of this step is still launched (not lost with it),
+    and a failure inside ``flush()`` is said too, never raised into the loop."""
+    from gradhealth import observe
+
+    complete, calls = observe.Pending.complete, {"n": 0}
+
+    def fails_at(*which):
+        def planted(self, values):
+            calls["n"] += 1
+            if calls["n"] in which:
+                raise RuntimeError("planted failure")
+            return complete(self, values)
+        return planted
+
+    monkeypatch.setattr(observe.Pending, "complete", fails_at(2, 6))
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    monitor = gh.GradHealth(model, opt, lag=1, on_problem="raise")
+    returned, losses = [], []
+    with pytest.warns(gh.GradHealthInternalWarning) as said:
+        for step in range(6):
+            x = torch.randn(16, 8)
+            loss = ((model(x) - x[:, :1]) ** 2).mean()
+            loss.backward()
+            r = monitor.check(loss=loss)
+            returned.append(None if r is None else r.step)
+            opt.step()
+            opt.zero_grad()
+        monitor.flush()  # (the completion of check 5 fails too: said, not raised)
+    assert calls["n"] == 6  # (the premise: both planted failures were reached)
+    assert returned == [None, 0, None, 2, 3, 4]  # check 1's completion failed; check 2 was launched all the same
+    assert monitor.last_report.step == 4
+    texts = [str(w.message) for w in said]
+    assert sum("check at step 1 failed internally" in t and "planted failure" in t for t in texts) == 1, texts
+    assert sum("check at step 5 failed internally" in t for t in texts) == 1, texts
+    monitor.close()

@@ -165,6 +165,17 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank_together(tmp_path):
     assert ranks[0]["params"] == ranks[1]["params"]  # the replicas stay identical
 
 
+def test_a_deferred_check_that_fails_on_one_rank_does_not_hang_the_others(tmp_path):
+    ranks = spawn("deferred_failure", tmp_path, limit=120)
+    for r in ranks:  # checks 1 (failed at launch) and 3 (at completion) skipped by every rank, the others judged
+        assert r["returned"] == [None, [0, True], None, [2, True], None, [4, True]], r
+        assert r["last"] == [5, True]
+        assert sum("failed on rank(s) [1]" in s for s in r["said"]) == 2, r["said"]
+        assert r["losses"][-1] < r["losses"][0]  # (DDP trained on: a healthy run whose loss falls)
+    assert any("planted failure at launch" in s for s in ranks[1]["said"])
+    assert any("planted failure at completion" in s for s in ranks[1]["said"])
+
+
 def test_deferred_checks_give_every_rank_the_synchronous_reports(tmp_path):
     ranks = spawn("deferred", tmp_path)
     for r in ranks:
