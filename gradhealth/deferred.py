@@ -76,6 +76,11 @@ def due_test(carry, report) -> bool:
                                   for n in report.not_ok or ())
 
 
+def _said(step, exc: Exception, depth: int) -> None:
+    warnings.warn(f"gradhealth: check at step {step} failed internally and was skipped ({type(exc).__name__}: {exc}); "
+                  "training continues", GradHealthInternalWarning, stacklevel=depth)
+
+
 class Transfer:
     """Packed device numbers on their way to host memory: a non-blocking copy into pinned memory and
     an event (on the CPU they are there already). :meth:`values` is the deferred path's only read."""
@@ -123,7 +128,16 @@ class Deferred:
     def check(self, step: int, loss, optimizer):
         """Complete the check in flight (its report, or None), then launch this one (also when the
         one in flight failed: under torch.distributed every rank fails it together, and goes on)."""
-        done = self._completed() if self.inflight is not None else None
+        done = self._completed(6) if self.inflight is not None else None  # (said at the user's check())
+        try:
+            self._start(step, loss, optimizer)
+        except GradHealthError:
+            raise
+        except Exception as exc:  # (the report completed above is not lost with it)
+            _said(step, exc, 5)
+        return done
+
+    def _start(self, step: int, loss, optimizer) -> None:
         m = self.monitor
         launch = m._launch(step, loss, optimizer, deferred=True)
         pending = launch.obs
@@ -139,7 +153,7 @@ class Deferred:
         launch.transfer = Transfer(packed)
         if not ok:
             self.inflight = launch
-            return done
+            return
         if m.tracker is not None and not launch.reeval:
             judged = [optimizer] if optimizer is not None else m.optimizers
             last = m.last_report
@@ -149,16 +163,14 @@ class Deferred:
         if m.options.skip_nonfinite and m.scaler is None:
             self._guard(launch)
         self.inflight = launch
-        return done
 
-    def _completed(self):
+    def _completed(self, depth: int = 4):
         try:
             return self.complete()
         except GradHealthError:
             raise
         except Exception as exc:  # (as a synchronous check's failure: said, and training goes on)
-            warnings.warn(f"gradhealth: check at step {self._step} failed internally and was skipped "
-                          f"({type(exc).__name__}: {exc}); training continues", GradHealthInternalWarning, stacklevel=5)
+            _said(self._step, exc, depth)
             return None
 
     def complete(self):

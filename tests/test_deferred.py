@@ -471,3 +471,25 @@ def test_a_deferred_check_that_fails_inside_is_said_and_the_next_one_still_launc
     assert sum("check at step 1 failed internally" in t and "planted failure" in t for t in texts) == 1, texts
     assert sum("check at step 5 failed internally" in t for t in texts) == 1, texts
     monitor.close()
+
+
+def test_a_launch_that_fails_inside_keeps_the_report_completed_before_it(monkeypatch):
+    """The check in flight completes before this step's is launched: a failure while launching is
+    said, and the completed report still reaches the caller and the policy (here: raised)."""
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.SGD(list(model.parameters())[:-1], lr=1e-2)  # the last bias left out: an error
+    monitor = gh.GradHealth(model, opt, lag=1, on_problem="raise")
+    x = torch.randn(16, 8)
+    ((model(x) - x[:, :1]) ** 2).mean().backward()
+    assert monitor.check() is None  # (launched; nothing completed yet)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted failure at launch")
+
+    monkeypatch.setattr(deferred, "Transfer", broken)
+    ((model(x) - x[:, :1]) ** 2).mean().backward()
+    with pytest.warns(gh.GradHealthInternalWarning, match="check at step 1 failed internally.*planted failure"):
+        with pytest.raises(gh.GradHealthError, match="NOT_IN_OPTIMIZER"):  # step 0's verdict, not lost with step 1's launch
+            monitor.check()
+    monitor.close()
