@@ -127,50 +127,52 @@ class Deferred:
 
     def check(self, step: int, loss, optimizer):
         """Complete the check in flight (its report, or None), then launch this one (also when the
-        one in flight failed: under torch.distributed every rank fails it together, and goes on)."""
-        done = self._completed(6) if self.inflight is not None else None  # (said at the user's check())
+        one in flight failed: under torch.distributed every rank fails it together, and goes on).
+        A failure in either is said as a synchronous check's is, and loses nothing else."""
+        done, m = None, self.monitor
         try:
-            self._start(step, loss, optimizer)
+            if self.inflight is not None:
+                try:
+                    done = self.complete()
+                except GradHealthError:
+                    raise
+                except Exception as exc:  # (as a synchronous check's failure: said, and training goes on)
+                    _said(self._step, exc, 5)
+            launch = m._launch(step, loss, optimizer, deferred=True)
+            pending = launch.obs
+            ok = type(pending) is Pending  # (else this rank's observation failed: it joins the ranks flagged, later)
+            packed = pending.launched.packed if ok else None
+            if m.ranks.active:  # what DDP's hooks saw of this backward, taken now, read with the same copy
+                r = m.ranks
+                snap = r.origin.snapshot([m.view.params[i] for i in launch.sel.idx]) if r.origin else None
+                launch.ranks = [snap, None, r.origin is not None and r.origin.unsynced() and bool(pending.with_grad),
+                                r.take_nosync_step()]
+                if snap is not None and snap[1] is not None:
+                    packed = joined([*(pending.launched.parts if ok else ()), snap[1]])
+            launch.transfer = Transfer(packed)
+            if ok and m.tracker is not None and not launch.reeval:
+                judged = [optimizer] if optimizer is not None else m.optimizers
+                last = m.last_report
+                m.tracker.arm(step, judged, last is not None and due_test(m.carry, last))
+                if not launch.after_step:
+                    m.carry.stage(step, witnesses(m.view.params, pending.with_grad))
+            if ok and m.options.skip_nonfinite and m.scaler is None:
+                self._guard(launch)
+            self.inflight = launch
         except GradHealthError:
             raise
         except Exception as exc:  # (the report completed above is not lost with it)
             _said(step, exc, 5)
         return done
 
-    def _start(self, step: int, loss, optimizer) -> None:
-        m = self.monitor
-        launch = m._launch(step, loss, optimizer, deferred=True)
-        pending = launch.obs
-        ok = type(pending) is Pending  # (else this rank's observation failed: it joins the ranks flagged, at completion)
-        packed = pending.launched.packed if ok else None
-        if m.ranks.active:  # what DDP's hooks saw of this backward, taken now, read with the same copy
-            r = m.ranks
-            snap = r.origin.snapshot([m.view.params[i] for i in launch.sel.idx]) if r.origin else None
-            launch.ranks = [snap, None, r.origin is not None and r.origin.unsynced() and bool(pending.with_grad),
-                            r.take_nosync_step()]
-            if snap is not None and snap[1] is not None:
-                packed = joined([*(pending.launched.parts if ok else ()), snap[1]])
-        launch.transfer = Transfer(packed)
-        if not ok:
-            self.inflight = launch
-            return
-        if m.tracker is not None and not launch.reeval:
-            judged = [optimizer] if optimizer is not None else m.optimizers
-            last = m.last_report
-            m.tracker.arm(step, judged, last is not None and due_test(m.carry, last))
-            if not launch.after_step:
-                m.carry.stage(step, witnesses(m.view.params, pending.with_grad))
-        if m.options.skip_nonfinite and m.scaler is None:
-            self._guard(launch)
-        self.inflight = launch
-
-    def _completed(self, depth: int = 4):
+    def _completed(self):
+        """:meth:`complete`, a failure said (``flush()``)."""
         try:
             return self.complete()
         except GradHealthError:
             raise
         except Exception as exc:  # (as a synchronous check's failure: said, and training goes on)
-            _said(self._step, exc, depth)
+            _said(self._step, exc, 4)
             return None
 
     def complete(self):
