@@ -343,16 +343,15 @@ class GradHealth:
     def _observe(self, sel: Selection, loss, reeval: bool = False, judged=(), deferred: bool = False):
         """Gather and read back (one transfer); what this rank saw besides numbers rides along."""
         tracker, carry = self.tracker, self.carry
-        updates, stale, steps_ran, self._after_step, captured = [], set(), None, False, None
-        if tracker is not None and not reeval:
-            tracker.witness.clear()
-            stale, updates, steps_ran = (tracker.witness.take(self.view.entries, judged, len(judged) == 1),
-                                         tracker.pending, tracker.steps_since_check)
-            self._after_step, captured = tracker.ran.take(judged)  # (a one-call step, or steps inside backward)
-            self.masters.checked(self._after_step)
-            tracker.pending = []
-        valid = carry.take_valid()
+        updates, stale, steps_ran, self._after_step, captured, valid = [], set(), None, False, None, carry.take_valid()
+        if tracker is not None and not reeval:  # (taken before anything can fail: a failed rank still joins with them)
+            updates, steps_ran, tracker.pending = tracker.pending, tracker.steps_since_check, []
         try:
+            if tracker is not None and not reeval:
+                tracker.witness.clear()
+                stale = tracker.witness.take(self.view.entries, judged, len(judged) == 1)
+                self._after_step, captured = tracker.ran.take(judged)  # (a one-call step, or steps inside backward)
+                self.masters.checked(self._after_step)
             obs, self._plan = observe(self.view, sel, loss, valid, updates, self.scaler, self._plan, self.ranks.active,
                                       self.ranks.all_sharded, carry.take_router(), judged if self._after_step else (),
                                       captured, deferred)

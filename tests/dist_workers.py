@@ -459,7 +459,47 @@ def s_deferred_failure(rank, world):
     return {"returned": returned, "last": [last.step, last.ok], "said": said, "losses": losses}
 
 
-SCENARIOS = {"deferred_failure": s_deferred_failure, "skip_rank1": s_skip_rank1, "healthy_replicas": s_healthy_replicas, "fsdp2_healthy": s_fsdp2_healthy,
+def s_early_failure(rank, world):
+    """A check whose bookkeeping fails on rank 1 before its numbers are gathered (the stale-gradient
+    watch, at check 1), with measured updates pending: synchronous and deferred, every rank skips
+    that check together and the others are judged."""
+    from gradhealth import stale
+
+    take = stale.StaleWatch.take
+    out = {}
+    for lag in (0, 1):
+        calls = {"n": 0}
+
+        def planted(self, *args, **kwargs):
+            calls["n"] += 1
+            if rank == 1 and calls["n"] == 2:
+                raise RuntimeError("planted early failure")
+            return take(self, *args, **kwargs)
+
+        stale.StaleWatch.take = planted
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        mon = gh.GradHealth(ddp, opt, on_problem="warn", lag=lag, update_every=1, change_every=1)
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(rank))
+        returned = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(4):
+                (ddp(x) - x.sum(1, keepdim=True)).pow(2).mean().backward()
+                r = mon.check()
+                returned.append(None if r is None else [r.step, r.ok])
+                opt.step()
+                opt.zero_grad()
+            mon.close()
+        stale.StaleWatch.take = take
+        said = [str(w.message) for w in caught if issubclass(w.category, gh.GradHealthInternalWarning)]
+        out[str(lag)] = {"returned": returned, "said": said, "last": [mon.last_report.step, mon.last_report.ok]}
+    return out
+
+
+SCENARIOS = {"early_failure": s_early_failure, "deferred_failure": s_deferred_failure, "skip_rank1": s_skip_rank1, "healthy_replicas": s_healthy_replicas, "fsdp2_healthy": s_fsdp2_healthy,
              **{f"replicas_{c}": (lambda c: lambda rank, world: _replicas(rank, world, c))(c)
                 for c in ("roundtrip", "roundtrip_fixed", "around", "around_fixed", "bucket", "bucket_fixed",
                           "nan_collective")},

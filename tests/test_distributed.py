@@ -176,6 +176,17 @@ def test_a_deferred_check_that_fails_on_one_rank_does_not_hang_the_others(tmp_pa
     assert any("planted failure at completion" in s for s in ranks[1]["said"])
 
 
+def test_a_check_whose_bookkeeping_fails_on_one_rank_does_not_hang_the_others(tmp_path):
+    ranks = spawn("early_failure", tmp_path, limit=120)
+    for r in ranks:
+        sync, late = r["0"], r["1"]
+        assert sync["returned"] == [[0, True], None, [2, True], [3, True]], sync
+        assert late["returned"] == [None, [0, True], None, [2, True]] and late["last"] == [3, True], late
+        for run in (sync, late):
+            assert sum("failed on rank(s) [1]" in s for s in run["said"]) == 1, run["said"]
+    assert all(any("planted early failure" in s for s in ranks[1][lag]["said"]) for lag in "01")
+
+
 def test_deferred_checks_give_every_rank_the_synchronous_reports(tmp_path):
     ranks = spawn("deferred", tmp_path)
     for r in ranks:
