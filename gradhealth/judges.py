@@ -8,11 +8,10 @@ that spans checks (which optimizer step is pending, how many AMP skips in a row)
 
 from __future__ import annotations
 
-import torch
-
 import math
 from collections.abc import Collection, Mapping
 
+from . import stats
 from .findings import Finding, FindingKind
 from .guards import ForwardRecord
 from .naming import on_ranks, agree, matches
@@ -404,11 +403,11 @@ def meta_params(names: Collection[str], step: int) -> list[Finding]:
 
 def nan_from_loss(seen, step: int, origin_found: bool) -> list[Finding]:
     """NONFINITE_ORIGIN when the model's output was finite but the gradient reaching it was not:
-    the NaN/inf was made between the output and the loss (one read, only at a check with NaN/inf
+    the NaN/inf was made between the output and the loss (one transfer, only at a check with NaN/inf
     gradients). ``seen`` is the forward watch's (output finite, gradient finite)."""
     if seen is None or origin_found:
         return []
-    out_max, grad_max = torch.stack(list(seen)).tolist()  # (max |x|: finite exactly when every element is)
+    out_max, grad_max = stats.fetch(list(seen))  # (max |x|: finite exactly when every element is)
     if not math.isfinite(out_max) or math.isfinite(grad_max):
         return []
     return [Finding(K.NONFINITE_ORIGIN, "the model's output was finite but the gradient reaching it was already NaN/inf: "

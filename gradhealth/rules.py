@@ -9,7 +9,9 @@ the rules below know has the form
 * ``torch.optim.SGD``: no momentum: U = ±g, W = weight_decay; momentum (not Nesterov): U = the
   momentum buffer, W = 0; Nesterov: U = ±g + momentum · buffer, W = weight_decay;
 * ``torch.optim.Adam`` / ``AdamW``: U = (m / bc1) / (sqrt(v / bc2) + eps) (``max_exp_avg_sq`` for
-  AMSGrad), W = weight_decay when decoupled (AdamW), else 0 (the decay is inside m).
+  AMSGrad), W = weight_decay when decoupled (AdamW), else 0 (the decay is inside m). The bias
+  corrections come from the step counts: read on the host when they are there (plain Adam), computed
+  on the device when they are device tensors (fused or capturable Adam: never read, no host wait).
 
 The single-tensor, foreach and fused implementations share that math. The number is the update
 the rule computed, in float32 (float64 for float64 parameters): the values stored in θ differ from
@@ -44,6 +46,28 @@ def rule_of(opt) -> str | None:
     return None
 
 
+def _on_host(t: Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def _host_values(t: Tensor) -> list:
+    """The values of ``t``, a tensor in host memory (:func:`_on_host`): read without a wait."""
+    return t.tolist()
+
+
+def _adam_coefs(t, beta1: float, beta2: float, eps: float):
+    """(c, eps·sqrt(bc2)) such that (m / bc1) / (sqrt(v / bc2) + eps) = c · m / (sqrt(v) + eps·sqrt(bc2)),
+    c = sqrt(bc2) / bc1; ``t`` a step count, or a vector of them on the device (then a pair of
+    vectors). c = 0 where the count is 0: a fused step that skipped itself, no update."""
+    if not isinstance(t, Tensor):
+        if t == 0:
+            return 0.0, 0.0
+        root = (1 - beta2**t) ** 0.5
+        return root / (1 - beta1**t), eps * root
+    root = (1 - torch.pow(beta2, t)).sqrt()
+    return torch.where(t == 0, 0.0, root / (1 - torch.pow(beta1, t))), eps * root
+
+
 def _f(x) -> float:
     return float(x) if not isinstance(x, Tensor) else float(x.detach().cpu())
 
@@ -60,21 +84,13 @@ def _chunks(t: Tensor, budget: int) -> list[Tensor]:
 def _terms(opt, rule: str, params: list[Tensor]) -> list:
     """Per parameter: None (skipped by the step: no gradient, no state), or (scale, kind, tensors,
     coefficients, W) with ||Δθ|| = scale · ||U + W·θ||: kind "sum" (U = Σ coefficient·tensor) or
-    "adam" (tensors m, v; coefficients bc1, sqrt(bc2), eps)."""
+    "adam" (tensors m, v; coefficients c and eps·sqrt(bc2) of :func:`_adam_coefs`: floats, or 0-d
+    device tensors for device step counts)."""
     index = {id(p): k for k, p in enumerate(params)}
     out: list = [None] * len(params)
     for g in opt.param_groups:
         lr = _f(g["lr"])
         steps = {}
-        if rule == "adam":  # every parameter's step count in one read
-            have = [p for p in g["params"] if "step" in opt.state.get(p, {})]
-            if have:
-                counts = [opt.state[p]["step"] for p in have]
-                if all(isinstance(t, Tensor) for t in counts) and len({(t.device, t.dtype, t.dim()) for t in counts}) == 1:
-                    got = torch.stack(counts).reshape(-1).tolist()  # one read (device steps of capturable/fused Adam)
-                else:
-                    got = [_f(t) for t in counts]
-                steps = dict(zip(map(id, have), got))
         sign = -1.0 if g.get("maximize", False) else 1.0
         wd = _f(g.get("weight_decay", 0.0))
         if rule == "sgd":
@@ -83,6 +99,18 @@ def _terms(opt, rule: str, params: list[Tensor]) -> list:
             beta1, beta2 = (_f(b) for b in g["betas"])
             w = wd if g.get("decoupled_weight_decay", type(opt) is torch.optim.AdamW) else 0.0
             eps, second = _f(g["eps"]), "max_exp_avg_sq" if g.get("amsgrad", False) else "exp_avg_sq"
+            have = [p for p in g["params"] if "step" in opt.state.get(p, {})]  # every parameter's step count at once
+            counts = [opt.state[p]["step"] for p in have]
+            if counts and all(isinstance(t, Tensor) for t in counts) and len(
+                    {(t.device, t.dtype, t.dim()) for t in counts}) == 1:
+                t = torch.stack(counts).reshape(-1)
+                if _on_host(t):  # (plain Adam: one read of host memory)
+                    steps = dict(zip(map(id, have), map(lambda c: _adam_coefs(c, beta1, beta2, eps), _host_values(t))))
+                else:  # (fused/capturable Adam: the counts stay on the device, and so do the corrections)
+                    c, e = _adam_coefs(t.to(torch.float64), beta1, beta2, eps)
+                    steps = dict(zip(map(id, have), zip(c.unbind(), e.unbind())))
+            elif counts:
+                steps = {id(p): _adam_coefs(_f(t), beta1, beta2, eps) for p, t in zip(have, counts)}
         state_of = opt.state
         for p in g["params"]:
             k = index.get(id(p))
@@ -98,11 +126,10 @@ def _terms(opt, rule: str, params: list[Tensor]) -> list:
                 else:
                     out[k] = (lr / (1 - lr * wd), "sum", (p.grad,), (sign,), wd)
             elif "exp_avg" in state:
-                t = steps[id(p)]
-                if t == 0:  # a fused step that skipped itself (a grad scaler's found_inf): no update
-                    continue
-                out[k] = (lr / (1 - lr * w), "adam", (state["exp_avg"], state[second]),
-                          (1 - beta1**t, (1 - beta2**t) ** 0.5, eps), w)
+                coefs = steps[id(p)]
+                if not isinstance(coefs[0], Tensor) and coefs[0] == 0.0:  # a fused step that skipped itself
+                    continue  # (a grad scaler's found_inf: no update; on the device, c = 0 says the same)
+                out[k] = (lr / (1 - lr * w), "adam", (state["exp_avg"], state[second]), coefs, w)
     return out
 
 
@@ -135,7 +162,7 @@ def _rule_norms(opt, rule: str, params: list, budget: int) -> Tensor:
         theta = to_local(params[k])
         pieces = [_chunks(to_local(t), budget // 3) for t in tensors]
         for c, th in enumerate(_chunks(theta, budget // 3)):
-            key = (kind, len(tensors), coefs if kind == "sum" else None, w != 0.0, th.device, th.dtype)
+            key = (kind, len(tensors), coefs if kind == "sum" else type(coefs[0]), w != 0.0, th.device, th.dtype)
             batches.setdefault(key, []).append((k, th, [pc[c] for pc in pieces], coefs, w))
     for items in direct.values():
         norms = torch.stack(foreach_norms([t for _, t in items])).to(sq.dtype)
@@ -157,17 +184,19 @@ def _accumulate(kind: str, with_w: bool, batch: list, sq: Tensor) -> None:
     coefs = [item[3] for item in batch]
     thetas = [item[1] for item in batch]
     if kind == "adam":
-        # (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) = c · m / (sqrt(v) + eps·sqrt(bc2)), c = sqrt(bc2) / bc1:
-        # the scalars folded so that each element is read and written as few times as possible
+        # c · m / (sqrt(v) + eps·sqrt(bc2)) (:func:`_adam_coefs`): the scalars folded so that each
+        # element is read and written as few times as possible
         denom = torch._foreach_sqrt(list(parts[1]))
-        torch._foreach_add_(denom, [c[2] * c[1] for c in coefs])
-        scale = [c[1] / c[0] for c in coefs]
-        if with_w:  # U + W·θ = W·θ + c · m / denom, in one kernel
+        torch._foreach_add_(denom, [c[1] for c in coefs])
+        scale = [c[0] for c in coefs]
+        if with_w and not isinstance(scale[0], Tensor):  # U + W·θ = W·θ + c · m / denom, in one kernel
             u = torch._foreach_mul(thetas, [item[4] for item in batch])
             torch._foreach_addcdiv_(u, list(parts[0]), denom, scale)
-        else:
+        else:  # (device coefficients: 0-d tensors, as lists of tensors)
             u = torch._foreach_div(list(parts[0]), denom)
             torch._foreach_mul_(u, scale)
+            if with_w:
+                torch._foreach_add_(u, torch._foreach_mul(thetas, [item[4] for item in batch]))
         del denom
     else:
         u = torch._foreach_mul(list(parts[0]), coefs[0][0])

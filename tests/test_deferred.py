@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradhealth as gh
-from gradhealth import deferred, host, stats
+from gradhealth import deferred, host, rules, stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -184,6 +184,8 @@ DATA_DEPENDENT = {"nonzero", "nonzero_static", "masked_select", "unique", "_uniq
                   "unique_consecutive", "unique_dim_consecutive", "argwhere", "masked_scatter"}
 #: the functions that build tensors from Python data on the host and move them without a sync
 HOST_SIDE = {host.host_to.__code__, host.host_segments.__code__}
+#: where gradhealth reads values on purpose: the checks' transfers, and tensors in host memory
+TRANSFERS = {stats.fetch.__code__, deferred.Transfer.values.__code__, rules._host_values.__code__}
 
 
 def _inside(codes) -> bool:
@@ -215,7 +217,10 @@ class HostReads(TorchDispatchMode):
     detectable on the CPU, where every tensor is on the "device": they are allowed only inside
     :func:`gradhealth.host.host_to` (host-side construction, then a non-blocking copy from pinned
     memory); anywhere else in gradhealth's own code they are flagged. The user's and the
-    optimizer's ops are not the monitor's, and are not counted."""
+    optimizer's ops are not the monitor's, and are not counted. ``Tensor.tolist()`` (no op on the
+    CPU: it reads memory; on a GPU a blocking copy) is watched too, in gradhealth's own code outside
+    the two transfer points (``stats.fetch``, ``Transfer.values``) and the reads of tensors that are
+    in host memory by construction (``rules._host_values``)."""
 
     READS = {"_local_scalar_dense", "item", "is_nonzero"}
 
@@ -223,6 +228,21 @@ class HostReads(TorchDispatchMode):
         super().__init__()
         self.reads = []
         self.strict = strict
+
+    def __enter__(self):
+        tolist, reads = torch.Tensor.tolist, self.reads
+
+        def watched(t):
+            if _ours() and not _inside(TRANSFERS):
+                reads.append(f"tolist in {_where()}")
+            return tolist(t)
+
+        self._tolist, torch.Tensor.tolist = tolist, watched
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -493,3 +513,42 @@ def test_a_launch_that_fails_inside_keeps_the_report_completed_before_it(monkeyp
         with pytest.raises(gh.GradHealthError, match="NOT_IN_OPTIMIZER"):  # step 0's verdict, not lost with step 1's launch
             monitor.check()
     monitor.close()
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_nan_diagnosis_reads_only_through_the_transfer_point(counted, lag):
+    """A NaN made in the model (its output already non-finite): the checks that diagnose it (the
+    output-vs-loss origin at the NaN's check, the tracer at the step after) read what they need
+    through ``stats.fetch`` (a GPU script allows exactly that) and nothing else, fused AdamW's step
+    counts included (``rules._on_host`` as on a GPU, where fused Adam keeps them on the device)."""
+    from gradhealth import rules
+
+    rules_on_host = rules._on_host
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    monitor = gh.GradHealth(model, opt, on_problem="ignore", lag=lag, skip_nonfinite=True, update_every=1)
+    seen = []
+    for step in range(6):
+        x = torch.randn(16, 8)
+        if step == 2:
+            x[0, 0] = math.nan
+        loss = ((model(x) - x[:, :1]) ** 2).mean()  # (the model itself: its forward watch sees the output)
+        loss.backward()
+        before = dict(counted)
+        rules._on_host = lambda t: False
+        try:
+            with HostReads(strict=True) as mode:
+                r = monitor.check(loss=loss)
+                opt.step()
+                opt.zero_grad()
+        finally:
+            rules._on_host = rules_on_host
+        seen.append((mode.reads, counted["fetch"] - before["fetch"], r))
+    monitor.close()
+    assert all(reads == [] for reads, _, _ in seen), [(k, reads[:3]) for k, (reads, _, _) in enumerate(seen)]
+    said = {r.step: {f.kind for f in r.findings} for _, _, r in seen if r is not None}
+    assert "NON_FINITE_LOSS" in said[2] and "STEP_SKIPPED" in said[2]  # (the premise: the NaN was there)
+    assert "NONFINITE_ORIGIN" in said[3]  # the tracer, at the step after
+    # the transfers: one per synchronous check; the NaN's check adds its origin read, the next its tracer's
+    assert [n for _, n, _ in seen] == ([1, 1, 2, 2, 1, 1] if not lag else [0, 0, 0, 1, 1, 0]), seen

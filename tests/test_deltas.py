@@ -398,3 +398,35 @@ def test_a_complex_parameter_takes_the_general_change_test(one_thread):
     before = packed.snapshot()
     ts[0][1] += 1j
     assert [c > 0 for c in torch.cat([c.reshape(-1) for c in packed.changed(before)]).tolist()] == [True, False]
+
+
+@pytest.mark.parametrize("name, make_opt", [r for r in RULES if r[0].startswith("Adam")])
+def test_adam_update_norms_from_step_counts_kept_on_the_device(monkeypatch, name, make_opt):
+    """Fused or capturable Adam keeps its step counts as device tensors: the bias corrections are
+    then computed on the device, never read (a host read would stall a GPU at every measured step).
+    The same code path here, on the CPU's counts: every tensor's norm against a copy."""
+    from gradhealth import rules
+
+    taken = []
+    coefs = rules._adam_coefs
+
+    def spy(t, *args):
+        taken.append(isinstance(t, torch.Tensor))
+        return coefs(t, *args)
+
+    monkeypatch.setattr(rules, "_on_host", lambda t: False)  # (as on a GPU: the counts stay where they are)
+    monkeypatch.setattr(rules, "_adam_coefs", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.LayerNorm(64), nn.Linear(64, 16))
+    opt = make_opt(model.parameters())
+    mon = gh.GradHealth(model, opt, on_problem="ignore", update_every=1)
+    x, y = torch.randn(32, 64), torch.randn(32, 16)
+    for _ in range(4):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        r = step(model, opt, mon, x, y)
+        mon.flush()
+        assert not r.findings, [str(f) for f in r.findings]
+        for n, p in model.named_parameters():
+            ref = torch.linalg.vector_norm((p.detach() - before[n]).double()).item()
+            assert r.update_norm[n] == pytest.approx(ref, rel=1e-4), (name, n)
+    assert taken and all(taken)  # (the premise: the device path computed every correction)
