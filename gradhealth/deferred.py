@@ -81,31 +81,37 @@ def _said(step, exc: Exception, depth: int) -> None:
                   "training continues", GradHealthInternalWarning, stacklevel=depth)
 
 
+def _on_host(t: Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
 class Transfer:
     """Packed device numbers on their way to host memory: a non-blocking copy into pinned memory and
-    an event (on the CPU they are there already). :meth:`values` is the deferred path's only read."""
+    an event (on the CPU they are there already). :meth:`values` is the deferred path's only read.
+    ``pinned``: the monitor's own buffers, (device, size, dtype) -> two (pinned buffer, event) pairs
+    used in turn (one monitor has at most one check in flight; another monitor's checks, with
+    their own buffers, never write into it)."""
 
     __slots__ = ("host", "event")
-    _pinned: dict = {}  # (device, size, dtype) -> two (pinned buffer, event) pairs used in turn
 
-    def __init__(self, packed: Tensor | None):
+    def __init__(self, packed: Tensor | None, pinned: dict):
         if packed is None:
             self.host, self.event = torch.zeros(0, dtype=torch.float64), None
-        elif packed.device.type == "cpu":  # (their numbers are on the host already)
+        elif _on_host(packed):  # (their numbers are on the host already)
             self.host, self.event = packed, None
         else:
-            self.host, self.event = self._buffer(packed.device, packed.numel(), packed.dtype)
+            self.host, self.event = self._buffer(pinned, packed.device, packed.numel(), packed.dtype)
             self.host.copy_(packed, non_blocking=True)
             self.event.record()  # (re-recorded: nothing allocated per check)
 
-    @classmethod
-    def _buffer(cls, device, n: int, dtype) -> tuple[Tensor, object]:
+    @staticmethod
+    def _buffer(pinned: dict, device, n: int, dtype) -> tuple[Tensor, object]:
         key = (str(device), n, dtype)
-        pair = cls._pinned.get(key)
+        pair = pinned.get(key)
         if pair is None:
             pin = device.type == "cuda"
             new_event = (lambda: torch.Event(device=device)) if hasattr(torch, "Event") else torch.cuda.Event
-            pair = cls._pinned[key] = [(torch.empty(n, dtype=dtype, pin_memory=pin), new_event()) for _ in range(2)]
+            pair = pinned[key] = [(torch.empty(n, dtype=dtype, pin_memory=pin), new_event()) for _ in range(2)]
         pair.reverse()  # (the other one may still be read by a launch not completed yet)
         return pair[0]
 
@@ -124,6 +130,7 @@ class Deferred:
         self._said_host_guard = False
         self._handles: dict = {}  # optimizer id -> the post-hook that takes the flag back after its step
         self._step = None  # the step of the check last completed
+        self.pinned: dict = {}  # this monitor's pinned buffers (:class:`Transfer`)
 
     def check(self, step: int, loss, optimizer):
         """Complete the check in flight (its report, or None), then launch this one (also when the
@@ -149,7 +156,7 @@ class Deferred:
                                 r.take_nosync_step()]
                 if snap is not None and snap[1] is not None:
                     packed = joined([*(pending.launched.parts if ok else ()), snap[1]])
-            launch.transfer = Transfer(packed)
+            launch.transfer = Transfer(packed, self.pinned)
             if ok and m.tracker is not None and not launch.reeval:
                 judged = [optimizer] if optimizer is not None else m.optimizers
                 last = m.last_report

@@ -552,3 +552,48 @@ def test_a_nan_diagnosis_reads_only_through_the_transfer_point(counted, lag):
     assert "NONFINITE_ORIGIN" in said[3]  # the tracer, at the step after
     # the transfers: one per synchronous check; the NaN's check adds its origin read, the next its tracer's
     assert [n for _, n, _ in seen] == ([1, 1, 2, 2, 1, 1] if not lag else [0, 0, 0, 1, 1, 0]), seen
+
+
+def test_two_deferred_monitors_never_write_into_each_others_buffers(monkeypatch):
+    """Each monitor keeps its own pinned buffers: with two ``lag=1`` monitors whose packed numbers
+    have the same size, checks in the order A, B, B, A leave A's numbers where A copied them. The
+    device path is taken on the CPU (its copy, its event) as on a GPU."""
+
+    class Event:  # (the CPU has no events; a copy on the CPU is complete when it returns)
+        def __init__(self, device=None):
+            pass
+
+        record = synchronize = lambda self: None
+
+    monkeypatch.setattr(deferred, "_on_host", lambda t: False)
+    monkeypatch.setattr(torch, "Event", Event)
+    made = []
+
+    def monitor(seed):
+        torch.manual_seed(seed)
+        model = _net()
+        mon = gh.GradHealth(model, torch.optim.SGD(model.parameters(), lr=1e-2), on_problem="ignore", lag=1)
+        made.append(mon)
+        return model, mon
+
+    (a, ma), (b, mb) = monitor(0), monitor(1)
+    x = torch.randn(16, 8)
+    truth = []
+
+    def backward(model):
+        model.zero_grad()
+        model(x).pow(2).mean().backward()
+        return {n: torch.linalg.vector_norm(p.grad.double()).item() for n, p in model.named_parameters()}
+
+    truth.append(backward(a))
+    assert ma.check() is None
+    backward(b)
+    mb.check()
+    backward(b)
+    mb.check()
+    truth.append(backward(a))
+    first = ma.check()
+    assert ma._deferred.pinned and mb._deferred.pinned  # (the premise: both took the device path)
+    assert first.step == 0 and first.grad_norm == pytest.approx(truth[0], rel=1e-6)
+    for m in made:
+        m.close()
