@@ -168,14 +168,16 @@ def classify(model: nn.Module, optimizer=None) -> dict[str, Status]:
 
 
 def classify_selection(names: list[str], params: list, pids: list[int], idx: list[int], norm_of: list,
-                       ids: set[int] | None, dense: list[float] | None = None, all_inside: bool | None = None):
+                       ids: set[int] | None, dense: list[float] | None = None, all_inside: bool | None = None,
+                       requires: list[bool] | None = None):
     """The decision tree over a check's judged entries, from their exact norms.
 
     Returns ``(status, in_optimizer, not_ok)``: every judged name's state (OK first, the common
     case, without walking the full tree), whether each is in an optimizer (None without one), and
     the names whose state is not OK. ``dense``: the norms of the judged entries in order, when
     every one has a gradient: all of them finite and non-zero, in the optimizers and trainable
-    is decided in a few C-level passes; ``all_inside``: every judged entry is known to be in ``ids``.
+    is decided in a few C-level passes; ``all_inside``: every judged entry is known to be in ``ids``;
+    ``requires``: each entry's ``requires_grad`` as it was (a deferred check's launch), else read now.
     """
     sel_names = names if len(idx) == len(names) else [names[i] for i in idx]  # idx: sorted, distinct
     status: dict[str, Status] = dict.fromkeys(sel_names, Status.OK)
@@ -183,7 +185,7 @@ def classify_selection(names: list[str], params: list, pids: list[int], idx: lis
     inf, walk = math.inf, idx
     if dense is not None and len(dense) == len(idx) and dense \
             and (ids is None or (all_inside if all_inside is not None else ids.issuperset(map(pids.__getitem__, idx)))) \
-            and all(map(_REQUIRES_GRAD, map(params.__getitem__, idx))):
+            and all(map(_REQUIRES_GRAD, map(params.__getitem__, idx)) if requires is None else map(requires.__getitem__, idx)):
         if 0.0 < min(dense) and sum(dense) < inf:
             return status, in_opt, []  # every one OK (NaN fails both comparisons): no walk needed
         # trainable and in the optimizers: only a norm that is not in (0, inf) can make a state
@@ -191,14 +193,14 @@ def classify_selection(names: list[str], params: list, pids: list[int], idx: lis
                                                      map(operator.lt, dense, repeat(inf)))))
     not_ok: list[str] = []
     for i in walk:
-        p = params[i]
+        trainable = params[i].requires_grad if requires is None else requires[i]
         v = norm_of[i]
         inside = ids is None or pids[i] in ids
-        if inside and v is not None and 0.0 < v < inf and p.requires_grad:
+        if inside and v is not None and 0.0 < v < inf and trainable:
             continue
         if not inside:
             in_opt[names[i]] = False
-        state = decide(p.requires_grad, v, inside)
+        state = decide(trainable, v, inside)
         if state is not Status.OK:
             status[names[i]] = state
             not_ok.append(names[i])

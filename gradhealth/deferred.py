@@ -42,6 +42,7 @@ from . import skipping
 from .errors import GradHealthError, GradHealthInternalWarning
 from .observe import Pending, failed_observation
 from .stale import witnesses
+from .classify import _REQUIRES_GRAD
 from .stats import joined
 from .status import Status
 from .hooks import guarded
@@ -67,6 +68,7 @@ class Launch:
     counts: tuple | None  # the optimizers' step counts as of launch
     transfer: Transfer | None = None  # (deferred) its numbers on their way to the host
     ranks: list | None = None  # (deferred, torch.distributed) what DDP's hooks saw: see ``Monitor._reduce``
+    setup: tuple | None = None  # (deferred) the optimizers' ids, all inside, every requires_grad: as launched
 
 
 def due_test(carry, report) -> bool:
@@ -131,12 +133,13 @@ class Deferred:
         self._handles: dict = {}  # optimizer id -> the post-hook that takes the flag back after its step
         self._step = None  # the step of the check last completed
         self.pinned: dict = {}  # this monitor's pinned buffers (:class:`Transfer`)
+        self.early = None  # a report completed before a rebuild of the view (:meth:`settle`), not returned yet
 
     def check(self, step: int, loss, optimizer):
         """Complete the check in flight (its report, or None), then launch this one (also when the
         one in flight failed: under torch.distributed every rank fails it together, and goes on).
         A failure in either is said as a synchronous check's is, and loses nothing else."""
-        done, m = None, self.monitor
+        done, m, self.early = self.early, self.monitor, None  # (settled before the parameters changed)
         try:
             if self.inflight is not None:
                 try:
@@ -157,6 +160,9 @@ class Deferred:
                 if snap is not None and snap[1] is not None:
                     packed = joined([*(pending.launched.parts if ok else ()), snap[1]])
             launch.transfer = Transfer(packed, self.pinned)
+            v = m.view  # (what the report is judged against, as of now: the loop may change it before completion)
+            launch.setup = ((launch.sel.opt_ids, None) if optimizer is not None else (v.optimizer_ids(), v.all_inside)) + (
+                list(map(_REQUIRES_GRAD, v.params)),)
             if ok and m.tracker is not None and not launch.reeval:
                 judged = [optimizer] if optimizer is not None else m.optimizers
                 last = m.last_report
@@ -172,14 +178,26 @@ class Deferred:
             _said(step, exc, 5)
         return done
 
-    def _completed(self):
-        """:meth:`complete`, a failure said (``flush()``)."""
+    def settle(self) -> None:
+        """Before the monitor's view of the parameters is rebuilt: complete the check in flight now,
+        against the parameters it was launched with; :meth:`check` returns its report."""
+        if self.inflight is not None:
+            self.early = self._completed(6)
+
+    def drain(self):
+        """(``flush()``) The report not delivered yet: one settled early, or the check in flight's
+        (its failure said, not raised); None when there is none."""
+        report, self.early = self.early, None
+        return report if report is not None else self._completed(5) if self.inflight is not None else None
+
+    def _completed(self, depth: int):
+        """:meth:`complete`, a failure said (``depth``: the user's frame, for the warning)."""
         try:
             return self.complete()
         except GradHealthError:
             raise
         except Exception as exc:  # (as a synchronous check's failure: said, and training goes on)
-            _said(self._step, exc, 4)
+            _said(self._step, exc, depth)
             return None
 
     def complete(self):

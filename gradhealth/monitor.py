@@ -132,7 +132,8 @@ class GradHealth:
             return None
         if self.ranks.in_no_sync() or self.ranks.between_boundaries():  # (partial gradients: the boundary judges them)
             return None
-        if self._changes.stale():
+        if self._changes.stale():  # (a deferred check in flight is judged with the parameters it was launched with)
+            self._deferred is None or self._deferred.settle()
             self._refresh()
         check_tensor("check(loss=...)", loss, optional=True)
         if optimizer is not None:
@@ -197,9 +198,8 @@ class GradHealth:
     def flush(self) -> None:
         """Fetch the last measured optimizer step now (one transfer) instead of at the next check;
         with ``lag=1``, first deliver the check in flight (its report reaches the sinks and the policy)."""
-        if self._deferred is not None and self._deferred.inflight is not None:  # (a failure said, not raised)
-            if (report := self._deferred._completed()) is not None:
-                self.publish(report)
+        if self._deferred is not None and (report := self._deferred.drain()) is not None:  # (a failure: said)
+            self.publish(report)
         tracker = self.tracker
         if tracker is None or not tracker.pending:
             return
@@ -304,7 +304,7 @@ class GradHealth:
         """The report of a launched check, from its numbers on the host."""
         step, sel, optimizer, reeval, obs = launch.step, launch.sel, launch.optimizer, launch.reeval, launch.obs
         across = self._reduce(obs, launch.ranks) if self.ranks.active else None
-        report = self._classify(step, sel, obs, optimizer)
+        report = self._classify(step, sel, obs, optimizer, launch.setup)
         if self.view.stacks:
             experts.fill(report, self.view.stacks, obs.slices, obs.router)
         if not reeval:
@@ -395,11 +395,12 @@ class GradHealth:
             raise RuntimeError(f"the check failed on rank(s) {failed or 'some'}{here}; every rank skips it")
         return across
 
-    def _classify(self, step: int, sel: Selection, obs: Observation, optimizer) -> Report:
-        v = self.view
-        ids = sel.opt_ids if optimizer is not None else v.optimizer_ids()
+    def _classify(self, step: int, sel: Selection, obs: Observation, optimizer, setup=None) -> Report:
+        v = self.view  # (``setup``: a deferred check's (optimizers' ids, all inside, requires_grad), as launched)
+        ids, inside, requires = setup or (sel.opt_ids if optimizer is not None else v.optimizer_ids(),
+                                          v.all_inside if optimizer is None else None, None)
         status, in_opt, not_ok = classify_selection(v.names, v.params, v.pids, sel.idx, obs.norm_of, ids, obs.norms,
-                                                    v.all_inside if optimizer is None else None)
+                                                    inside, requires)
         return Report(step=step, status=status, grad_norm=dict(zip(map(v.names.__getitem__, obs.with_grad), obs.norms)),
                       total_grad_norm=stats.combine_norms(obs.norms), meta=v.meta,
                       in_optimizer=in_opt, loss=obs.loss, valid_counts=obs.valid, not_ok=not_ok,

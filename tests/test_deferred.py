@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import warnings
 
 import pytest
 import torch
@@ -597,3 +598,47 @@ def test_two_deferred_monitors_never_write_into_each_others_buffers(monkeypatch)
     assert first.step == 0 and first.grad_norm == pytest.approx(truth[0], rel=1e-6)
     for m in made:
         m.close()
+
+
+@pytest.mark.parametrize("change", ["freeze", "unfreeze", "add_param_group", "swap_head", "swap_fewer", "swap_more"])
+def test_a_deferred_report_is_judged_as_its_step_was_set_up(change):
+    """The loop changes what trains between a check and its completion (at the top of the next
+    step: a freeze, a gradual unfreeze with ``add_param_group``, a head swapped in with the same,
+    fewer or more parameters): the deferred report of the step before still says what that step
+    was, as the synchronous one does, and nothing fails inside."""
+
+    def run(lag):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        if change == "unfreeze":
+            model[0].requires_grad_(False)
+        left_out = change in ("unfreeze", "add_param_group")
+        opt = torch.optim.AdamW(list(model[2].parameters()) if left_out else list(model.parameters()), lr=1e-2)
+        keep = Keep()
+        monitor = gh.GradHealth(model, opt, on_problem="ignore", lag=lag, sinks=[keep])
+        g = torch.Generator().manual_seed(1)
+        for step in range(7):
+            if step == 4:
+                if change == "freeze":
+                    model[0].requires_grad_(False)
+                if change == "unfreeze":
+                    model[0].requires_grad_(True)
+                if left_out:
+                    opt.add_param_group({"params": list(model[0].parameters())})
+                if change.startswith("swap"):
+                    model[2] = {"swap_head": lambda: nn.Linear(16, 1), "swap_fewer": lambda: nn.Linear(16, 1, bias=False),
+                                "swap_more": lambda: nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))}[change]()
+            opt.zero_grad()
+            x = torch.randn(16, 8, generator=g)
+            nn.functional.mse_loss(model(x), x[:, :1]).backward()
+            monitor.check()
+            opt.step()
+        monitor.close()
+        return {r.step: ({n: s.name for n, s in r.status.items()}, r.ok, sorted((f.kind, f.level) for f in r.findings))
+                for r in keep.reports}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthInternalWarning)
+        sync, late = run(0), run(1)
+    assert sync[3] != sync[4] or change == "swap_head"  # (the premise: the change shows from step 4 on)
+    assert late == sync
