@@ -150,7 +150,10 @@ class GradHealthCallback(Callback):
             finding saying where the NaN was born and whether it reproduced. Under
             ``accumulate_grad_batches=k`` the k batches of the step are replayed one by one until
             one makes the NaN, and the finding names it: the callback keeps references to those k
-            batches and their random states (a few KiB each) until the step.
+            batches and their random states (a few KiB each) until the step. With ``lag=1`` the
+            report arrives a step later, and so does the replay of its batches (kept one step
+            longer): without ``skip_nonfinite=True`` that step's update has already been applied,
+            and the replay finds the weights it poisoned.
         check_loss: run the loss-side check before every backward.
         granularity: "module" (default) or "param": one metric key per module or per parameter.
         tensorboard: with a TensorBoardLogger, also write the dashboards into its run.
@@ -171,6 +174,7 @@ class GradHealthCallback(Callback):
         self._loss: torch.Tensor | None = None
         #: the micro-batches of the current optimizer step: (batch, batch_idx, random state before it)
         self._window: deque[tuple[Any, int, dict | None]] = deque(maxlen=1)
+        self._launched: dict[int, list] = {}  # (lag=1) the window of the check in flight, by its step
         self._checked_backward = False  # manual optimization: a backward was checked since the last step
         self._pending_state: dict | None = None
 
@@ -277,6 +281,8 @@ class GradHealthCallback(Callback):
         several = len(mon.optimizers) > 1
         report = mon.measure(self._loss, step=trainer.global_step, optimizer=optimizer if several else None)
         window, self._window = list(self._window), deque(maxlen=self._window.maxlen)
+        if mon.options.lag and not manual:  # (the report is the check before's: so is the batch to replay)
+            self._launched, window = {trainer.global_step: window}, self._launched.get(getattr(report, "step", None), [])
         if report is None:
             return
         if manual:  # a backward Lightning did not see: inside step(), after any clip_gradients
@@ -314,8 +320,9 @@ class GradHealthCallback(Callback):
             self._unshare = None
         if self.monitor is not None:
             self._pending_state = self.monitor.state_dict()
-            self.monitor.close()
-            self.monitor = None
+            self.monitor.close()  # (with lag=1 it delivers the last check's report: the last one)
+            self.last_report = self.monitor.last_report or self.last_report
+            self.monitor, self._launched = None, {}
 
     def _replay(self, trainer, pl_module, report: Report, window: list):
         """The step's batches once more under the tracer (each alone, until one makes the NaN),

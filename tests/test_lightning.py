@@ -188,23 +188,28 @@ def test_two_optimizers_classified_per_step():
     assert all(r.ok for r in sink.reports)
 
 
-def test_replay_names_the_origin_and_leaves_training_unchanged():
+@pytest.mark.parametrize("lag, skip", [(0, False), (1, False), (1, True)])
+def test_replay_names_the_origin_and_leaves_training_unchanged(lag, skip):
+    """The replay runs the NaN step's own batch (with ``lag=1``: the batch of the check that just
+    completed, a step later, not the current one), and training is bit for bit as without it."""
     def run(replay):
         torch.manual_seed(0)
         module = DemoModule(bug="nan_batch", nan_batch=2, dropout=0.2)
         sink = Reports()
-        cb = GradHealthCallback(on_problem="ignore", replay_on_nonfinite=replay, sinks=[sink])
+        cb = GradHealthCallback(on_problem="ignore", replay_on_nonfinite=replay, sinks=[sink], lag=lag,
+                                skip_nonfinite=skip)
         fit(module, [cb], steps=5)
-        return module, sink
+        return module, sink, cb
 
-    with_replay, sink = run(True)
-    without, _ = run(False)
+    with_replay, sink, cb = run(True)
+    without, _, _ = run(False)
     for a, b in zip(with_replay.parameters(), without.parameters()):
         assert torch.equal(a.detach().view(torch.int32), b.detach().view(torch.int32))  # bit-identical, NaN included
     r = next(r for r in sink.reports if r.step == 2)
     f = [x for x in r.findings_of("NONFINITE_ORIGIN") if not x.data.get("from_loss")]  # the replay's
-    assert f and f[0].data["reproduced"] is True and f[0].data["batch_idx"] == 2
+    assert f and f[0].data["reproduced"] is True and f[0].data["batch_idx"] == 2, [str(x) for x in r.findings]
     assert "reproduced" in f[0].message
+    assert cb.last_report.step == 4 and [r.step for r in sink.reports] == [0, 1, 2, 3, 4]  # (the last one too)
 
 
 def test_grads_are_unscaled_when_classified():
