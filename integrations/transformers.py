@@ -211,6 +211,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self._loss: torch.Tensor | None = None
         self._queued = False
         self._report: Report | None = None
+        self._launched: dict[int, list] = {}  # (lag=1) the micro-batches of the check in flight, by its step
         self._undo: list = []  # undoes the shared clip and the watches on Trainer's calls
         self._trainer = None  # (a weak reference)
 
@@ -284,9 +285,11 @@ class GradHealthCallback(TrainerCallback, ExportableState):
                     "POSTCLIP", level="info", step=report.step, message=
                     "gradhealth measured after Trainer's gradient clipping (the model's forward was not seen): "
                     "norms are post-clip, and a clipped non-finite gradient hides which parameter it came from"))
+        window, self._batches.window = self._batches.window, []
+        if mon.options.lag:  # (the report is the check before's: so are the micro-batches to replay)
+            self._launched, window = {self._step: window}, self._launched.get(getattr(report, "step", None), [])
         if report is None:
             return
-        window, self._batches.window = self._batches.window, []
         # (under a grad scaler an overflow is the scaler's to skip, not a NaN to trace)
         if self.replay_on_nonfinite and not report.grads_finite and mon.scaler is None:
             r = mon.ranks  # under torch.distributed the producing ranks replay, and every rank says their verdict
@@ -430,10 +433,11 @@ class GradHealthCallback(TrainerCallback, ExportableState):
                 hook.remove()
         self._hook = self._pre_hook = None
         if self.monitor is not None:
-            self.monitor.flush()
+            self.monitor.flush()  # (with lag=1 it delivers the last check's report: the last one)
             self._pending_state = self.monitor.state_dict()
             self.monitor.close()
-            self.monitor = None
+            self.last_report = self.monitor.last_report or self.last_report
+            self.monitor, self._launched = None, {}
 
     def __del__(self):  # hooks must not outlive a callback dropped without on_train_end
         for hook in (getattr(self, "_hook", None), getattr(self, "_pre_hook", None)):
