@@ -55,6 +55,9 @@ class Carry:
         self.tracer = None
         self.trace_from: int | None = None
         self.trace_ops = False  # the last traced failing step named no module: watch the operations next time
+        #: (lag=1) a check is being completed before this call launches its own (whose forward ran
+        #: before): a tracer armed now watches the forward after it, and waits one completion more
+        self.launching, self.trace_wait = False, False
         self.forward: ForwardRecord | None = None
         self.eval_backward: ForwardRecord | None = None
         self.frozen_norms: set[str] = set()  # normalisation layers run in eval with frozen affine parameters

@@ -18,7 +18,12 @@ synchronous check would have found for it. Where the two can differ:
 * the change test of the step after check N is armed when N is launched, from what the checks
   completed before it said (a synchronous check also uses N's own report);
 * ``on_problem="raise"`` raises one check later; ``skip_spikes`` needs the norm on the host before
-  the step and is refused with ``lag=1``.
+  the step and is refused with ``lag=1``;
+* the NaN tracer is armed when the NaN's report completes (during the next step's check, after its
+  forward), so it watches the forward after that and is resolved with that step's report;
+* a report is judged with its own step's setup: the optimizers' membership and every
+  ``requires_grad`` are taken at launch, and a check in flight completes against the parameters
+  it was launched with before the monitor's view of them is rebuilt.
 
 **The step guard on the device.** With ``skip_nonfinite=True`` the guard must act before
 ``optimizer.step()``. torch's fused optimizers (``fused=True`` Adam, AdamW, SGD, Adagrad, on CPU
@@ -142,12 +147,15 @@ class Deferred:
         done, m, self.early = self.early, self.monitor, None  # (settled before the parameters changed)
         try:
             if self.inflight is not None:
+                m.carry.launching = True  # (this call launches a check after it: see ``traced``)
                 try:
                     done = self.complete()
                 except GradHealthError:
                     raise
                 except Exception as exc:  # (as a synchronous check's failure: said, and training goes on)
                     _said(self._step, exc, 5)
+                finally:
+                    m.carry.launching = False
             launch = m._launch(step, loss, optimizer, deferred=True)
             pending = launch.obs
             ok = type(pending) is Pending  # (else this rank's observation failed: it joins the ranks flagged, later)
@@ -182,7 +190,11 @@ class Deferred:
         """Before the monitor's view of the parameters is rebuilt: complete the check in flight now,
         against the parameters it was launched with; :meth:`check` returns its report."""
         if self.inflight is not None:
-            self.early = self._completed(6)
+            self.monitor.carry.launching = True  # (the check of this call is launched after it)
+            try:
+                self.early = self._completed(6)
+            finally:
+                self.monitor.carry.launching = False
 
     def drain(self):
         """(``flush()``) The report not delivered yet: one settled early, or the check in flight's

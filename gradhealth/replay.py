@@ -48,7 +48,9 @@ def traced(carry, model: nn.Module, report, arm: bool) -> list[Finding]:
     ``arm``. When a traced failing step named no module, the next tracer also watches every
     operation (for that one step) so that it names the operation and its source line."""
     tracer, found = carry.tracer, []
-    if tracer is not None and tracer.armed:
+    if tracer is not None and tracer.armed and carry.trace_wait:  # (lag=1: this report's forward ran before it)
+        carry.trace_wait = False
+    elif tracer is not None and tracer.armed:
         tracer.resolve()
         carry.tracer = None
         named = tracer.forward_origin or tracer.backward_origin or tracer.outside
@@ -77,6 +79,7 @@ def traced(carry, model: nn.Module, report, arm: bool) -> list[Finding]:
                                                              f"step {carry.trace_from}: "))
     if arm and carry.tracer is None:
         carry.tracer, carry.trace_from = NonFiniteTracer(model).arm(ops=carry.trace_ops), report.step
+        carry.trace_wait = carry.launching
     return found
 
 
