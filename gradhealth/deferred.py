@@ -236,7 +236,7 @@ class Deferred:
         if m.options.skip_nonfinite and m.scaler is None:  # (a poisoned step was skipped at launch: the finding)
             v = m.view
             skipping.guard(report, m.options, m.carry, None, [v.params[i] for i in launch.sel.idx], False, None,
-                           drop=False)
+                           drop=False, kept=all(map(fused, [launch.optimizer] if launch.optimizer else m.optimizers)))
         return report
 
     # ------------------------------------------------------------------ the step guard

@@ -43,10 +43,12 @@ def _spike(history, total: float, k: float) -> tuple[float, float] | None:
     return (med, sigma) if total > med + k * sigma and total > med else None
 
 
-def guard(report, options, carry, history, params, scaler_present: bool, tracker=None, drop: bool = True) -> None:
+def guard(report, options, carry, history, params, scaler_present: bool, tracker=None, drop: bool = True,
+          kept: bool = False) -> None:
     """Decide whether the step after ``report`` is skipped; if so drop the gradients of ``params``,
     leave that step unmeasured and add the STEP_SKIPPED finding to ``report``. ``drop=False``: a
-    deferred check's step, already skipped when it was launched (:mod:`.deferred`): only the finding."""
+    deferred check's step, already skipped when it was launched (:mod:`.deferred`): only the finding;
+    ``kept``: that step was skipped on the device by fused optimizers, which leave the gradients."""
     report.guarded = True
     why, data = None, {}
     if options.skip_nonfinite and not report.grads_finite and not scaler_present:
@@ -89,10 +91,11 @@ def guard(report, options, carry, history, params, scaler_present: bool, tracker
     tail = (f"; {n} steps in a row: the model itself produces them, skipping will not help (trace the NaN with "
             "gh.trace_nonfinite, lower the learning rate, look at the data)" if alarm else
             f" ({n} in a row; an error at {options.skip_alarm})")
+    how = (f"the gradients of every judged parameter ({dropped}{f', {outside} of them in no optimizer' if outside else ''}) "
+           "were dropped before it on every rank" if not kept else "the fused optimizer skipped it on the device (its "
+           "found_inf), leaving the gradients for zero_grad() to clear")
     report.findings.append(Finding(FindingKind.STEP_SKIPPED, f"the optimizer step after step {report.step} changes nothing: {what}; "
-                    f"the gradients of every judged parameter ({dropped}"
-                    f"{f', {outside} of them in no optimizer' if outside else ''}) were dropped before it on every rank, "
-                    f"so the parameters and the optimizer's state stay as they were{tail}", params=params, step=report.step, level="error" if alarm else "warning",
+                    f"{how}, so the parameters and the optimizer's state stay as they were{tail}", params=params, step=report.step, level="error" if alarm else "warning",
                     data={"why": why, "in_a_row": n, "total": carry.skips, **data}))
 
 
