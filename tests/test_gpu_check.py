@@ -74,9 +74,11 @@ def _script():
     return module
 
 
-def test_the_cpu_stand_in_for_the_sync_debug_mode_fails_a_check_that_reads_the_device(monkeypatch):
+@pytest.mark.parametrize("read", ["item", "tolist"])
+def test_the_cpu_stand_in_for_the_sync_debug_mode_fails_a_check_that_reads_the_device(monkeypatch, read):
     """With ``--cpu``, section 6 runs under :class:`CpuSyncs`: a host read planted inside the
-    deferred check makes the check fail internally, and the section fails (it passes without it)."""
+    deferred check (a scalar read, or ``tolist()``, which dispatches nothing on the CPU) makes the
+    check fail internally, and the section fails (it passes without it)."""
     gc = _script()
     with warnings.catch_warnings():
         warnings.simplefilter("error", GradHealthInternalWarning)
@@ -91,7 +93,7 @@ def test_the_cpu_stand_in_for_the_sync_debug_mode_fails_a_check_that_reads_the_d
         launch = deferred.Deferred.check
 
         def reads_the_device(self, *args):
-            torch.ones(1).sum().item()  # (what a .item() on the hot path is on a GPU: a synchronisation)
+            getattr(torch.ones(1).sum(), read)()  # (what .item() or .tolist() on the hot path is on a GPU: a sync)
             return launch(self, *args)
 
         monkeypatch.setattr(deferred.Deferred, "check", reads_the_device)
