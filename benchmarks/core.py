@@ -65,13 +65,17 @@ def interleaved(fns: dict[str, Callable[[], object]], rounds: int, inner: int,
     ``inner`` times, in turn). ``against``: also ``"k / against"``, the median over the rounds of
     each round's ratio of the two: a slow drift of the machine (a collective's latency) cancels."""
     times: dict[str, list[float]] = {k: [] for k in fns}
+    # (on a GPU a block is timed from an idle device to an idle device: what it queued is in its time)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
     for fn in fns.values():  # warm-up
         fn()
     for _ in range(rounds):
         for k, fn in fns.items():
+            sync()
             t0 = time.perf_counter()
             for _ in range(inner):
                 fn()
+            sync()
             times[k].append((time.perf_counter() - t0) / inner)
     out = {k: statistics.median(v) for k, v in times.items()}
     if against is not None:
