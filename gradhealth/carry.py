@@ -55,8 +55,8 @@ class Carry:
         self.tracer = None
         self.trace_from: int | None = None
         self.trace_ops = False  # the last traced failing step named no module: watch the operations next time
-        #: (lag=1) a check is being completed before this call launches its own (whose forward ran
-        #: before): a tracer armed now watches the forward after it, and waits one completion more
+        #: (lag=1, but at ``flush()``) a check completes in the call that launches the next one, whose
+        #: forward ran before: a tracer armed then watches the forward after it, and waits one completion more
         self.launching, self.trace_wait = False, False
         self.forward: ForwardRecord | None = None
         self.eval_backward: ForwardRecord | None = None

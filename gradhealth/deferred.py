@@ -88,10 +88,6 @@ def _said(step, exc: Exception, depth: int) -> None:
                   "training continues", GradHealthInternalWarning, stacklevel=depth)
 
 
-def _on_host(t: Tensor) -> bool:
-    return t.device.type == "cpu"
-
-
 class Transfer:
     """Packed device numbers on their way to host memory: a non-blocking copy into pinned memory and
     an event (on the CPU they are there already). :meth:`values` is the deferred path's only read.
@@ -100,11 +96,12 @@ class Transfer:
     their own buffers, never write into it)."""
 
     __slots__ = ("host", "event")
+    HOST = "cpu"  # (the device type whose numbers are on the host already)
 
     def __init__(self, packed: Tensor | None, pinned: dict):
         if packed is None:
             self.host, self.event = torch.zeros(0, dtype=torch.float64), None
-        elif _on_host(packed):  # (their numbers are on the host already)
+        elif packed.device.type == self.HOST:
             self.host, self.event = packed, None
         else:
             self.host, self.event = self._buffer(pinned, packed.device, packed.numel(), packed.dtype)
@@ -139,6 +136,8 @@ class Deferred:
         self._step = None  # the step of the check last completed
         self.pinned: dict = {}  # this monitor's pinned buffers (:class:`Transfer`)
         self.early = None  # a report completed before a rebuild of the view (:meth:`settle`), not returned yet
+        # a check completes in the call that launches the next one, after that one's forward (``traced``)
+        monitor.carry.launching = True
 
     def check(self, step: int, loss, optimizer):
         """Complete the check in flight (its report, or None), then launch this one (also when the
@@ -147,15 +146,12 @@ class Deferred:
         done, m, self.early = self.early, self.monitor, None  # (settled before the parameters changed)
         try:
             if self.inflight is not None:
-                m.carry.launching = True  # (this call launches a check after it: see ``traced``)
                 try:
                     done = self.complete()
                 except GradHealthError:
                     raise
                 except Exception as exc:  # (as a synchronous check's failure: said, and training goes on)
                     _said(self._step, exc, 5)
-                finally:
-                    m.carry.launching = False
             launch = m._launch(step, loss, optimizer, deferred=True)
             pending = launch.obs
             ok = type(pending) is Pending  # (else this rank's observation failed: it joins the ranks flagged, later)
@@ -169,8 +165,8 @@ class Deferred:
                     packed = joined([*(pending.launched.parts if ok else ()), snap[1]])
             launch.transfer = Transfer(packed, self.pinned)
             v = m.view  # (what the report is judged against, as of now: the loop may change it before completion)
-            launch.setup = ((launch.sel.opt_ids, None) if optimizer is not None else (v.optimizer_ids(), v.all_inside)) + (
-                list(map(_REQUIRES_GRAD, v.params)),)
+            launch.setup = ((v.optimizer_ids(), v.all_inside, list(map(_REQUIRES_GRAD, v.params))) if optimizer is None
+                            else (launch.sel.opt_ids, None, list(map(_REQUIRES_GRAD, v.params))))
             if ok and m.tracker is not None and not launch.reeval:
                 judged = [optimizer] if optimizer is not None else m.optimizers
                 last = m.last_report
@@ -190,17 +186,19 @@ class Deferred:
         """Before the monitor's view of the parameters is rebuilt: complete the check in flight now,
         against the parameters it was launched with; :meth:`check` returns its report."""
         if self.inflight is not None:
-            self.monitor.carry.launching = True  # (the check of this call is launched after it)
-            try:
-                self.early = self._completed(6)
-            finally:
-                self.monitor.carry.launching = False
+            self.early = self._completed(6)
 
     def drain(self):
         """(``flush()``) The report not delivered yet: one settled early, or the check in flight's
         (its failure said, not raised); None when there is none."""
         report, self.early = self.early, None
-        return report if report is not None else self._completed(5) if self.inflight is not None else None
+        if report is not None or self.inflight is None:
+            return report
+        self.monitor.carry.launching = False  # (no check is launched after this one: see ``traced``)
+        try:
+            return self._completed(5)
+        finally:
+            self.monitor.carry.launching = True
 
     def _completed(self, depth: int):
         """:meth:`complete`, a failure said (``depth``: the user's frame, for the warning)."""

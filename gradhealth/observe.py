@@ -212,7 +212,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         return obs
 
     if deferred:  # read later: :mod:`.deferred`
-        return Pending(launched, finish, list(with_grad), (valid, updates)), plan
+        return Pending(launched, finish, with_grad, (valid, updates)), plan  # (with_grad: this check's own list)
     return finish(*launched.read()), plan
 
 
