@@ -47,7 +47,7 @@ from .options import Options, check_scaler, check_step, check_tensor
 from .params import ModelChanges, ParamView, Selection
 from .patience import persist
 from .policy import Publisher, alarm, explain
-from .replicas import Replicas
+from .replicas import Replicas, group_members
 from .report import Report
 from .unstepped import Unstepped
 from .wrappers import unwrap
@@ -165,11 +165,7 @@ class GradHealth:
         return report
 
     def _members(self) -> list[tuple[int, set[int]]]:
-        """(id of an optimizer, the entries of one of its param groups), a pair per param group: where
-        the replicas are reduced is inferred per group (one optimizer may reduce a group inside its
-        step and leave another to a reduction by hand before it)."""
-        at = {p: i for i, p in enumerate(self.view.pids)}
-        return [(id(o), {at[id(q)] for q in g["params"] if id(q) in at}) for o in self.optimizers for g in o.param_groups]
+        return group_members(self.view.pids, self.optimizers)
 
     def _verify(self, opt) -> None:
         if self.replicas.verify:
@@ -218,13 +214,18 @@ class GradHealth:
         """Remove every hook this monitor installed; flush and close every sink. Idempotent."""
         if self._closed:
             return self.publisher.close()  # a retry: the sinks that did not close
+        verdict = None
         try:
             self.flush()
+        except GradHealthError as exc:  # (lag=1: the last check's verdict, raised once everything is closed)
+            verdict = exc
         except Exception as exc:
             warnings.warn(f"gradhealth: could not fetch the last step's updates: {exc}", GradHealthInternalWarning, stacklevel=2)
         self._closed = True
         self._owned.release()
         self.publisher.close()  # (every sink, even when one raises; a second close() retries the rest)
+        if verdict is not None:
+            raise verdict
 
     __enter__ = lambda self: self  # noqa: E731
     __exit__ = lambda self, *exc: self.close()  # noqa: E731

@@ -31,7 +31,7 @@ import torch
 from .distributed import to_local
 from .findings import Finding, FindingKind
 
-__all__ = ["Replicas", "GRAD_SYNC", "SAMPLE", "BLOCK", "WHOLE"]
+__all__ = ["Replicas", "GRAD_SYNC", "SAMPLE", "BLOCK", "WHOLE", "group_members"]
 
 GRAD_SYNC = ("auto", "before_check", "in_optimizer")
 #: elements per parameter in its fingerprint: the whole of a tensor up to WHOLE elements, else a
@@ -168,3 +168,11 @@ class Replicas:
             "The replicas are compared on their parameters after each step from now on; pass grad_sync='in_optimizer' "
             "to say so (or 'before_check' if your loop reduces them before check())", level="info", step=step,
             data={"differ": len(disagree), "evidence": evidence})]
+
+
+def group_members(pids: list[int], optimizers) -> list[tuple[int, set[int]]]:
+    """(id of an optimizer, the entries of one of its param groups), a pair per param group: where
+    the replicas are reduced is inferred per group (one optimizer may reduce a group inside its
+    step and leave another to a reduction by hand before it)."""
+    at = {p: i for i, p in enumerate(pids)}
+    return [(id(o), {at[id(q)] for q in g["params"] if id(q) in at}) for o in optimizers for g in o.param_groups]

@@ -45,7 +45,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from gradhealth.errors import GradModeError
+from gradhealth.errors import GradHealthError, GradModeError
 from gradhealth.findings import Finding
 from gradhealth.metrics import clip_metrics, report_metrics, suffix, update_metrics
 from gradhealth.monitor import GradHealth
@@ -304,7 +304,10 @@ class GradHealthCallback(Callback):
 
     @override
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._close()
+        try:
+            self._close()
+        except GradHealthError:  # (lag=1's last verdict: the exception already on its way is the one to see)
+            pass
 
     @override
     def on_fit_end(self, trainer, pl_module) -> None:

@@ -698,3 +698,31 @@ def test_the_deferred_tracer_is_judged_against_the_step_it_watched(nan_at):
         [named] = late[7]
         assert "traced at step 7 after NaN/inf gradients at step 5: the batch itself holds" in named.message
         assert named.level == sync[7][0].level  # (the same words and level as the synchronous tracer at step 7)
+
+
+def test_close_raises_the_last_deferred_verdict_after_closing(monkeypatch):
+    """With ``lag=1`` the last check's report is delivered by ``close()``: under ``on_problem="raise"``
+    its verdict is raised there (as ``flush()`` does), once every hook is removed and every sink
+    closed (it was said as the monitor's own failure to fetch the last updates)."""
+    torch.manual_seed(0)
+    model = _net()
+    opt = torch.optim.SGD(list(model.parameters())[:-1], lr=1e-2)  # the last bias left out: an error
+    closed = []
+
+    class Sink:
+        def write(self, report):
+            pass
+
+        def close(self):
+            closed.append(True)
+
+    monitor = gh.GradHealth(model, opt, lag=1, on_problem="raise", sinks=[Sink()])
+    x = torch.randn(16, 8)
+    ((model(x) - x[:, :1]) ** 2).mean().backward()
+    assert monitor.check() is None  # (launched; its verdict is still to come)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthInternalWarning)
+        with pytest.raises(gh.GradHealthError, match="NOT_IN_OPTIMIZER"):
+            monitor.close()
+    assert closed == [True] and monitor._closed  # closed all the same
+    monitor.close()  # (idempotent)
