@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import sys
 import warnings
 
 import torch
@@ -224,7 +225,7 @@ class GradHealth:
         self._closed = True
         self._owned.release()
         self.publisher.close()  # (every sink, even when one raises; a second close() retries the rest)
-        if verdict is not None:
+        if verdict is not None and sys.exc_info()[1] is None:  # (not over an exception on its way: __exit__'s)
             raise verdict
 
     __enter__ = lambda self: self  # noqa: E731
@@ -239,7 +240,6 @@ class GradHealth:
         checked.load(self.carry, self.view, state)
 
     parameter_names = property(lambda self: list(self.view.names))
-
     history = property(lambda self: self.carry.history, doc="The norm history of checks over every parameter (None when off).")
 
     emit_warnings = property(lambda self: self.publisher.emit_warnings,

@@ -726,3 +726,8 @@ def test_close_raises_the_last_deferred_verdict_after_closing(monkeypatch):
             monitor.close()
     assert closed == [True] and monitor._closed  # closed all the same
     monitor.close()  # (idempotent)
+    with pytest.raises(KeyError, match="the loop's own"):  # leaving a with-block on an exception: that one is seen
+        with gh.GradHealth(model, opt, lag=1, on_problem="raise") as again:
+            ((model(x) - x[:, :1]) ** 2).mean().backward()
+            again.check()
+            raise KeyError("the loop's own")
