@@ -48,7 +48,8 @@ from .errors import GradHealthError, GradHealthInternalWarning
 from .observe import Pending, failed_observation
 from .stale import witnesses
 from .classify import _REQUIRES_GRAD
-from .stats import joined
+from .gradients import grads_of
+from .stats import dense_view, joined
 from .status import Status
 from .hooks import guarded
 
@@ -81,6 +82,15 @@ def due_test(carry, report) -> bool:
     while a frozen parameter holds a gradient (momentum or weight decay may move it)."""
     return carry.still > 0 or any(report.status[n] is Status.FROZEN and n in report.grad_norm
                                   for n in report.not_ok or ())
+
+
+def _norms_now(view, sel) -> Tensor | None:
+    """The judged gradients' norms, exact (float64), one kernel each: a failed observation's guard only."""
+    grads = [g for g in grads_of([view.params[i] for i in sel.idx]) if g is not None]
+    if not grads:
+        return None
+    device = grads[0].device
+    return torch.stack([torch.linalg.vector_norm(dense_view(g.detach()), dtype=torch.float64).to(device) for g in grads])
 
 
 def _said(step, exc: Exception, depth: int) -> None:
@@ -143,7 +153,7 @@ class Deferred:
         """Complete the check in flight (its report, or None), then launch this one (also when the
         one in flight failed: under torch.distributed every rank fails it together, and goes on).
         A failure in either is said as a synchronous check's is, and loses nothing else."""
-        done, m, self.early = self.early, self.monitor, None  # (settled before the parameters changed)
+        done, m, self.early, launch = self.early, self.monitor, None, None  # (early: settled before a rebuild)
         try:
             if self.inflight is not None:
                 try:
@@ -173,14 +183,32 @@ class Deferred:
                 m.tracker.arm(step, judged, last is not None and due_test(m.carry, last))
                 if not launch.after_step:
                     m.carry.stage(step, witnesses(m.view.params, pending.with_grad))
-            if ok and m.options.skip_nonfinite and m.scaler is None:
-                self._guard(launch)
+            if m.options.skip_nonfinite and m.scaler is None:
+                self._guard(launch, None if ok else _norms_now(m.view, launch.sel))
             self.inflight = launch
         except GradHealthError:
             raise
         except Exception as exc:  # (the report completed above is not lost with it)
+            if m.ranks.active and launch is not None and self.inflight is not launch:
+                self._join_flagged(launch, exc)
             _said(step, exc, 5)
         return done
+
+    def _join_flagged(self, launch: Launch, exc: Exception) -> None:
+        """A launch that failed on this rank after its observation still completes with the other
+        ranks' checks: an empty contribution and the failure flag in that check's one collective
+        (every rank skips the check together; no rank waits in a collective another never joins)."""
+        m, pending = self.monitor, launch.obs
+        if type(pending) is Pending:
+            launch.obs = failed_observation(m.view, launch.sel, *pending.asked)
+        m._failed, launch.setup = exc, None
+        launch.transfer = Transfer(None, self.pinned)  # (nothing of this rank's is read: DDP's hooks' neither)
+        launch.ranks = [None, None, False, launch.ranks[3] if launch.ranks is not None else m.ranks.take_nosync_step()]
+        self.inflight = launch
+
+    def launched_at(self, step) -> bool:
+        """Whether the check in flight was launched at ``step`` (the adapters keep what it saw)."""
+        return self.inflight is not None and self.inflight.step == step
 
     def settle(self) -> None:
         """Before the monitor's view of the parameters is rebuilt: complete the check in flight now,
@@ -238,11 +266,12 @@ class Deferred:
         return report
 
     # ------------------------------------------------------------------ the step guard
-    def _guard(self, launch: Launch) -> None:
+    def _guard(self, launch: Launch, norms=None) -> None:
         """Make the step after this check skip itself when a gradient is non-finite, decided on the
-        device where the optimizer can take it (see the module's docstring)."""
+        device where the optimizer can take it (see the module's docstring). ``norms``: where this
+        rank's observation failed, the gradients' norms taken now (the other ranks decide alike)."""
         m = self.monitor
-        norms = launch.obs.launched.norms_part()
+        norms = launch.obs.launched.norms_part() if norms is None else norms
         if norms is None:
             return
         flag = (~torch.isfinite(norms)).any().to(torch.float32)  # (0-d, as GradScaler hands it over)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-import sys
 import warnings
 
 import torch
@@ -48,7 +47,7 @@ from .options import Options, check_scaler, check_step, check_tensor
 from .params import ModelChanges, ParamView, Selection
 from .patience import persist
 from .policy import Publisher, alarm, explain
-from .replicas import Replicas, group_members
+from .replicas import Replicas, group_members, verify_step
 from .report import Report
 from .unstepped import Unstepped
 from .wrappers import unwrap
@@ -165,14 +164,8 @@ class GradHealth:
                            [v.params[i] for i in v.selection(optimizer).idx], self.scaler is not None, self.tracker)
         return report
 
-    def _members(self) -> list[tuple[int, set[int]]]:
-        return group_members(self.view.pids, self.optimizers)
-
-    def _verify(self, opt) -> None:
-        if self.replicas.verify:
-            idx = sorted(i for key, members in self._members() if key == id(opt) for i in members)
-            self.replicas.verified(opt, [self.view.params[i] for i in idx], [self.view.names[i] for i in idx],
-                                   self.tracker.armed_step, self.ranks.device)
+    _members = lambda self: group_members(self.view.pids, self.optimizers)  # noqa: E731
+    _verify = lambda self, opt: verify_step(self, opt)  # noqa: E731 (:mod:`.replicas`)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None, *, parameters=None, unscale: bool = True) -> Tensor:
@@ -195,8 +188,14 @@ class GradHealth:
     def flush(self) -> None:
         """Fetch the last measured optimizer step now (one transfer) instead of at the next check;
         with ``lag=1``, first deliver the check in flight (its report reaches the sinks and the policy)."""
-        if self._deferred is not None and (report := self._deferred.drain()) is not None:  # (a failure: said)
-            self.publish(report)
+        report = self._deferred.drain() if self._deferred is not None else None  # (a failure: said)
+        try:
+            if report is not None:
+                self.publish(report)
+        finally:  # (its verdict raised, under raise, once the updates reached the sinks)
+            self._flush_updates()
+
+    def _flush_updates(self) -> None:
         tracker = self.tracker
         if tracker is None or not tracker.pending:
             return
@@ -211,7 +210,7 @@ class GradHealth:
         self.publisher.deliver(self.carry.resolve_step(None, updates, 0, self.view.params, self.view.names, None, False,
                                               self.options.amp_skip_alarm), None)
 
-    def close(self) -> None:
+    def close(self, _verdict: bool = True) -> None:
         """Remove every hook this monitor installed; flush and close every sink. Idempotent."""
         if self._closed:
             return self.publisher.close()  # a retry: the sinks that did not close
@@ -225,11 +224,11 @@ class GradHealth:
         self._closed = True
         self._owned.release()
         self.publisher.close()  # (every sink, even when one raises; a second close() retries the rest)
-        if verdict is not None and sys.exc_info()[1] is None:  # (not over an exception on its way: __exit__'s)
+        if verdict is not None and _verdict:
             raise verdict
 
     __enter__ = lambda self: self  # noqa: E731
-    __exit__ = lambda self, *exc: self.close()  # noqa: E731
+    __exit__ = lambda self, *exc: self.close(exc[0] is None)  # noqa: E731 (over an exception on its way: not raised)
 
     def state_dict(self) -> dict:
         """The monitor's progress and norm histories (plain Python, for checkpoints)."""

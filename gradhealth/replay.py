@@ -50,6 +50,7 @@ def traced(carry, model: nn.Module, report, arm: bool) -> list[Finding]:
     tracer, found = carry.tracer, []
     if tracer is not None and tracer.armed and carry.trace_wait:  # (lag=1: this report's forward ran before it)
         carry.trace_wait = False
+        tracer.pause()  # (it saw the step it watches: no later forward feeds it)
     elif tracer is not None and tracer.armed:
         tracer.resolve()
         carry.tracer = None

@@ -31,7 +31,7 @@ import torch
 from .distributed import to_local
 from .findings import Finding, FindingKind
 
-__all__ = ["Replicas", "GRAD_SYNC", "SAMPLE", "BLOCK", "WHOLE", "group_members"]
+__all__ = ["Replicas", "GRAD_SYNC", "SAMPLE", "BLOCK", "WHOLE", "group_members", "verify_step"]
 
 GRAD_SYNC = ("auto", "before_check", "in_optimizer")
 #: elements per parameter in its fingerprint: the whole of a tensor up to WHOLE elements, else a
@@ -176,3 +176,12 @@ def group_members(pids: list[int], optimizers) -> list[tuple[int, set[int]]]:
     step and leave another to a reduction by hand before it)."""
     at = {p: i for i, p in enumerate(pids)}
     return [(id(o), {at[id(q)] for q in g["params"] if id(q) in at}) for o in optimizers for g in o.param_groups]
+
+
+def verify_step(monitor, opt) -> None:
+    """(after ``opt``'s step) Verify where its replicas are reduced, over its param groups' entries."""
+    if monitor.replicas.verify:
+        v = monitor.view
+        idx = sorted(i for key, members in group_members(v.pids, monitor.optimizers) if key == id(opt) for i in members)
+        monitor.replicas.verified(opt, [v.params[i] for i in idx], [v.names[i] for i in idx],
+                                  monitor.tracker.armed_step, monitor.ranks.device)

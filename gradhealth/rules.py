@@ -58,14 +58,16 @@ def _host_values(t: Tensor) -> list:
 def _adam_coefs(t, beta1: float, beta2: float, eps: float):
     """(c, eps·sqrt(bc2)) such that (m / bc1) / (sqrt(v / bc2) + eps) = c · m / (sqrt(v) + eps·sqrt(bc2)),
     c = sqrt(bc2) / bc1; ``t`` a step count, or a vector of them on the device (then a pair of
-    vectors). c = 0 where the count is 0: a fused step that skipped itself, no update."""
+    vectors, and a third: 0 where the count is 0, a fused step that skipped itself, whose update is 0,
+    weight decay included; c = 0 and the second coefficient 1 there, so that 0 / (0 + 1) stays 0)."""
     if not isinstance(t, Tensor):
         if t == 0:
             return 0.0, 0.0
         root = (1 - beta2**t) ** 0.5
         return root / (1 - beta1**t), eps * root
-    root = (1 - torch.pow(beta2, t)).sqrt()
-    return torch.where(t == 0, 0.0, root / (1 - torch.pow(beta1, t))), eps * root
+    root, skipped = (1 - torch.pow(beta2, t)).sqrt(), t == 0
+    return (torch.where(skipped, 0.0, root / (1 - torch.pow(beta1, t))), torch.where(skipped, 1.0, eps * root),
+            (~skipped).double())
 
 
 def _f(x) -> float:
@@ -107,8 +109,8 @@ def _terms(opt, rule: str, params: list[Tensor]) -> list:
                 if _on_host(t):  # (plain Adam: one read of host memory)
                     steps = dict(zip(map(id, have), map(lambda c: _adam_coefs(c, beta1, beta2, eps), _host_values(t))))
                 else:  # (fused/capturable Adam: the counts stay on the device, and so do the corrections)
-                    c, e = _adam_coefs(t.to(torch.float64), beta1, beta2, eps)
-                    steps = dict(zip(map(id, have), zip(c.unbind(), e.unbind())))
+                    c, e, on = _adam_coefs(t.to(torch.float64), beta1, beta2, eps)
+                    steps = dict(zip(map(id, have), zip(c.unbind(), e.unbind(), on.unbind())))
             elif counts:
                 steps = {id(p): _adam_coefs(_f(t), beta1, beta2, eps) for p, t in zip(have, counts)}
         state_of = opt.state
@@ -197,6 +199,7 @@ def _accumulate(kind: str, with_w: bool, batch: list, sq: Tensor) -> None:
             torch._foreach_mul_(u, scale)
             if with_w:
                 torch._foreach_add_(u, torch._foreach_mul(thetas, [item[4] for item in batch]))
+                torch._foreach_mul_(u, [c[2] for c in coefs])  # (a step that skipped itself: no decay either)
         del denom
     else:
         u = torch._foreach_mul(list(parts[0]), coefs[0][0])

@@ -178,6 +178,12 @@ class NonFiniteTracer:
             for t in paused:
                 t._paused -= 1
 
+    def pause(self) -> None:
+        """Stop recording until :meth:`resolve`, keeping what was recorded (its one step seen)."""
+        self._paused += 1
+        if self._ops is not None:
+            self._ops._paused += 1
+
     @property
     def armed(self) -> bool:
         return self._armed

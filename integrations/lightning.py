@@ -282,7 +282,9 @@ class GradHealthCallback(Callback):
         report = mon.measure(self._loss, step=trainer.global_step, optimizer=optimizer if several else None)
         window, self._window = list(self._window), deque(maxlen=self._window.maxlen)
         if mon.options.lag and not manual:  # (the report is the check before's: so is the batch to replay)
-            self._launched, window = {trainer.global_step: window}, self._launched.get(getattr(report, "step", None), [])
+            window, done = self._launched.pop(getattr(report, "step", None), []), window
+            if mon._deferred.launched_at(trainer.global_step):  # (a check the gate let through: its batches)
+                self._launched = {trainer.global_step: done}
         if report is None:
             return
         if manual:  # a backward Lightning did not see: inside step(), after any clip_gradients
@@ -322,10 +324,12 @@ class GradHealthCallback(Callback):
             self._unshare()
             self._unshare = None
         if self.monitor is not None:
-            self._pending_state = self.monitor.state_dict()
-            self.monitor.close()  # (with lag=1 it delivers the last check's report: the last one)
-            self.last_report = self.monitor.last_report or self.last_report
-            self.monitor, self._launched = None, {}
+            mon, self.monitor, self._launched = self.monitor, None, {}
+            self._pending_state = mon.state_dict()
+            try:
+                mon.close()  # (with lag=1 it delivers the last check's report, and raises its verdict under raise)
+            finally:
+                self.last_report = mon.last_report or self.last_report
 
     def _replay(self, trainer, pl_module, report: Report, window: list):
         """The step's batches once more under the tracer (each alone, until one makes the NaN),

@@ -287,7 +287,9 @@ class GradHealthCallback(TrainerCallback, ExportableState):
                     "norms are post-clip, and a clipped non-finite gradient hides which parameter it came from"))
         window, self._batches.window = self._batches.window, []
         if mon.options.lag:  # (the report is the check before's: so are the micro-batches to replay)
-            self._launched, window = {self._step: window}, self._launched.get(getattr(report, "step", None), [])
+            window, done = self._launched.pop(getattr(report, "step", None), []), window
+            if mon._deferred.launched_at(self._step):  # (a check the gate let through: its micro-batches)
+                self._launched = {self._step: done}
         if report is None:
             return
         # (under a grad scaler an overflow is the scaler's to skip, not a NaN to trace)
@@ -315,8 +317,8 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             for key in _TRL_NOTES:
                 if isinstance(logs.get(key), (int, float)):
                     self.monitor.carry.fit.notes[key] = (float(logs[key]), state.global_step)
-        if self.log and self.monitor is not None and self._sink.pending:
-            self.monitor.flush()  # the update norms of the step just taken (on every rank: it may reduce)
+        if self.log and self.monitor is not None and self._sink.pending:  # the update norms of the step just
+            self.monitor._flush_updates()  # taken (on every rank: it may reduce); lag=1's check stays in flight
         if self.log and logs is not None and state.is_world_process_zero and self._sink.pending:
             logs.update(self._sink.pending)
             history = state.log_history  # Trainer stored a copy of logs before calling on_log
@@ -433,11 +435,12 @@ class GradHealthCallback(TrainerCallback, ExportableState):
                 hook.remove()
         self._hook = self._pre_hook = None
         if self.monitor is not None:
-            self.monitor.flush()  # (with lag=1 it delivers the last check's report: the last one)
-            self._pending_state = self.monitor.state_dict()
-            self.monitor.close()
-            self.last_report = self.monitor.last_report or self.last_report
-            self.monitor, self._launched = None, {}
+            mon, self.monitor, self._launched = self.monitor, None, {}
+            try:
+                mon.close()  # (with lag=1 it delivers the last check's report, and raises its verdict under raise)
+            finally:
+                self._pending_state = mon.state_dict()
+                self.last_report = mon.last_report or self.last_report
 
     def __del__(self):  # hooks must not outlive a callback dropped without on_train_end
         for hook in (getattr(self, "_hook", None), getattr(self, "_pre_hook", None)):

@@ -1,6 +1,7 @@
 """Worker functions for the multi-process tests (spawned: they must live in an importable module)."""
 
 import json
+import math
 import os
 import traceback
 import warnings
@@ -499,7 +500,54 @@ def s_early_failure(rank, world):
     return out
 
 
-SCENARIOS = {"early_failure": s_early_failure, "deferred_failure": s_deferred_failure, "skip_rank1": s_skip_rank1, "healthy_replicas": s_healthy_replicas, "fsdp2_healthy": s_fsdp2_healthy,
+def s_deferred_late_failure(rank, world):
+    """lag=1 under DDP with the step guard and fused AdamW: rank 1's launch fails after its
+    observation at check 1 (the gradient witnesses it stages), and its observation fails at check
+    3, the step whose gradients are NaN on every rank (the batch on rank 0 holds one, DDP averages
+    it). Rank 1 still joins both checks' collectives, flagged, and still hands its optimizer the
+    guard's flag: the replicas stay identical and finite."""
+    from gradhealth import deferred, stats
+
+    stage, launched = deferred.witnesses, stats.Launched.__init__
+    calls = {"stage": 0, "launch": 0}
+
+    def stage_once(*args, **kwargs):
+        calls["stage"] += 1
+        if rank == 1 and calls["stage"] == 2:
+            raise RuntimeError("planted failure after the observation")
+        return stage(*args, **kwargs)
+
+    def launch_once(self, *args, **kwargs):
+        calls["launch"] += 1
+        if rank == 1 and calls["launch"] == 4:
+            raise RuntimeError("planted failure at launch")
+        return launched(self, *args, **kwargs)
+
+    deferred.witnesses, stats.Launched.__init__ = stage_once, launch_once
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.05, fused=True)
+    mon = gh.GradHealth(ddp, opt, on_problem="ignore", lag=1, skip_nonfinite=True)
+    returned = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            if step == 3 and rank == 0:
+                x[0, 0] = math.nan
+            (ddp(x) - x.sum(1, keepdim=True)).pow(2).mean().backward()
+            r = mon.check()
+            returned.append(None if r is None else r.step)
+            opt.step()
+            opt.zero_grad()
+        mon.close()
+    said = [str(w.message) for w in caught if issubclass(w.category, gh.GradHealthInternalWarning)]
+    return {"returned": returned, "said": said, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+SCENARIOS = {"deferred_late_failure": s_deferred_late_failure, "early_failure": s_early_failure, "deferred_failure": s_deferred_failure, "skip_rank1": s_skip_rank1, "healthy_replicas": s_healthy_replicas, "fsdp2_healthy": s_fsdp2_healthy,
              **{f"replicas_{c}": (lambda c: lambda rank, world: _replicas(rank, world, c))(c)
                 for c in ("roundtrip", "roundtrip_fixed", "around", "around_fixed", "bucket", "bucket_fixed",
                           "nan_collective")},

@@ -688,7 +688,20 @@ def test_the_deferred_tracer_is_judged_against_the_step_it_watched(nan_at):
         return {r.step: [f for f in r.findings_of("NONFINITE_ORIGIN") if not f.data.get("from_loss")]
                 for r in keep.reports}
 
-    sync, late = run(0), run(1)
+    from gradhealth import trace
+
+    seen_forwards, resolve = [], trace.NonFiniteTracer.resolve
+
+    def counted(self):  # the forwards a tracer recorded when it is resolved: the step it watched alone
+        seen_forwards.append(sum(1 for e in self._events if e.kind == "inp" and e.module == "0"))
+        return resolve(self)
+
+    trace.NonFiniteTracer.resolve = counted
+    try:
+        sync, late = run(0), run(1)
+    finally:
+        trace.NonFiniteTracer.resolve = resolve
+    assert seen_forwards and set(seen_forwards) == {1}, seen_forwards
     assert "the batch itself holds NaN/inf" in sync[6][0].message  # (the premise: the batch held it)
     said = [f.message for found in late.values() for f in found]
     assert not any("born outside" in m for m in said), said  # nothing false
@@ -724,10 +737,52 @@ def test_close_raises_the_last_deferred_verdict_after_closing(monkeypatch):
         warnings.simplefilter("error", gh.GradHealthInternalWarning)
         with pytest.raises(gh.GradHealthError, match="NOT_IN_OPTIMIZER"):
             monitor.close()
-    assert closed == [True] and monitor._closed  # closed all the same
+    assert closed == [True] and monitor._closed  # closed all the same: every hook removed, every sink closed
+    assert not model._forward_hooks and not model._forward_pre_hooks and not opt._optimizer_step_post_hooks
     monitor.close()  # (idempotent)
+    again = gh.GradHealth(model, opt, lag=1, on_problem="raise")
+    ((model(x) - x[:, :1]) ** 2).mean().backward()
+    again.check()
+    try:
+        raise StopIteration  # (a loop that ends in an except block of its own: the verdict is still raised)
+    except StopIteration:
+        with pytest.raises(gh.GradHealthError, match="NOT_IN_OPTIMIZER"):
+            again.close()
     with pytest.raises(KeyError, match="the loop's own"):  # leaving a with-block on an exception: that one is seen
         with gh.GradHealth(model, opt, lag=1, on_problem="raise") as again:
             ((model(x) - x[:, :1]) ** 2).mean().backward()
             again.check()
             raise KeyError("the loop's own")
+
+
+def test_the_last_steps_updates_reach_the_sinks_when_the_last_verdict_raises():
+    """``flush()`` under ``on_problem="raise"`` with ``lag=1``: the last check's verdict is raised
+    after the last step's update numbers have reached the sinks (as under ``warn``)."""
+    def run(on_problem):
+        torch.manual_seed(0)
+        model = _net()
+        opt = torch.optim.SGD(list(model.parameters())[:-1], lr=1e-2)  # the last bias left out: an error
+        updated = []
+
+        class Sink:
+            def write(self, report):
+                pass
+
+            def write_update(self, report):
+                updated.append(report.step)
+
+        monitor = gh.GradHealth(model, opt, lag=1, on_problem=on_problem, sinks=[Sink()], update_every=1)
+        x = torch.randn(16, 8)
+        for step in range(3):
+            ((model(x) - x[:, :1]) ** 2).mean().backward()
+            try:
+                monitor.check()
+            except gh.GradHealthError:
+                pass
+            opt.step()
+            opt.zero_grad()
+        with contextlib.suppress(gh.GradHealthError):
+            monitor.close()
+        return updated
+
+    assert run("raise") == run("warn") == [0, 1, 2]

@@ -430,3 +430,26 @@ def test_adam_update_norms_from_step_counts_kept_on_the_device(monkeypatch, name
             ref = torch.linalg.vector_norm((p.detach() - before[n]).double()).item()
             assert r.update_norm[n] == pytest.approx(ref, rel=1e-4), (name, n)
     assert taken and all(taken)  # (the premise: the device path computed every correction)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+@pytest.mark.parametrize("decay", [0.0, 0.1])
+def test_a_fused_step_that_skipped_itself_at_its_first_step_measures_zero(monkeypatch, on_device, decay):
+    """A fused AdamW step handed ``found_inf`` (a grad scaler's, or the deferred guard's) at the very
+    first step leaves its step count at 0 and m, v at 0: its update is 0 for every parameter, weight
+    decay included, whether the counts are read on the host or kept on the device (0, not 0/0)."""
+    from gradhealth import rules
+
+    monkeypatch.setattr(rules, "_on_host", lambda t: not on_device)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=decay, fused=True)
+    model(torch.randn(16, 8)).pow(2).mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.found_inf = torch.ones(())
+    opt.step()
+    del opt.found_inf
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))  # (the premise: it skipped itself)
+    assert all(float(opt.state[p]["step"]) == 0.0 for p in model.parameters())
+    norms = rules.rule_norms(opt, "adam", list(model.parameters()), 1 << 20)
+    assert norms.tolist() == [0.0, 0.0]

@@ -176,6 +176,18 @@ def test_a_deferred_check_that_fails_on_one_rank_does_not_hang_the_others(tmp_pa
     assert any("planted failure at completion" in s for s in ranks[1]["said"])
 
 
+def test_a_deferred_launch_that_fails_on_one_rank_after_its_observation_joins_flagged(tmp_path):
+    ranks = spawn("deferred_late_failure", tmp_path, limit=120)
+    for r in ranks:  # checks 1 and 3 skipped by every rank together; the others judged
+        assert r["returned"] == [None, 0, None, 2, None, 4], r
+        assert sum("failed on rank(s) [1]" in s for s in r["said"]) == 2, r["said"]
+        assert r["finite"]  # step 3's NaN step skipped everywhere: rank 1 decided its guard from its gradients
+    assert ranks[0]["params"] == ranks[1]["params"]  # the replicas stay identical
+    said = ranks[1]["said"]
+    assert any("planted failure after the observation" in s for s in said) and any("planted failure at launch" in s
+                                                                                 for s in said)
+
+
 def test_a_check_whose_bookkeeping_fails_on_one_rank_does_not_hang_the_others(tmp_path):
     ranks = spawn("early_failure", tmp_path, limit=120)
     for r in ranks:

@@ -188,16 +188,17 @@ def test_two_optimizers_classified_per_step():
     assert all(r.ok for r in sink.reports)
 
 
-@pytest.mark.parametrize("lag, skip", [(0, False), (1, False), (1, True)])
-def test_replay_names_the_origin_and_leaves_training_unchanged(lag, skip):
+@pytest.mark.parametrize("lag, skip, every", [(0, False, 1), (1, False, 1), (1, True, 1), (1, True, 2)])
+def test_replay_names_the_origin_and_leaves_training_unchanged(lag, skip, every):
     """The replay runs the NaN step's own batch (with ``lag=1``: the batch of the check that just
-    completed, a step later, not the current one), and training is bit for bit as without it."""
+    completed, a step later, not the current one, also when ``every_n_steps`` lets checks through
+    between steps it skips), and training is bit for bit as without it."""
     def run(replay):
         torch.manual_seed(0)
         module = DemoModule(bug="nan_batch", nan_batch=2, dropout=0.2)
         sink = Reports()
         cb = GradHealthCallback(on_problem="ignore", replay_on_nonfinite=replay, sinks=[sink], lag=lag,
-                                skip_nonfinite=skip)
+                                skip_nonfinite=skip, every_n_steps=every)
         fit(module, [cb], steps=5)
         return module, sink, cb
 
@@ -209,7 +210,7 @@ def test_replay_names_the_origin_and_leaves_training_unchanged(lag, skip):
     f = [x for x in r.findings_of("NONFINITE_ORIGIN") if not x.data.get("from_loss")]  # the replay's
     assert f and f[0].data["reproduced"] is True and f[0].data["batch_idx"] == 2, [str(x) for x in r.findings]
     assert "reproduced" in f[0].message
-    assert cb.last_report.step == 4 and [r.step for r in sink.reports] == [0, 1, 2, 3, 4]  # (the last one too)
+    assert cb.last_report.step == 4 and [r.step for r in sink.reports] == list(range(0, 5, every))  # (the last too)
 
 
 def test_grads_are_unscaled_when_classified():
