@@ -175,12 +175,14 @@ class Deferred:
                     packed = joined([*(pending.launched.parts if ok else ()), snap[1]])
             launch.transfer = Transfer(packed, self.pinned)
             v = m.view  # (what the report is judged against, as of now: the loop may change it before completion)
-            launch.setup = ((v.optimizer_ids(), v.all_inside, list(map(_REQUIRES_GRAD, v.params))) if optimizer is None
-                            else (launch.sel.opt_ids, None, list(map(_REQUIRES_GRAD, v.params))))
+            requires = list(map(_REQUIRES_GRAD, v.params))
+            launch.setup = ((v.optimizer_ids(), v.all_inside, requires) if optimizer is None
+                            else (launch.sel.opt_ids, None, requires))
             if ok and m.tracker is not None and not launch.reeval:
                 judged = [optimizer] if optimizer is not None else m.optimizers
-                last = m.last_report
-                m.tracker.arm(step, judged, last is not None and due_test(m.carry, last))
+                last = m.last_report  # (and a frozen parameter holding a gradient now: its step may move it)
+                m.tracker.arm(step, judged, last is not None and due_test(m.carry, last)
+                              or not all(map(requires.__getitem__, pending.with_grad)))
                 if not launch.after_step:
                     m.carry.stage(step, witnesses(m.view.params, pending.with_grad))
             if m.options.skip_nonfinite and m.scaler is None:

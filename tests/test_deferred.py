@@ -618,7 +618,8 @@ def test_two_deferred_monitors_never_write_into_each_others_buffers(monkeypatch)
         m.close()
 
 
-@pytest.mark.parametrize("change", ["freeze", "unfreeze", "add_param_group", "swap_head", "swap_fewer", "swap_more"])
+@pytest.mark.parametrize("change", ["freeze", "freeze_kept_grads", "unfreeze", "add_param_group", "swap_head",
+                                    "swap_fewer", "swap_more"])
 def test_a_deferred_report_is_judged_as_its_step_was_set_up(change):
     """The loop changes what trains between a check and its completion (at the top of the next
     step: a freeze, a gradual unfreeze with ``add_param_group``, a head swapped in with the same,
@@ -637,7 +638,7 @@ def test_a_deferred_report_is_judged_as_its_step_was_set_up(change):
         g = torch.Generator().manual_seed(1)
         for step in range(7):
             if step == 4:
-                if change == "freeze":
+                if change.startswith("freeze"):  # (kept grads: zero_grad(set_to_none=False), AdamW decays it)
                     model[0].requires_grad_(False)
                 if change == "unfreeze":
                     model[0].requires_grad_(True)
@@ -646,7 +647,7 @@ def test_a_deferred_report_is_judged_as_its_step_was_set_up(change):
                 if change.startswith("swap"):
                     model[2] = {"swap_head": lambda: nn.Linear(16, 1), "swap_fewer": lambda: nn.Linear(16, 1, bias=False),
                                 "swap_more": lambda: nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))}[change]()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=change != "freeze_kept_grads")
             x = torch.randn(16, 8, generator=g)
             nn.functional.mse_loss(model(x), x[:, :1]).backward()
             monitor.check()
@@ -659,6 +660,8 @@ def test_a_deferred_report_is_judged_as_its_step_was_set_up(change):
         warnings.simplefilter("error", gh.GradHealthInternalWarning)
         sync, late = run(0), run(1)
     assert sync[3] != sync[4] or change == "swap_head"  # (the premise: the change shows from step 4 on)
+    if change == "freeze_kept_grads":  # (the frozen weight keeps a zero gradient: AdamW's decay moves it)
+        assert ("FROZEN_BUT_CHANGED", "error") in sync[4][2]
     assert late == sync
 
 
