@@ -9,6 +9,10 @@ instead (``clip_grad_norm_(...).item()``):
   and is printed apart);
 * ops per step: the same plus the monitor's own ops in the optimizer step's hooks, the mean over
   ``steps`` steps (the periodic change test and update norms amortised as in a run);
+* host reads per step: the reads of a tensor's values by the host inside ``check()`` (or the
+  clip) and the monitor's step hooks, each a synchronisation on a GPU (the host waits for the
+  device): a scalar read (``item``, ``bool()``) or ``Tensor.tolist()``, but for the deferred
+  check's completed copy, which reads pinned host memory after its event; the mean over ``steps``;
 * Python instructions per check: bytecode instructions executed inside ``check()`` (or the clip),
   counted with ``sys.settrace`` opcode events (``f_trace_opcodes``), the median and the mean over
   ``instructions`` checks after the ``steps`` (8: one period of the default change test, whose
@@ -32,27 +36,53 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["COUNT_SHAPES", "count_shape", "bench_counts"]
 
 
+_READS = {"_local_scalar_dense", "item", "is_nonzero"}
+
+
+def _ours(frame) -> bool:
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "/torch/optim/" in name:
+            return False
+        if "/gradhealth/" in name and "/benchmarks/" not in name and "/tests/" not in name:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _Ops(TorchDispatchMode):
-    """Counts the ops dispatched by gradhealth's code, or (``everything``) every op."""
+    """Counts the ops dispatched by gradhealth's code, or (``everything``) every op, and the host
+    reads among them (``reads``; ``Tensor.tolist()`` too, which dispatches nothing on the CPU)."""
 
     def __init__(self, everything: bool = False):
         super().__init__()
-        self.n, self.everything = 0, everything
+        self.n, self.reads, self.everything = 0, 0, everything
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.everything:
+        if self.everything or _ours(sys._getframe(1)):
             self.n += 1
-        else:
-            f = sys._getframe(1)
-            while f is not None:
-                name = f.f_code.co_filename
-                if "/torch/optim/" in name:
-                    break
-                if "/gradhealth/" in name and "/benchmarks/" not in name and "/tests/" not in name:
-                    self.n += 1
-                    break
-                f = f.f_back
+            self.reads += func.__name__.split(".")[0] in _READS
         return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        from gradhealth.deferred import Transfer
+
+        tolist, pinned = torch.Tensor.tolist, Transfer.values.__code__
+
+        def counted(t):
+            f = sys._getframe(1)
+            if self.everything or _ours(f):
+                while f is not None and f.f_code is not pinned:
+                    f = f.f_back
+                self.reads += f is None  # (the deferred copy reads pinned memory, its event long complete)
+            return tolist(t)
+
+        self._tolist, torch.Tensor.tolist = tolist, counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
 
 def _instructions(fn) -> int:
@@ -115,7 +145,7 @@ def count_shape(label: str, steps: int = 9, instructions: int = 8) -> dict[str, 
         monitor = None if clip else gh.GradHealth(model, opt, on_problem="ignore", lag=int(variant.startswith("deferred")))
         params = list(model.parameters())
         act = (lambda: torch.nn.utils.clip_grad_norm_(params, 1e9).item()) if clip else monitor.check
-        checks, whole, py = [], [], []
+        checks, whole, py, reads = [], [], [], []
         for step in range(steps + instructions):
             opt.zero_grad(set_to_none=True)
             model(x).float().pow(2).mean().backward()
@@ -129,10 +159,12 @@ def count_shape(label: str, steps: int = 9, instructions: int = 8) -> dict[str, 
                 opt.step()
             checks.append(n)
             whole.append(n if clip else ops.n)  # (the clip has no hooks; the optimizer's ops are not the monitor's)
+            reads.append(ops.reads)
         if monitor is not None:
             monitor.close()
         out[variant] = {"tensors": len(params), "first": checks[0], "check": statistics.median(checks[1:]),
-                        "step": sum(whole[1:]) / len(whole[1:]), "py": statistics.median(py) if py else float("nan"),
+                        "step": sum(whole[1:]) / len(whole[1:]), "reads": sum(reads[1:]) / len(reads[1:]),
+                        "py": statistics.median(py) if py else float("nan"),
                         "py_mean": statistics.mean(py) if py else float("nan")}
     return out
 
@@ -140,14 +172,15 @@ def count_shape(label: str, steps: int = 9, instructions: int = 8) -> dict[str, 
 def bench_counts(steps: int = 9, shapes=None) -> dict:
     print("\nwhat a check costs the host, counted: torch ops dispatched (TorchDispatchMode; on a GPU each is a kernel "
           "launch) and Python bytecode instructions (sys.settrace opcode events), per check after the first; "
-          "'+hooks': the mean per step with the monitor's optimizer-step hooks (periodic tests amortised)")
-    print(f"  {'shape':<34}{'tensors':>8}  {'variant':<26}{'first':>7}{'ops/check':>11}{'+hooks':>8}{'py instr/check':>16}"
-          f"{'(mean of 8)':>13}")
+          "'+hooks': the mean per step with the monitor's optimizer-step hooks (periodic tests amortised); "
+          "'syncs': host reads of tensor values per step, hooks included (on a GPU each makes the host wait)")
+    print(f"  {'shape':<34}{'tensors':>8}  {'variant':<26}{'first':>7}{'ops/check':>11}{'+hooks':>8}{'syncs':>7}"
+          f"{'py instr/check':>16}{'(mean of 8)':>13}")
     out = {}
     for label in shapes or COUNT_SHAPES:
         res = count_shape(label, steps, 8 if steps >= 9 else 1)
         for variant, r in res.items():
             print(f"  {label:<34}{r['tensors']:>8}  {variant:<26}{r['first']:>7}{r['check']:>11.0f}{r['step']:>8.1f}"
-                  f"{r['py']:>16.0f}{r['py_mean']:>13.0f}")
+                  f"{r['reads']:>7.1f}{r['py']:>16.0f}{r['py_mean']:>13.0f}")
         out[label] = res
     return out

@@ -27,8 +27,10 @@ def test_bench_distributed_section_runs():
 
 def test_bench_counts_section_prints_ops_and_instructions_per_check():
     """``gradhealth bench --sections counts``: per shape (a vanishing one among them), the synchronous
-    monitor, the deferred one and the one number, each with its ops and Python instructions per check;
-    the counts hold the launch budget (a constant per group: a few ops, whatever the tensor count)."""
+    monitor, the deferred one and the one number, each with its ops, host reads (syncs) and Python
+    instructions per check; the counts hold the launch budget (a constant per group: a few ops,
+    whatever the tensor count), and on healthy models the synchronous check reads once per step,
+    the deferred one never (the one number: once)."""
     res = subprocess.run([sys.executable, "-m", "gradhealth", "bench", "--sections", "counts", "--count-steps", "5"],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
@@ -37,13 +39,15 @@ def test_bench_counts_section_prints_ops_and_instructions_per_check():
         for variant in ("synchronous", "deferred (lag=1)", "clip_grad_norm_().item()"):
             if f"  {variant}" in line:
                 shape = line.split(variant)[0].strip().rsplit(None, 1)[0]
-                first, ops, hooks, py, py_mean = line.split(variant)[1].split()
-                rows[shape, variant] = (int(first), float(ops), float(hooks), float(py), float(py_mean))
+                first, ops, hooks, syncs, py, py_mean = line.split(variant)[1].split()
+                rows[shape, variant] = (int(first), float(ops), float(hooks), float(py), float(py_mean), float(syncs))
     shapes = {s for s, _ in rows}
     assert "200x(Linear(64),Tanh): vanishing" in shapes and len(shapes) == 4, shapes
     assert len(rows) == 12
-    for (shape, variant), (first, ops, hooks, py, py_mean) in rows.items():
+    for (shape, variant), (first, ops, hooks, py, py_mean, syncs) in rows.items():
         assert py > 0 and py_mean > 0 and ops >= 1, (shape, variant)
+        if not shape.endswith("vanishing"):  # (there the zero gradients' partner test reads, when due)
+            assert syncs == {"synchronous": 1.0, "deferred (lag=1)": 0.0}.get(variant, 1.0), (shape, variant, syncs)
         if variant == "clip_grad_norm_().item()":
             continue
         assert ops <= 12, (shape, variant, ops)  # 400 tensors included: not one op per tensor
