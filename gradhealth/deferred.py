@@ -186,7 +186,9 @@ class Deferred:
                 if not launch.after_step:
                     m.carry.stage(step, witnesses(m.view.params, pending.with_grad))
             if m.options.skip_nonfinite and m.scaler is None:
-                self._guard(launch, None if ok else _norms_now(m.view, launch.sel))
+                norms = None if ok else _norms_now(m.view, launch.sel)  # (a failed observation: taken again)
+                if ok or norms is not None:
+                    self._guard(launch, norms)
             self.inflight = launch
         except GradHealthError:
             raise
