@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["COUNT_SHAPES", "count_shape", "bench_counts"]
+__all__ = ["COUNT_SHAPES", "count_shape", "bench_counts", "TolistWatch", "within"]
 
 
 _READS = {"_local_scalar_dense", "item", "is_nonzero"}
@@ -50,9 +50,43 @@ def _ours(frame) -> bool:
     return False
 
 
-class _Ops(TorchDispatchMode):
+def within(frame, codes) -> bool:
+    """Whether ``frame`` or one of its callers runs one of the code objects ``codes``."""
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class TolistWatch(TorchDispatchMode):
+    """A dispatch mode that also sees ``Tensor.tolist()``: a read of the values that dispatches
+    nothing on the CPU (on a GPU, a blocking copy). :meth:`tolist_called` gets each caller's frame.
+    (This bench's counts, ``tests/test_deferred.py``'s host reads, ``scripts/gpu_check.py``'s CPU
+    stand-in for ``set_sync_debug_mode``.)"""
+
+    def tolist_called(self, frame) -> None:
+        pass
+
+    def __enter__(self):
+        tolist = torch.Tensor.tolist
+
+        def watched(t):
+            self.tolist_called(sys._getframe(1))
+            return tolist(t)
+
+        self._tolist, torch.Tensor.tolist = tolist, watched
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+
+class _Ops(TolistWatch):
     """Counts the ops dispatched by gradhealth's code, or (``everything``) every op, and the host
-    reads among them (``reads``; ``Tensor.tolist()`` too, which dispatches nothing on the CPU)."""
+    reads among them (``reads``; ``Tensor.tolist()`` too, but for the deferred check's completed
+    copy, which reads pinned memory after its event, long complete)."""
 
     def __init__(self, everything: bool = False):
         super().__init__()
@@ -64,25 +98,11 @@ class _Ops(TorchDispatchMode):
             self.reads += func.__name__.split(".")[0] in _READS
         return func(*args, **(kwargs or {}))
 
-    def __enter__(self):
+    def tolist_called(self, frame) -> None:
         from gradhealth.deferred import Transfer
 
-        tolist, pinned = torch.Tensor.tolist, Transfer.values.__code__
-
-        def counted(t):
-            f = sys._getframe(1)
-            if self.everything or _ours(f):
-                while f is not None and f.f_code is not pinned:
-                    f = f.f_back
-                self.reads += f is None  # (the deferred copy reads pinned memory, its event long complete)
-            return tolist(t)
-
-        self._tolist, torch.Tensor.tolist = tolist, counted
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
+        if self.everything or _ours(frame):
+            self.reads += not within(frame, {Transfer.values.__code__})
 
 
 def _instructions(fn) -> int:

@@ -88,10 +88,10 @@ _plain_checkout()
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import gradhealth as gh  # noqa: E402
 from gradhealth import stats  # noqa: E402
+from gradhealth.benchmarks.counts import TolistWatch, within  # noqa: E402
 
 ARGS = argparse.Namespace(cpu=False, tiny=False, shapes="")
 DEV = torch.device("cuda")
@@ -102,7 +102,7 @@ def _sync():
         torch.cuda.synchronize()
 
 
-class CpuSyncs(TorchDispatchMode):
+class CpuSyncs(TolistWatch):
     """(``--cpu``) ``torch.cuda.set_sync_debug_mode``'s stand-in: at the level "error" an op that
     would make the host wait for a CUDA device raises, as CUDA's mode does (at "warn" it warns). It
     sees a scalar read (``item``, ``bool()``, ``float()``), an op whose output's size depends on the
@@ -126,29 +126,23 @@ class CpuSyncs(TorchDispatchMode):
             self.said(func)
         return func(*args, **(kwargs or {}))
 
-    def __enter__(self):
+    def tolist_called(self, frame) -> None:
         from gradhealth import deferred, rules
 
-        tolist, host = torch.Tensor.tolist, {stats.fetch.__code__, deferred.Transfer.values.__code__,
-                                             rules._host_values.__code__}
+        if CpuSyncs.level and not within(frame, {stats.fetch.__code__, deferred.Transfer.values.__code__,
+                                                 rules._host_values.__code__}):
+            self.said("Tensor.tolist")
 
-        def watched(t):
-            if CpuSyncs.level:
-                f = sys._getframe(1)
-                while f is not None and f.f_code not in host:
-                    f = f.f_back
-                if f is None:
-                    self.said("Tensor.tolist")
-            return tolist(t)
+    def __enter__(self):
+        from gradhealth import rules
 
-        self._tolist, torch.Tensor.tolist = tolist, watched
         self._on_host, rules._on_host = rules._on_host, lambda t: False  # (every tensor is the "device"'s here)
         return super().__enter__()
 
     def __exit__(self, *exc):
         from gradhealth import rules
 
-        torch.Tensor.tolist, rules._on_host = self._tolist, self._on_host
+        rules._on_host = self._on_host
         return super().__exit__(*exc)
 
 

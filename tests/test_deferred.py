@@ -12,10 +12,10 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradhealth as gh
 from gradhealth import deferred, host, rules, stats
+from gradhealth.benchmarks.counts import TolistWatch, within
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -206,15 +206,6 @@ HOST_SIDE = {host.host_to.__code__, host.host_segments.__code__}
 TRANSFERS = {stats.fetch.__code__, deferred.Transfer.values.__code__, rules._host_values.__code__}
 
 
-def _inside(codes) -> bool:
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_code in codes:
-            return True
-        f = f.f_back
-    return False
-
-
 def _ours() -> bool:
     """Is this op dispatched by gradhealth's own code (not by the optimizer or the user)?"""
     f = sys._getframe(2)
@@ -225,7 +216,7 @@ def _ours() -> bool:
     return False
 
 
-class HostReads(TorchDispatchMode):
+class HostReads(TolistWatch):
     """Every read of a tensor's value by the host: a scalar read (``item``, ``bool``, ``int``), a
     copy from a device to the CPU, and (``strict``) what makes the host wait on a GPU although the
     CPU shows no read: an op whose output's size depends on the values (``nonzero``,
@@ -247,20 +238,9 @@ class HostReads(TorchDispatchMode):
         self.reads = []
         self.strict = strict
 
-    def __enter__(self):
-        tolist, reads = torch.Tensor.tolist, self.reads
-
-        def watched(t):
-            if _ours() and not _inside(TRANSFERS):
-                reads.append(f"tolist in {_where()}")
-            return tolist(t)
-
-        self._tolist, torch.Tensor.tolist = tolist, watched
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
+    def tolist_called(self, frame) -> None:
+        if _ours() and not within(frame, TRANSFERS):
+            self.reads.append(f"tolist in {_where()}")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -281,7 +261,7 @@ class HostReads(TorchDispatchMode):
             elif name in ("index", "index_put", "index_put_", "_index_put_impl_"):
                 flagged = any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
                               for i in (args[1] or ()))
-            if flagged and _ours() and not _inside(HOST_SIDE):
+            if flagged and _ours() and not within(sys._getframe(1), HOST_SIDE):
                 self.reads.append(f"{func.__name__} in {_where()}")
         return func(*args, **kwargs)
 
