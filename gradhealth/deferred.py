@@ -109,11 +109,10 @@ class Transfer:
     HOST = "cpu"  # (the device type whose numbers are on the host already)
 
     def __init__(self, packed: Tensor | None, pinned: dict):
+        self.host, self.event = packed, None  # (on the CPU they are there already)
         if packed is None:
-            self.host, self.event = torch.zeros(0, dtype=torch.float64), None
-        elif packed.device.type == self.HOST:
-            self.host, self.event = packed, None
-        else:
+            self.host = torch.zeros(0, dtype=torch.float64)
+        elif packed.device.type != self.HOST:
             self.host, self.event = self._buffer(pinned, packed.device, packed.numel(), packed.dtype)
             self.host.copy_(packed, non_blocking=True)
             self.event.record()  # (re-recorded: nothing allocated per check)
@@ -153,7 +152,9 @@ class Deferred:
         """Complete the check in flight (its report, or None), then launch this one (also when the
         one in flight failed: under torch.distributed every rank fails it together, and goes on).
         A failure in either is said as a synchronous check's is, and loses nothing else."""
-        done, m, self.early, launch = self.early, self.monitor, None, None  # (early: settled before a rebuild)
+        done, m, launch = self.early, self.monitor, None
+        if done is not None:
+            self.early = None  # (settled before a rebuild: its report is this call's)
         try:
             if self.inflight is not None:
                 try:
@@ -163,30 +164,25 @@ class Deferred:
                 except Exception as exc:  # (as a synchronous check's failure: said, and training goes on)
                     _said(self._step, exc, 5)
             launch = m._launch(step, loss, optimizer, deferred=True)
-            pending = launch.obs
-            ok = type(pending) is Pending  # (else this rank's observation failed: it joins the ranks flagged, later)
+            pending = launch.obs  # (not a Pending: this rank's observation failed; it joins the ranks flagged, later)
+            ok = type(pending) is Pending
             packed = pending.launched.packed if ok else None
-            if m.ranks.active:  # what DDP's hooks saw of this backward, taken now, read with the same copy
-                r = m.ranks
-                snap = r.origin.snapshot([m.view.params[i] for i in launch.sel.idx]) if r.origin else None
-                launch.ranks = [snap, None, r.origin is not None and r.origin.unsynced() and bool(pending.with_grad),
-                                r.take_nosync_step()]
-                if snap is not None and snap[1] is not None:
-                    packed = joined([*(pending.launched.parts if ok else ()), snap[1]])
+            if m.ranks.active:  # what DDP's hooks saw of this backward, read with the same copy
+                packed = self._seen(launch, pending if ok else None, packed)
             launch.transfer = Transfer(packed, self.pinned)
             v = m.view  # (what the report is judged against, as of now: the loop may change it before completion)
             requires = list(map(_REQUIRES_GRAD, v.params))
             launch.setup = ((v.optimizer_ids(), v.all_inside, requires) if optimizer is None
                             else (launch.sel.opt_ids, None, requires))
             if ok and m.tracker is not None and not launch.reeval:
-                judged = [optimizer] if optimizer is not None else m.optimizers
                 last = m.last_report  # (and a frozen parameter holding a gradient now: its step may move it)
-                m.tracker.arm(step, judged, last is not None and due_test(m.carry, last)
+                m.tracker.arm(step, m.optimizers if optimizer is None else [optimizer],
+                              last is not None and due_test(m.carry, last)
                               or not all(map(requires.__getitem__, pending.with_grad)))
                 if not launch.after_step:
-                    m.carry.stage(step, witnesses(m.view.params, pending.with_grad))
+                    m.carry.stage(step, witnesses(v.params, pending.with_grad))
             if m.options.skip_nonfinite and m.scaler is None:
-                norms = None if ok else _norms_now(m.view, launch.sel)  # (a failed observation: taken again)
+                norms = None if ok else _norms_now(v, launch.sel)  # (a failed observation: taken again)
                 if ok or norms is not None:
                     self._guard(launch, norms)
             self.inflight = launch
@@ -197,6 +193,17 @@ class Deferred:
                 self._join_flagged(launch, exc)
             _said(step, exc, 5)
         return done
+
+    def _seen(self, launch: Launch, pending: Pending | None, packed: Tensor | None) -> Tensor | None:
+        """(torch.distributed) What DDP's hooks saw of this backward, taken now; the tensor to copy
+        to the host: the check's own numbers, then those of the hooks' (read with the same copy)."""
+        r, m = self.monitor.ranks, self.monitor
+        snap = r.origin.snapshot([m.view.params[i] for i in launch.sel.idx]) if r.origin else None
+        launch.ranks = [snap, None, r.origin is not None and r.origin.unsynced() and bool(pending and pending.with_grad),
+                        r.take_nosync_step()]
+        if snap is not None and snap[1] is not None:
+            packed = joined([*(pending.launched.parts if pending is not None else ()), snap[1]])
+        return packed
 
     def _join_flagged(self, launch: Launch, exc: Exception) -> None:
         """A launch that failed on this rank after its observation still completes with the other
@@ -245,29 +252,31 @@ class Deferred:
     def complete(self):
         """The report of the check in flight (its numbers read now: their copy finished long ago)."""
         launch, self.inflight = self.inflight, None
-        m, self._step = self.monitor, launch.step
-        pending = launch.obs
-        values = launch.transfer.values()
+        m = self.monitor
+        self._step, pending, values = launch.step, launch.obs, launch.transfer.values()
+        if launch.ranks is not None:  # (torch.distributed: the ranks' numbers follow the check's own)
+            values = self._split(launch, pending, values)
         if type(pending) is Pending:
-            if launch.ranks is not None:  # (the ranks' numbers follow the check's own)
-                k = sum(p.numel() for p in pending.launched.parts)
-                values, launch.ranks[1] = values[:k], values[k:]
             try:
                 launch.obs = pending.complete(values)
             except Exception as exc:
                 if not m.ranks.active:
                     raise  # (the other ranks must not be left waiting in the collective: joined, flagged)
                 launch.obs, m._failed = failed_observation(m.view, launch.sel, *pending.asked), exc
-        elif launch.ranks is not None:
-            launch.ranks[1] = values
-        report = m._complete(launch)
+        m.last_report = report = m._complete(launch)
         m.carry.checks += 1
-        m.last_report = report
         if m.options.skip_nonfinite and m.scaler is None:  # (a poisoned step was skipped at launch: the finding)
             v = m.view
             skipping.guard(report, m.options, m.carry, None, [v.params[i] for i in launch.sel.idx], False, None,
                            drop=False, kept=all(map(fused, [launch.optimizer] if launch.optimizer else m.optimizers)))
         return report
+
+    @staticmethod
+    def _split(launch: Launch, pending, values: list[float]) -> list[float]:
+        """The check's own numbers; DDP's hooks' (after them) into ``launch.ranks``."""
+        k = sum(p.numel() for p in pending.launched.parts) if type(pending) is Pending else 0
+        values, launch.ranks[1] = values[:k], values[k:]
+        return values
 
     # ------------------------------------------------------------------ the step guard
     def _guard(self, launch: Launch, norms=None) -> None:

@@ -78,6 +78,7 @@ def plan_groups(tensors: Sequence[Tensor]) -> list[tuple[torch.device, torch.dty
 _DTYPE, _LAYOUT = operator.attrgetter("dtype"), operator.attrgetter("layout")
 _IS_FLOAT, _DEVICE = operator.attrgetter("is_floating_point"), operator.attrgetter("device")
 _FLAT, _SOMETHING = operator.methodcaller("reshape", -1), partial(operator.is_not, None)
+_F64, _foreach_norm = torch.float64, torch._foreach_norm
 #: on the CPU, tensors of one shape with at most this many elements are normed stacked (see
 #: ``_batches``), at most ``STACK_ELEMENTS`` elements a stack (its copy: 4 MiB of float32)
 STACK_NUMEL, STACK_ELEMENTS = 1 << 14, 1 << 20
@@ -241,7 +242,7 @@ def _pack(tensors: Sequence[Tensor], plan: NormPlan) -> list[Tensor]:
                 parts = torch.stack([torch.linalg.vector_norm(m.view(rows, -1), dim=1, **kw) for m in members])
                 out.append(torch.linalg.vector_norm(parts, dim=1))
             elif kind == "exact":
-                out += exact_pieces(members, stacked=False)
+                out += exact_pieces(members)
             else:
                 out += foreach_norms(members)
     return out
@@ -284,18 +285,17 @@ def fetch(parts: Sequence[Tensor]) -> list[float]:
     return joined(parts).tolist()
 
 
-def exact_pieces(members: Sequence[Tensor], stacked: bool = True) -> list[Tensor]:
-    """Exact float64 L2 norms of non-empty real tensors of one device and dtype, in a constant number
-    of ops. At most 32 bits: one ``_foreach_norm`` accumulating in float64 (a float32 square lies in
-    [2e-90, 1.2e77]: nothing under- or overflows; inf and NaN stay). float64: max|x| * ||x / max|x|||
-    (a max of 0, inf or NaN is the norm; per-tensor divisors: ``_foreach_div``'s slow path on a GPU)."""
-    if members[0].dtype != torch.float64:  # (``stacked``: one vector; else scalars, for a stack with others)
-        pieces = torch._foreach_norm(members, 2, dtype=torch.float64)
-        return [torch.stack(pieces)] if stacked else list(pieces)
-    top = torch.stack(torch._foreach_norm(members, math.inf))
+def exact_pieces(members: Sequence[Tensor]) -> list[Tensor]:
+    """Exact float64 L2 norms of non-empty real tensors of one device and dtype, in a constant number of
+    ops (:func:`joined` stacks the scalars with the others). At most 32 bits: a scalar each from one
+    ``_foreach_norm`` accumulating in float64 (a float32 square lies in [2e-90, 1.2e77]: nothing under-
+    or overflows). float64: one vector, max|x| * ||x / max|x||| (a max of 0, inf or NaN is the norm)."""
+    if members[0].dtype != _F64:
+        return list(_foreach_norm(members, 2, dtype=_F64))
+    top = torch.stack(_foreach_norm(members, math.inf))
     usable = torch.isfinite(top) & (top > 0)
     safe = torch.where(usable, top, 1.0)
-    scaled = torch.stack(torch._foreach_norm(torch._foreach_div(members, safe.unbind()), 2))
+    scaled = torch.stack(_foreach_norm(torch._foreach_div(members, safe.unbind()), 2))
     return [torch.where(usable, scaled * safe, top)]
 
 
@@ -336,9 +336,9 @@ class Launched:
     synchronisation here). :meth:`read` reads them now (ONE transfer, then the exact re-check of
     the norms that came back 0 or inf, which the plan then remembers). With ``later`` the values are
     read later, when the gradients may be gone (:mod:`.deferred`): every non-empty gradient is normed
-    by the exact kernel at once (one fused kernel per group, no re-check to come), the norms joined
-    into one vector (:meth:`norms_part`, which the step guard tests for non-finite values), and
-    :meth:`resolve` takes the values as they are."""
+    by the exact kernel at once (one fused kernel per group, no re-check to come), norms and extras
+    joined into one vector (its norms: :meth:`norms_part`, which the step guard tests for non-finite
+    values), and :meth:`resolve` takes the values as they are."""
 
     def __init__(self, grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None, later: bool = False):
         views = grads  # the common case: every gradient dense and real, no new list
@@ -362,13 +362,13 @@ class Launched:
         self.later = bool(later and grads)
         #: what is read back, in order: the norms (as the kernels left them, or joined), the extras; and
         #: (``later``) as one vector, ``packed``, the transfer's one source (None: nothing to read)
-        self.parts = (pieces if not self.later else [joined(pieces)]) + (rest := list(filter(_SOMETHING, extras)))
-        self.packed = None if not later else self.parts[0] if self.later and not rest else (joined(self.parts) if self.parts else None)
+        self.parts = pieces + list(filter(_SOMETHING, extras))  # (the scalars among them: one stack)
+        self.packed = joined(self.parts) if later and self.parts else None
 
     def norms_part(self) -> Tensor | None:
         """(``later``) the packed norms of every gradient, on the device: exact, so non-finite
         exactly where a gradient holds a NaN or inf."""
-        return self.parts[0] if self.later else None
+        return self.packed[:self.n] if self.later else None  # (a view: no kernel)
 
     def read(self) -> tuple[list[float], list[float]]:
         values = fetch(self.parts)
