@@ -216,8 +216,8 @@ class Carry:
                 if status.get(names[u.indices[k]]) is Status.OK:
                     unchanged[names[u.indices[k]]] = u.lr_zero[k]
             changed_any = changed_any or 1.0 in u.changed
-            if target.not_ok:
-                frozen = {n for n in target.not_ok if status[n] is Status.FROZEN}
+            if target.frozen_names:
+                frozen = set(target.frozen_names)
                 if frozen:
                     moved += [names[i] for i, c in zip(u.indices, u.changed) if c == 1.0 and names[i] in frozen]
         if any(w == "" for w in unchanged.values()) and not changed_any:

@@ -172,36 +172,45 @@ def classify_selection(names: list[str], params: list, pids: list[int], idx: lis
                        requires: list[bool] | None = None):
     """The decision tree over a check's judged entries, from their exact norms.
 
-    Returns ``(status, in_optimizer, not_ok)``: every judged name's state (OK first, the common
-    case, without walking the full tree), whether each is in an optimizer (None without one), and
-    the names whose state is not OK. ``dense``: the norms of the judged entries in order, when
-    every one has a gradient: all of them finite and non-zero, in the optimizers and trainable
-    is decided in a few C-level passes; ``all_inside``: every judged entry is known to be in ``ids``;
+    Returns ``(status, in_optimizer, not_ok, frozen)``: every judged name's state (OK first, the
+    common case, without walking the full tree), whether each is in an optimizer (None without
+    one), the names whose state is neither OK nor FROZEN, and the FROZEN ones (each in entry order).
+    The frozen entries (a LoRA fine-tune's base model: most of them) and, when each of the others
+    is in the optimizers with a finite non-zero norm, every entry, are decided in a few C-level
+    passes; only the rest is walked. ``dense``: the norms of the judged entries in order, when
+    every one has a gradient; ``all_inside``: every judged entry is known to be in ``ids``;
     ``requires``: each entry's ``requires_grad`` as it was (a deferred check's launch), else read now.
     """
     sel_names = names if len(idx) == len(names) else [names[i] for i in idx]  # idx: sorted, distinct
     status: dict[str, Status] = dict.fromkeys(sel_names, Status.OK)
     in_opt: dict[str, bool] | None = dict.fromkeys(sel_names, True) if ids is not None else None
-    inf, walk = math.inf, idx
-    if dense is not None and len(dense) == len(idx) and dense \
-            and (ids is None or (all_inside if all_inside is not None else ids.issuperset(map(pids.__getitem__, idx)))) \
-            and all(map(_REQUIRES_GRAD, map(params.__getitem__, idx)) if requires is None else map(requires.__getitem__, idx)):
-        if 0.0 < min(dense) and sum(dense) < inf:
-            return status, in_opt, []  # every one OK (NaN fails both comparisons): no walk needed
-        # trainable and in the optimizers: only a norm that is not in (0, inf) can make a state
-        walk = compress(idx, map(operator.not_, map(operator.and_, map(operator.gt, dense, repeat(0.0)),
-                                                     map(operator.lt, dense, repeat(inf)))))
+    req = list(map(_REQUIRES_GRAD, params)) if requires is None else requires
+    inf, walk, frozen = math.inf, idx, []
+    if not all(map(req.__getitem__, idx)):  # FROZEN whatever else holds (the tree's first question)
+        walk = list(compress(idx, map(req.__getitem__, idx)))
+        cold = list(compress(idx, map(operator.not_, map(req.__getitem__, idx))))
+        frozen = list(map(names.__getitem__, cold))
+        status.update(zip(frozen, repeat(Status.FROZEN)))
+        if ids is not None:
+            in_opt.update(zip(compress(frozen, map(operator.not_, map(ids.__contains__, map(pids.__getitem__, cold)))),
+                              repeat(False)))
+    if ids is None or all_inside or ids.issuperset(map(pids.__getitem__, walk)):
+        vals = dense if dense is not None and len(dense) == len(idx) and walk is idx else list(map(norm_of.__getitem__, walk))
+        if None not in vals:  # trainable and in the optimizers: only a norm that is not in (0, inf) makes a state
+            if not vals or (0.0 < min(vals) and sum(vals) < inf):
+                return status, in_opt, [], frozen  # every one OK (NaN fails both comparisons): no walk needed
+            walk = compress(walk, map(operator.not_, map(operator.and_, map(operator.gt, vals, repeat(0.0)),
+                                                         map(operator.lt, vals, repeat(inf)))))
     not_ok: list[str] = []
-    for i in walk:
-        trainable = params[i].requires_grad if requires is None else requires[i]
+    for i in walk:  # (every one trainable)
         v = norm_of[i]
         inside = ids is None or pids[i] in ids
-        if inside and v is not None and 0.0 < v < inf and trainable:
+        if inside and v is not None and 0.0 < v < inf:
             continue
         if not inside:
             in_opt[names[i]] = False
-        state = decide(trainable, v, inside)
+        state = decide(True, v, inside)
         if state is not Status.OK:
             status[names[i]] = state
             not_ok.append(names[i])
-    return status, in_opt, not_ok
+    return status, in_opt, not_ok, frozen

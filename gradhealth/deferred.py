@@ -80,8 +80,10 @@ class Launch:
 def due_test(carry, report) -> bool:
     """Run the change test at the step after ``report``: after a step that changed nothing, or
     while a frozen parameter holds a gradient (momentum or weight decay may move it)."""
-    return carry.still > 0 or any(report.status[n] is Status.FROZEN and n in report.grad_norm
-                                  for n in report.not_ok or ())
+    frozen = report.frozen_names
+    if frozen is None:  # (a report built elsewhere)
+        frozen = [n for n, s in report.status.items() if s is Status.FROZEN]
+    return carry.still > 0 or any(map(report.grad_norm.__contains__, frozen))
 
 
 def _norms_now(view, sel) -> Tensor | None:

@@ -18,7 +18,7 @@ reduces a gradient for every parameter it trains, so one the loss does not reach
 from __future__ import annotations
 
 import operator
-from itertools import repeat
+from itertools import compress, repeat
 
 import torch
 from torch import Tensor
@@ -68,8 +68,16 @@ _MISSING = object()
 
 
 def grads_of(params) -> list:
-    """``[grad_of(p) for p in params]``, at the speed of reading ``.grad`` when every one is there."""
+    """``[grad_of(p) for p in params]``, at the speed of reading ``.grad`` when every one is there,
+    or when those without one (a frozen base model's) hold no other kind of gradient either."""
     grads = list(map(_GRAD, params))
     if any(map(operator.is_, grads, repeat(None))):
-        grads = [g if g is not None else grad_of(p) for g, p in zip(grads, params)]
+        bare = list(compress(params, map(operator.is_, grads, repeat(None))))
+        if any(any(map(hasattr, bare, repeat(a))) for a in _ELSEWHERE):
+            grads = [g if g is not None else grad_of(p) for g, p in zip(grads, params)]
     return grads
+
+
+#: the attributes one of which a parameter holds where its gradient is kept outside ``.grad``
+#: (Megatron's ``main_grad``, a ZeRO fragment's mapping or partition: see :func:`grad_of`)
+_ELSEWHERE = ("main_grad", "_hp_mapping", "ds_id")

@@ -399,11 +399,11 @@ class GradHealth:
         v = self.view  # (``setup``: a deferred check's (optimizers' ids, all inside, requires_grad), as launched)
         ids, inside, requires = setup or (sel.opt_ids if optimizer is not None else v.optimizer_ids(),
                                           v.all_inside if optimizer is None else None, None)
-        status, in_opt, not_ok = classify_selection(v.names, v.params, v.pids, sel.idx, obs.norm_of, ids, obs.norms,
-                                                    inside, requires)
+        status, in_opt, not_ok, frozen = classify_selection(v.names, v.params, v.pids, sel.idx, obs.norm_of, ids,
+                                                            obs.norms, inside, requires)
         return Report(step=step, status=status, grad_norm=dict(zip(map(v.names.__getitem__, obs.with_grad), obs.norms)),
                       total_grad_norm=stats.combine_norms(obs.norms), meta=v.meta,
-                      in_optimizer=in_opt, loss=obs.loss, valid_counts=obs.valid, not_ok=not_ok,
+                      in_optimizer=in_opt, loss=obs.loss, valid_counts=obs.valid, not_ok=not_ok, frozen_names=frozen,
                       optimizer_index=v.optimizer_index(optimizer) if optimizer is not None else None)
 
     def _arm_next(self, report: Report, obs: Observation, optimizer, launch: Launch) -> None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import deque
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import compress, repeat
 
 import torch
 from torch import Tensor
@@ -96,8 +97,8 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
     grads: list[Tensor] = grads_of(params if everything else [params[i] for i in sel.idx])  # (.grad, or main_grad)
     with_grad: list[int] = list(sel.idx)
     if any(map(operator.is_, grads, repeat(None))):
-        with_grad = [i for i, g in zip(sel.idx, grads) if g is not None]
-        grads = [g for g in grads if g is not None]
+        there = list(map(operator.is_not, grads, repeat(None)))
+        with_grad, grads = list(compress(sel.idx, there)), list(compress(grads, there))
     sharded: set[int] = set()
     holders: dict[int, int] = {}
     pieces: dict[int, tuple[int, int]] = {}
@@ -198,8 +199,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
             norm_of: list[float | None] = list(norms)
         else:
             norm_of = [None] * len(view)
-            for i, v in zip(with_grad, norms):
-                norm_of[i] = v
+            deque(map(norm_of.__setitem__, with_grad, norms), maxlen=0)  # (scattered in C: a frozen base's many)
         obs = Observation(sel.idx, norm_of, loss=got["loss"][0] if loss_t is not None else None,
                           valid={name: int(got[f"valid{j}"][0]) for j, name in enumerate(valid)},
                           updates=updates, scale=scale, sharded=sharded, with_grad=with_grad, norms=norms, slices=slices,

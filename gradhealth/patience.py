@@ -116,15 +116,15 @@ class Persistence:
     def _used(self, r: list) -> int:
         return r[0] + (self._judged(r[4]) - r[3] if r[2] == 0 else 0)
 
-    def update(self, status: dict, not_ok: list, key=None, faint: Faint | None = None) -> dict:
+    def update(self, status: dict, not_ok: list, key=None, faint: Faint | None = None, frozen=None) -> dict:
         """Count this check; return the gap of every NO_GRAD / ZERO_GRAD unit now. Units not
         judged at this check (another optimizer's) keep their numbers. ``faint``: this check's
         gradient norms, for the units whose gap opens or closes now (:class:`.underflow.Faint`)."""
         missing = [n for n in not_ok if status[n] in _NO_USABLE]
         rec = self.rec
         now = self._judged(key)
-        if self.frozen or not_ok:
-            frozen = {n for n in not_ok if status[n] is Status.FROZEN}
+        if self.frozen or not_ok or frozen:  # (``frozen``: the FROZEN names, where not among ``not_ok``)
+            frozen = set(frozen) if frozen is not None else {n for n in not_ok if status[n] is Status.FROZEN}
             if frozen != self.frozen:
                 for n in self.frozen - frozen:
                     self.thawed[n] = now
@@ -304,12 +304,13 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
     """The stage of a check: update ``persistence`` from ``report`` (its parameters, and its
     stacked experts as units of their own) and set its ``grad_streak``, ``grad_history`` and
     ``tolerated``; returns the TRANSIENT_GRAD / DEAD_EXPERT findings."""
-    status, not_ok, units = report.status, report.not_ok or [], report.expert_status
+    status, not_ok, units, frozen = report.status, report.not_ok or [], report.expert_status, report.frozen_names
     if units:
         status = {**status, **units}
         not_ok = list(not_ok) + [u for u, s in units.items() if s is not Status.OK]
+        frozen = None if frozen is None else frozen + [u for u, s in units.items() if s is Status.FROZEN]
     faint = persistence.faint_reader.read(report.grad_norm, names, params)
-    gaps = persistence.update(status, not_ok, report.optimizer_index, faint)
+    gaps = persistence.update(status, not_ok, report.optimizer_index, faint, frozen)
     report.grad_streak = gaps
     if not gaps:
         return []

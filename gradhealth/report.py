@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import Counter
-from itertools import chain, compress, repeat
+from itertools import chain, compress, filterfalse, repeat
 from dataclasses import dataclass, field
 
 from .findings import Finding
@@ -207,8 +207,10 @@ class Report:
     #: name -> ParamMeta, read live from the parameters (a mapping)
     meta: dict[str, ParamMeta] = field(default_factory=dict, repr=False)
     in_optimizer: dict[str, bool] | None = field(default=None, repr=False)
-    #: names whose state is not OK, when the builder knows them (saves scanning every parameter)
+    #: when the builder knows them (saves scanning every parameter): the names whose state is
+    #: neither OK nor FROZEN, and the FROZEN ones
     not_ok: list[str] | None = field(default=None, repr=False, compare=False)
+    frozen_names: list[str] | None = field(default=None, repr=False, compare=False)
     #: with several optimizers, the index of the one whose parameters this check judged
     #: (``check(optimizer=...)``); None when the check judged every parameter
     optimizer_index: int | None = None
@@ -240,25 +242,33 @@ class Report:
     guarded: bool = field(default=False, repr=False)  # the step guard is on
 
     def _odd(self):
+        """(name, state) of every parameter that is not OK, the FROZEN ones included."""
         if self.not_ok is not None:
-            return ((n, self.status[n]) for n in self.not_ok)
+            names = self.not_ok + self.frozen_names if self.frozen_names else self.not_ok
+            return zip(names, map(self.status.__getitem__, names))
         return ((n, s) for n, s in self.status.items() if s is not Status.OK)
 
     @property
     def problems(self) -> dict[str, Status]:
         """Every parameter whose state is neither OK nor FROZEN."""
-        return {n: s for n, s in self._odd() if s is not Status.FROZEN}
+        if self.not_ok is not None:
+            return dict(zip(self.not_ok, map(self.status.__getitem__, self.not_ok)))
+        return {n: s for n, s in self.status.items() if s is not Status.OK and s is not Status.FROZEN}
 
     @property
     def errors(self) -> dict[str, Status]:
         """The problems the policy counts as errors: ``problems`` less the tolerated transients."""
-        tolerated = self.tolerated
-        return {n: s for n, s in self._odd() if s is not Status.FROZEN and n not in tolerated}
+        names, tolerated = self.not_ok, self.tolerated
+        if names is None:
+            return {n: s for n, s in self.problems.items() if n not in tolerated}
+        names = list(filterfalse(tolerated.__contains__, names)) if tolerated else names
+        return dict(zip(names, map(self.status.__getitem__, names)))
 
     @property
     def grads_finite(self) -> bool:
         """No gradient holds a NaN or inf: safe to apply (``if report.grads_finite: opt.step()``)."""
-        return all(s is not Status.NON_FINITE_GRAD for _, s in self._odd())
+        return Status.NON_FINITE_GRAD not in (self.problems.values() if self.not_ok is None
+                                              else map(self.status.__getitem__, self.not_ok))
 
     @property
     def ok(self) -> bool:

@@ -21,10 +21,12 @@ import math
 import operator
 from collections.abc import Sequence
 from functools import partial
-from itertools import compress, filterfalse, groupby, repeat, starmap
+from itertools import compress, filterfalse, groupby, repeat
 
 import torch
 from torch import Tensor
+
+from .combine import combine_norms, module_norms  # noqa: F401 (host-side, plain Python: stats.X as before)
 
 __all__ = ["dense_view", "plan_groups", "foreach_norms", "pack_norms", "fetch", "exact_norms", "grad_norms", "Launched",
            "combine_norms", "module_norms", "SMALLEST_SUBNORMAL", "exact_pieces"]
@@ -32,18 +34,6 @@ __all__ = ["dense_view", "plan_groups", "foreach_norms", "pack_norms", "fetch", 
 #: the smallest positive float64: a norm that is not zero is at least this (sqrt of a tiny sum of
 #: squares can round to 0 in float64; a gradient with a non-zero element must not read as zero)
 SMALLEST_SUBNORMAL = 5e-324
-
-
-def combine_norms(values) -> float:
-    """The L2 norm of several norms: ``hypot``, but NaN when any is NaN (``hypot`` says inf when an
-    inf and a NaN meet). Used by reports, metrics and sinks alike, so they agree on nan vs inf."""
-    values = values if isinstance(values, list) else list(values)
-    if not values:
-        return 0.0
-    h = values[0] if len(values) == 1 else math.hypot(*values)
-    if h == math.inf and any(v != v for v in values):  # (only then can a NaN hide)
-        return math.nan
-    return h
 
 
 def dense_view(grad: Tensor) -> Tensor:
@@ -390,31 +380,3 @@ class Launched:
         if self.identity:
             return values[:self.n]
         return list(self.order(values))  # (the inverse permutation, applied in C)
-
-
-def module_norms(with_grad: Sequence[int], norms: Sequence[float], module_of: Sequence[int],
-                 modules: Sequence[str], runs: Sequence[slice] | None = None) -> dict[str, float]:
-    """Each module's own gradient norm from its parameters' (entry ``i`` belongs to module
-    ``modules[module_of[i]]``): squares summed in float64, in plain Python (a few hundred floats:
-    cheaper than any tensor round trip); a module with a norm outside [1e-150, 1e150] (a square
-    would underflow or overflow) or a NaN is combined by :func:`combine_norms` instead.
-
-    ``runs`` (each module's consecutive entries as a slice, :attr:`ParamView.module_runs`) with a
-    norm for every entry: one :func:`combine_norms` per module, read off slices."""
-    if runs is not None and len(norms) == len(module_of):
-        values = list(starmap(math.hypot, map(norms.__getitem__, runs)))
-        if math.inf in values:  # an inf module may hide a NaN: combine_norms says which
-            values = [combine_norms(norms[r]) if v == math.inf else v for v, r in zip(values, runs)]
-        return dict(zip(modules, values))
-    acc: dict[int, float] = {}
-    odd: set[int] = set()
-    for i, v in zip(with_grad, norms):
-        m = module_of[i]
-        acc[m] = acc.get(m, 0.0) + v * v
-        if not 1e-150 <= v <= 1e150 and v != 0.0:  # NaN compares False too
-            odd.add(m)
-    sqrt = math.sqrt
-    out = {modules[m]: sqrt(q) for m, q in sorted(acc.items())}
-    for m in odd:
-        out[modules[m]] = combine_norms([v for i, v in zip(with_grad, norms) if module_of[i] == m])
-    return out

@@ -35,7 +35,7 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
     """The findings of monitor ``m``'s judges for ``report`` (``seen``: the output gradient the
     loss's backward left, as of the check's launch)."""
     step, o, carry, names = report.step, m.options, m.carry, m.view.names
-    quiet = report.not_ok == [] and not report.expert_status  # (every parameter OK: the usual check)
+    quiet = report.not_ok == [] and not report.frozen_names and not report.expert_status  # (every one OK: the usual check)
     if quiet and across is None and m.scaler is None and _nothing_seen(obs, carry, m, o):
         if m._watch is not None and m._watch.probe:
             m._watch.probe = set()

@@ -75,7 +75,8 @@ def test_the_decision_tree_over_entries_agrees_with_each_parameter_decided_alone
     rng = random.Random(2)
     for trial in range(1500):
         n = rng.randint(1, 12)
-        params = [torch.nn.Parameter(torch.zeros(2), requires_grad=rng.random() < 0.85) for _ in range(n)]
+        trainable_share = rng.choice([0.1, 0.85, 1.0])  # (a frozen base model, a few frozen, none)
+        params = [torch.nn.Parameter(torch.zeros(2), requires_grad=rng.random() < trainable_share) for _ in range(n)]
         names = [f"m{i}.w" for i in range(n)]
         pids = [id(p) for p in params]
         norms = [rng.choice([None, 0.0, 1.0, 2.5, math.inf, math.nan, 1e-30]) if rng.random() < 0.3 else 1.0
@@ -83,10 +84,17 @@ def test_the_decision_tree_over_entries_agrees_with_each_parameter_decided_alone
         ids = None if rng.random() < 0.2 else {id(p) for p in params if rng.random() < 0.9}
         idx = sorted(rng.sample(range(n), rng.randint(1, n)))
         dense = [norms[i] for i in idx] if all(norms[i] is not None for i in idx) and rng.random() < 0.8 else None
-        status, in_opt, not_ok = classify_selection(names, params, pids, idx, norms, ids, dense)
-        want = {names[i]: decide(params[i].requires_grad, norms[i], ids is None or pids[i] in ids) for i in idx}
+        inside = (ids is not None and ids.issuperset(pids)) if rng.random() < 0.5 else None  # (as the view knows it)
+        # as a deferred check's launch took them, or read now (a freeze since then: the launch's stand)
+        requires = [p.requires_grad for p in params] if rng.random() < 0.5 else None
+        if requires is not None and rng.random() < 0.3:
+            params[rng.randrange(n)].requires_grad_(rng.random() < 0.5)
+        status, in_opt, not_ok, frozen = classify_selection(names, params, pids, idx, norms, ids, dense, inside, requires)
+        trainable = requires or [p.requires_grad for p in params]
+        want = {names[i]: decide(trainable[i], norms[i], ids is None or pids[i] in ids) for i in idx}
         assert status == want, trial
-        assert not_ok == [names[i] for i in idx if want[names[i]] is not S.OK], trial
+        assert not_ok == [names[i] for i in idx if want[names[i]] not in (S.OK, S.FROZEN)], trial
+        assert frozen == [names[i] for i in idx if want[names[i]] is S.FROZEN], trial
         if ids is not None:
             assert in_opt == {names[i]: pids[i] in ids for i in idx}, trial
 

@@ -1,7 +1,8 @@
 """The launch budget: the torch ops a check dispatches (on a GPU each is a kernel launch, and a
 launch costs host time) are a constant per (device, dtype) group, whatever the tensor count: from
 10 to 1000 tensors, on a healthy model, a vanishing one (fp32 squares that underflow: every norm
-re-checked exactly, and from then on normed exactly) and a mixed-dtype one, synchronous and deferred. Counted with
+re-checked exactly, and from then on normed exactly), a mixed-dtype one and a frozen base model with
+four trainable tensors (a LoRA fine-tune's shape), synchronous and deferred. Counted with
 ``TorchDispatchMode`` over the check and the optimizer step's hooks (the ops gradhealth's own code
 dispatches), averaged over the 8 steps after the first (so the periodic change test and update
 norms, every 8 checks here, are amortised as they are in a run); the first check, which builds the plans,
@@ -60,10 +61,22 @@ class Tiny(Heads):
         return super().forward(x) * 1e-13  # (a loss of ~1e-26, gradients of ~1e-26)
 
 
+def frozen_base(n: int) -> nn.Module:
+    """``n`` tensors, all but the last four frozen (outside the optimizer, as PEFT leaves them)."""
+    model = Heads(n)
+    for p in list(model.parameters())[:-4]:
+        p.requires_grad_(False)
+    return model
+
+
 def model_of(shape: str, n: int) -> nn.Module:
     torch.manual_seed(0)
     return {"healthy": lambda: Heads(n), "vanishing": lambda: Tiny(n),
-            "mixed": lambda: Heads(n, (torch.float32, torch.bfloat16))}[shape]()
+            "mixed": lambda: Heads(n, (torch.float32, torch.bfloat16)), "frozen": lambda: frozen_base(n)}[shape]()
+
+
+def trainable(model: nn.Module) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def ops_per_step(shape: str, n: int, lag: int, steps: int = 9):
@@ -74,7 +87,7 @@ def ops_per_step(shape: str, n: int, lag: int, steps: int = 9):
     # runs every 8 checks on every shape, and NOT_UPDATED stays silent. The single-tensor Adam: under a
     # dispatch mode the foreach one's in-place updates leave the version counters, which the change
     # test reads, as they were)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-30, foreach=False)  # (foreach: see below)
+    opt = torch.optim.Adam(trainable(model), lr=1e-3, eps=1e-30, foreach=False)  # (foreach: see below)
     monitor = gh.GradHealth(model, opt, lag=lag, on_problem="raise", change_every=8, update_every=8)
     whole, checks = [], []
     g = torch.Generator().manual_seed(1)
@@ -93,7 +106,7 @@ def ops_per_step(shape: str, n: int, lag: int, steps: int = 9):
 
 
 @pytest.mark.parametrize("lag", [0, 1])
-@pytest.mark.parametrize("shape", ["healthy", "vanishing", "mixed"])
+@pytest.mark.parametrize("shape", ["healthy", "vanishing", "mixed", "frozen"])
 def test_ops_per_check_do_not_grow_with_the_tensor_count(shape, lag):
     per = {n: ops_per_step(shape, n, lag)[1] for n in (10, 1000)}
     # a constant per group: 1000 tensors cost what 10 do, up to a few ops for the CPU's stacked kernels
@@ -125,6 +138,30 @@ def test_the_premise(shape):
         assert under == [] and all(e > 0.0 for e in exact)
 
 
+def test_the_frozen_base_is_judged_as_each_parameter_alone_would_be():
+    """The frozen shape's premise and verdict: 996 frozen tensors outside the optimizer, four that
+    train (their loss falls); every state and optimizer membership as the naive per-parameter loop
+    decides it, at every check, and nothing said about a run that is healthy."""
+    model = model_of("frozen", 1000)
+    params = dict(model.named_parameters())
+    opt = torch.optim.Adam(trainable(model), lr=0.1)
+    assert len(opt.param_groups[0]["params"]) == 4 and len(params) == 1000
+    losses = []
+    with gh.GradHealth(model, opt, on_problem="raise") as monitor:
+        for step in range(12):
+            loss = model(torch.ones(4, 8)).pow(2).mean()
+            loss.backward()
+            report = monitor.check()
+            want = {n: gh.Status.FROZEN if not p.requires_grad else gh.Status.OK for n, p in params.items()}
+            assert report.status == want and report.ok and not report.findings, step
+            assert report.in_optimizer == {n: p.requires_grad for n, p in params.items()}
+            assert set(report.grad_norm) == {n for n, p in params.items() if p.requires_grad}
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
 def test_the_first_check_builds_its_plans_in_ops_that_do_not_read_back():
     """The first check (plans included) is the dearest; it is counted, not hidden: at most a few
     ops per tensor (views, built once), and the second check is back to the constant."""
@@ -147,7 +184,7 @@ def _instructions_once(shape: str, n: int, lag: int, steps: int) -> list[int]:
     from gradhealth.benchmarks.counts import _instructions
 
     model = model_of(shape, n)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-30, foreach=False)
+    opt = torch.optim.Adam(trainable(model), lr=1e-3, eps=1e-30, foreach=False)
     monitor = gh.GradHealth(model, opt, lag=lag, on_problem="raise", change_every=8, update_every=8)
     g = torch.Generator().manual_seed(1)
     out = []
@@ -161,11 +198,12 @@ def _instructions_once(shape: str, n: int, lag: int, steps: int) -> list[int]:
 
 
 @pytest.mark.parametrize("lag", [0, 1])
-@pytest.mark.parametrize("shape", ["healthy", "vanishing", "mixed"])
+@pytest.mark.parametrize("shape", ["healthy", "vanishing", "mixed", "frozen"])
 def test_python_work_per_check_does_not_grow_with_the_tensor_count(shape, lag):
     """Host work is launches and Python: 1000 tensors cost the Python of 10, at the usual check and
-    at the periodic one (no per-parameter loop in Python while every parameter is OK; the
-    per-parameter numbers are picked and written with ``map``/``zip`` in C)."""
+    at the periodic one (no per-parameter loop in Python while every parameter is OK or FROZEN; the
+    per-parameter numbers are picked and written with ``map``/``zip`` in C): a frozen base model of
+    996 tensors costs what one of 6 does."""
     small, large = instructions_per_check(shape, 10, lag), instructions_per_check(shape, 1000, lag)
     assert sorted(large)[len(large) // 2] <= 1.2 * sorted(small)[len(small) // 2], (small, large)
     assert max(large) <= 1.3 * max(small), (small, large)

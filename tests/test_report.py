@@ -156,7 +156,8 @@ def test_nan_and_inf_norms_combine_the_same_everywhere():
 
 def test_module_norms_read_off_runs_equal_the_general_sum():
     """Modules whose entries are consecutive are combined from slices; the result equals the
-    per-entry accumulation for any mix of zeros, tiny, huge, inf and NaN norms."""
+    per-entry accumulation for any mix of zeros, tiny, huge, inf and NaN norms, also where only
+    some entries have a gradient (a frozen base model's hold none: a module without any is left out)."""
     import random
 
     from gradhealth import stats
@@ -169,8 +170,10 @@ def test_module_norms_read_off_runs_equal_the_general_sum():
         modules = [f"m{k}" for k in range(len(first))]
         runs = [slice(module_of.index(k), n - module_of[::-1].index(k)) for k in range(len(modules))]
         norms = [rng.choice([0.0, 1e-200, 1e200, math.inf, math.nan, rng.random()]) for _ in range(n)]
-        general = stats.module_norms(list(range(n)), norms, module_of, modules)
-        fast = stats.module_norms(list(range(n)), norms, module_of, modules, runs)
+        with_grad = list(range(n)) if rng.random() < 0.5 else sorted(rng.sample(range(n), rng.randint(0, n)))
+        norms = [norms[i] for i in with_grad]
+        general = stats.module_norms(with_grad, norms, module_of, modules)
+        fast = stats.module_norms(with_grad, norms, module_of, modules, runs)
         assert list(general) == list(fast)
         for k in general:
             a, b = general[k], fast[k]
