@@ -133,6 +133,14 @@ def _many():
     return nn.Sequential(*[m for _ in range(100) for m in (nn.Linear(64, 64), nn.LayerNorm(64))])
 
 
+def _frozen_base():
+    """A LoRA fine-tune's shape: 400 tensors, all but the last four frozen (outside the optimizer)."""
+    model = _many()
+    for p in list(model.parameters())[:-4]:
+        p.requires_grad_(False)
+    return model
+
+
 def _small(name):
     from gradhealth.benchmarks.small import SMALL
 
@@ -145,6 +153,7 @@ COUNT_SHAPES = {
     "2-block transformer": lambda: _small("2-block transformer (8x16x64)"),
     "400 small tensors": lambda: (_many, lambda: torch.randn(8, 64)),
     "200x(Linear(64),Tanh): vanishing": lambda: (_deep, lambda: torch.randn(8, 64)),
+    "400 tensors, 396 frozen (LoRA)": lambda: (_frozen_base, lambda: torch.randn(8, 64)),
 }
 VARIANTS = ("synchronous", "deferred (lag=1)", "clip_grad_norm_().item()")
 
@@ -160,10 +169,10 @@ def count_shape(label: str, steps: int = 9, instructions: int = 8) -> dict[str, 
     for variant in VARIANTS:
         torch.manual_seed(0)
         model, x = make(), batch()
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3, momentum=0.9)
         clip = variant.startswith("clip")
         monitor = None if clip else gh.GradHealth(model, opt, on_problem="ignore", lag=int(variant.startswith("deferred")))
-        params = list(model.parameters())
+        params = [p for p in model.parameters() if p.requires_grad]  # (what clip_grad_norm_ is given)
         act = (lambda: torch.nn.utils.clip_grad_norm_(params, 1e9).item()) if clip else monitor.check
         checks, whole, py, reads = [], [], [], []
         for step in range(steps + instructions):
@@ -182,7 +191,7 @@ def count_shape(label: str, steps: int = 9, instructions: int = 8) -> dict[str, 
             reads.append(ops.reads)
         if monitor is not None:
             monitor.close()
-        out[variant] = {"tensors": len(params), "first": checks[0], "check": statistics.median(checks[1:]),
+        out[variant] = {"tensors": sum(1 for _ in model.parameters()), "first": checks[0], "check": statistics.median(checks[1:]),
                         "step": sum(whole[1:]) / len(whole[1:]), "reads": sum(reads[1:]) / len(reads[1:]),
                         "py": statistics.median(py) if py else float("nan"),
                         "py_mean": statistics.mean(py) if py else float("nan")}

@@ -26,7 +26,7 @@ def test_bench_distributed_section_runs():
 
 
 def test_bench_counts_section_prints_ops_and_instructions_per_check():
-    """``gradhealth bench --sections counts``: per shape (a vanishing one among them), the synchronous
+    """``gradhealth bench --sections counts``: per shape (a vanishing one and a frozen base among them), the synchronous
     monitor, the deferred one and the one number, each with its ops, host reads (syncs) and Python
     instructions per check; the counts hold the launch budget (a constant per group: a few ops,
     whatever the tensor count), and on healthy models the synchronous check reads once per step,
@@ -42,8 +42,8 @@ def test_bench_counts_section_prints_ops_and_instructions_per_check():
                 first, ops, hooks, syncs, py, py_mean = line.split(variant)[1].split()
                 rows[shape, variant] = (int(first), float(ops), float(hooks), float(py), float(py_mean), float(syncs))
     shapes = {s for s, _ in rows}
-    assert "200x(Linear(64),Tanh): vanishing" in shapes and len(shapes) == 4, shapes
-    assert len(rows) == 12
+    assert "200x(Linear(64),Tanh): vanishing" in shapes and len(shapes) == 5, shapes
+    assert len(rows) == 15
     for (shape, variant), (first, ops, hooks, py, py_mean, syncs) in rows.items():
         assert py > 0 and py_mean > 0 and ops >= 1, (shape, variant)
         if not shape.endswith("vanishing"):  # (there the zero gradients' partner test reads, when due)
@@ -54,5 +54,7 @@ def test_bench_counts_section_prints_ops_and_instructions_per_check():
         assert rows[shape, "deferred (lag=1)"][1] <= rows[shape, "synchronous"][1], shape
     vanishing, healthy = rows["200x(Linear(64),Tanh): vanishing", "synchronous"], rows["400 small tensors", "synchronous"]
     assert vanishing[1] <= 2 * healthy[1], (vanishing, healthy)
-    for variant in ("synchronous", "deferred (lag=1)"):  # Python work: 400 healthy tensors cost what 6 do
+    for variant in ("synchronous", "deferred (lag=1)"):  # Python work: 400 healthy tensors cost what 6 do,
         assert rows["400 small tensors", variant][3] <= 1.3 * rows["6-tensor MLP", variant][3], variant
+        # and so does a frozen base of 396 (LoRA): FROZEN is decided in C, not walked
+        assert rows["400 tensors, 396 frozen (LoRA)", variant][3] <= 1.3 * rows["6-tensor MLP", variant][3], variant
