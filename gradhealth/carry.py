@@ -212,9 +212,10 @@ class Carry:
             decided.update(compress(u.indices, map(operator.eq, u.changed, u.changed)))  # (NaN: undecided)
             judged.update(u.indices)
             # the decisions: only the few unchanged ones, and the frozen ones, are looked at
-            for k in compress(range(len(u.changed)), map(operator.eq, u.changed, repeat(0.0))):
-                if status.get(names[u.indices[k]]) is Status.OK:
-                    unchanged[names[u.indices[k]]] = u.lr_zero[k]
+            still = list(compress(range(len(u.changed)), map(operator.eq, u.changed, repeat(0.0))))
+            seen = list(map(names.__getitem__, map(u.indices.__getitem__, still)))
+            ok = list(map(operator.is_, map(status.get, seen), repeat(Status.OK)))
+            unchanged.update(zip(compress(seen, ok), compress(map(u.lr_zero.__getitem__, still), ok)))
             changed_any = changed_any or 1.0 in u.changed
             if target.frozen_names:
                 frozen = set(target.frozen_names)

@@ -167,6 +167,9 @@ def classify(model: nn.Module, optimizer=None) -> dict[str, Status]:
     }
 
 
+_BY_NORM = {0.0: Status.ZERO_GRAD}  # (the state of a trainable parameter in the optimizers, by a norm not in (0, inf))
+
+
 def classify_selection(names: list[str], params: list, pids: list[int], idx: list[int], norm_of: list,
                        ids: set[int] | None, dense: list[float] | None = None, all_inside: bool | None = None,
                        requires: list[bool] | None = None):
@@ -196,11 +199,14 @@ def classify_selection(names: list[str], params: list, pids: list[int], idx: lis
                               repeat(False)))
     if ids is None or all_inside or ids.issuperset(map(pids.__getitem__, walk)):
         vals = dense if dense is not None and len(dense) == len(idx) and walk is idx else list(map(norm_of.__getitem__, walk))
-        if None not in vals:  # trainable and in the optimizers: only a norm that is not in (0, inf) makes a state
+        if None not in vals:  # trainable, in the optimizers, with a gradient: the norm alone makes the state
             if not vals or (0.0 < min(vals) and sum(vals) < inf):
                 return status, in_opt, [], frozen  # every one OK (NaN fails both comparisons): no walk needed
-            walk = compress(walk, map(operator.not_, map(operator.and_, map(operator.gt, vals, repeat(0.0)),
-                                                         map(operator.lt, vals, repeat(inf)))))
+            odd = list(map(operator.not_, map(operator.and_, map(operator.gt, vals, repeat(0.0)),
+                                              map(operator.lt, vals, repeat(inf)))))
+            not_ok = list(map(names.__getitem__, compress(walk, odd)))  # 0: ZERO_GRAD; NaN, inf: NON_FINITE_GRAD
+            status.update(zip(not_ok, map(_BY_NORM.get, compress(vals, odd), repeat(Status.NON_FINITE_GRAD))))
+            return status, in_opt, not_ok, frozen
     not_ok: list[str] = []
     for i in walk:  # (every one trainable)
         v = norm_of[i]

@@ -50,8 +50,9 @@ class Packed:
         self.device = views[0].device if views else torch.device("cpu")
         self.groups = []
         for _, _, idx in plan_groups(views):
-            seg = host_segments([views[i].numel() for i in idx], views[idx[0]].device)  # (no sync)
-            self.groups.append((idx, [views[i] for i in idx], seg, host_to(idx, self.device)))
+            members = list(map(views.__getitem__, idx))
+            seg = host_segments(list(map(Tensor.numel, members)), members[0].device)  # (no sync)
+            self.groups.append((idx, members, seg, host_to(idx, self.device)))
         # reuse: two buffers per group, one for the snapshot and one for "now", filled by one
         # foreach copy each (half the time of a cat on the CPU); a snapshot then lives until
         # the next snapshot() of this Packed

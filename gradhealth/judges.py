@@ -9,7 +9,9 @@ that spans checks (which optimizer step is pending, how many AMP skips in a row)
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Collection, Mapping
+from itertools import compress, repeat
 
 from . import stats
 from .findings import Finding, FindingKind
@@ -184,8 +186,8 @@ def not_updated(status: Mapping[str, Status], unchanged: Mapping[str, str], step
     parameter, vanishing gradients).
     """
     out, by_word = [], {w: set() for w in ("new", "again", "stuck", "held", "quiet", "")}
-    for n, w in unchanged.items():  # (one pass)
-        by_word.setdefault(w, set()).add(n)
+    for w in set(unchanged.values()):  # (a word at a time, picked in C: usually one)
+        by_word[w] = set(compress(unchanged, map(operator.eq, unchanged.values(), repeat(w))))
     scheduled, stuck, never, held, rest = (by_word[w] for w in ("new", "again", "stuck", "held", ""))
     if rest and gone:  # the check's gradients were gone (set to None) when the step began
         out.append(Finding(K.NOT_UPDATED, f"{describe_names(status, rest)} had {agree(rest, 'finite, non-zero gradients', 'a finite, non-zero gradient')} "

@@ -19,10 +19,14 @@ __all__ = ["Once", "Said", "problems_of"]
 def problems_of(report) -> dict[tuple, str]:
     """Each problem of ``report`` the policy acts on (errors, warnings), with a few words for it."""
     out: dict[tuple, str] = {}
-    by_state: dict[str, list[str]] = {}
-    for name, state in report.errors.items():
-        by_state.setdefault(state.value, []).append(name)
-    for state, names in by_state.items():
+    errors = report.errors
+    states = set(errors.values())  # (keyed by the member: ``.value`` is a Python property)
+    by_state: dict = {states.pop(): list(errors)} if len(states) == 1 else {}  # state -> names (one: the usual)
+    if not by_state:
+        for name, state in errors.items():
+            by_state.setdefault(state, []).append(name)
+    for member, names in by_state.items():
+        state = member.value
         out[("state", state, frozenset(names))] = f"{state} ({len(names)} parameter{'s' if len(names) != 1 else ''})"
     for f in report.findings:
         if f.level != "info":  # (a finding about the previous step, delivered now, counts now)

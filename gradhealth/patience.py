@@ -120,7 +120,7 @@ class Persistence:
         """Count this check; return the gap of every NO_GRAD / ZERO_GRAD unit now. Units not
         judged at this check (another optimizer's) keep their numbers. ``faint``: this check's
         gradient norms, for the units whose gap opens or closes now (:class:`.underflow.Faint`)."""
-        missing = [n for n in not_ok if status[n] in _NO_USABLE]
+        missing = list(compress(not_ok, map(_NO_USABLE.__contains__, map(status.__getitem__, not_ok))))
         rec = self.rec
         now = self._judged(key)
         if self.frozen or not_ok or frozen:  # (``frozen``: the FROZEN names, where not among ``not_ok``)

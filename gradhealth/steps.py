@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import operator
 from itertools import repeat
+from collections import deque
 from typing import Callable
 from dataclasses import dataclass, field
 
@@ -70,8 +71,7 @@ class StepStats:
         if f == n and self.flag_pos == list(range(n)):
             changed = decided
         else:
-            for k, d in zip(self.flag_pos, decided):
-                changed[k] = d
+            deque(map(changed.__setitem__, self.flag_pos, decided), maxlen=0)  # (scattered in C)
         self.changed = changed
         self.decided = bool(self.flag_pos) or self.touched is not None
         if self.measured:

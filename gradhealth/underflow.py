@@ -130,7 +130,8 @@ def underflow(status: Mapping[str, Status], errors: Collection[str], grad_norm: 
     norms = grad_norm.values()
     if not errors or not norms:
         return []
-    zero = [n for n in filter(errors.__contains__, status) if status[n] is Status.ZERO_GRAD]
+    judged = list(filter(errors.__contains__, status))  # (in the model's order; then the zero ones, in C)
+    zero = list(compress(judged, map(operator.is_, map(status.__getitem__, judged), repeat(Status.ZERO_GRAD))))
     if not zero:
         return []
     order = list(status)
@@ -147,7 +148,7 @@ def underflow(status: Mapping[str, Status], errors: Collection[str], grad_norm: 
 
     return [Finding(
         FindingKind.VANISHING_GRAD,
-        f"{describe_names(status, zero, most=LONG)} got exactly zero gradients at step {step} (for {max(gaps.get(n, 1) for n in zero)} "
+        f"{describe_names(status, zero, most=LONG)} got exactly zero gradients at step {step} (for {max(map(gaps.get, zero, repeat(1)))} "
         f"checks in a row), and {describe_names(status, weak, most=4)} got {agree(weak, 'gradients', 'a gradient')} of at "
         f"most {max(map(grad_norm.__getitem__, weak)):.3g}: the gradient shrinks through the layers until it underflows "
         f"{str(dtype).replace('torch.', '')} (below {tiny_of(dtype):.2g} its elements are subnormal, then 0): saturated "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
+from itertools import compress, repeat
 
 from . import crossrank, experts, judges
 from .guards import output_maxima, uses_checkpointing
@@ -29,6 +31,11 @@ def _nothing_seen(obs, carry, m, o) -> bool:
             and (obs.loss is None or math.isfinite(obs.loss)) and not carry.frozen_norms and not carry.norm_eval
             and carry.checks > 0 and o.expect_frozen is None and not m.view.meta_names
             and not m._changes.lazy)
+
+
+def _named(states: dict, state) -> list[str]:
+    """The names in ``states`` (name -> state) whose state is ``state``, picked in C."""
+    return list(compress(states, map(operator.is_, states.values(), repeat(state))))
 
 
 def judge(m, report, obs, across, sel, seen=None) -> list:
@@ -71,9 +78,9 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
         found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step, obs.loss_ranks)
     if nonfinite and report.expert_status:
         found += judges.nonfinite_experts(report.expert_status, step)
-    no_grad = [n for n, s in report.errors.items() if s is Status.NO_GRAD] if not quiet else []
+    no_grad = _named(report.errors, Status.NO_GRAD) if not quiet else []
     if m._watch is not None:  # NO_GRAD now: the next forwards look for a reentrant checkpoint
-        m._watch.probe = set() if quiet else {module_of(n) for n, s in report.problems.items() if s is Status.NO_GRAD}
+        m._watch.probe = set() if quiet else set(map(module_of, _named(report.problems, Status.NO_GRAD)))
     if no_grad:  # only then: is the model checkpointing its layers?
         found += judges.checkpoint_no_grad(no_grad, uses_checkpointing(unwrap(m.model)), report.status, step,
                                            carry.reentrant)
