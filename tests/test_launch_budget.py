@@ -61,6 +61,14 @@ class Tiny(Heads):
         return super().forward(x) * 1e-13  # (a loss of ~1e-26, gradients of ~1e-26)
 
 
+class Zeros(Heads):
+    """Every other head's output multiplied by 0: half the tensors get gradients that are exactly
+    zero (ZERO_GRAD, an error once it persists), the other half train."""
+
+    def forward(self, x):
+        return sum(h(x) * (0.0 if k % 2 else 1.0) for k, h in enumerate(self.heads))
+
+
 def frozen_base(n: int) -> nn.Module:
     """``n`` tensors, all but the last four frozen (outside the optimizer, as PEFT leaves them)."""
     model = Heads(n)
@@ -160,6 +168,36 @@ def test_the_frozen_base_is_judged_as_each_parameter_alone_would_be():
             opt.zero_grad()
             losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_a_sick_model_pays_for_its_problems_a_bounded_python_work_each():
+    """What grows is the report of the parameters that are not OK: a model with half its tensors
+    ZERO_GRAD (said, named, judged, their streaks kept at every check) costs at most 200 Python
+    instructions a problem over a healthy check of its size, at 100 and at 1000 tensors, the
+    periodic check included (before: ~430 a problem)."""
+    from gradhealth.benchmarks.counts import _instructions
+
+    def per_check(cls, n):
+        torch.manual_seed(0)
+        model = cls(n)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+        monitor = gh.GradHealth(model, opt, on_problem="ignore", change_every=8, update_every=8)
+        g, out = torch.Generator().manual_seed(1), []
+        for _ in range(20):
+            model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+            out.append(_instructions(monitor.check))
+            report = monitor.last_report
+            opt.step()
+            opt.zero_grad()
+        monitor.close()
+        return sorted(out[2:]), report
+
+    for n in (100, 1000):
+        (healthy, fine), (sick, report) = per_check(Heads, n), per_check(Zeros, n)
+        zero = [k for k, s in report.status.items() if s is gh.Status.ZERO_GRAD]
+        assert fine.ok and len(zero) == n // 2 and not report.ok  # (the premise: half of them, an error)
+        for q in (len(sick) // 2, -1):  # the median check, and the dearest
+            assert sick[q] - healthy[q] <= 200 * len(zero), (n, q, sick[q], healthy[q])
 
 
 def test_the_first_check_builds_its_plans_in_ops_that_do_not_read_back():
