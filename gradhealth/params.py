@@ -131,14 +131,18 @@ class ModelChanges:
     """Whether the model's parameters may have changed since the view was built.
 
     torch's global registration hooks fire whenever any module registers a parameter or a
-    submodule (a head attached, a module replaced, ``load_state_dict(assign=True)``): that marks
-    the view stale, and it is rebuilt at the next check; nothing is paid per check while nothing
-    changes. Lazy parameters materialised by their first forward are looked at by name (few).
+    submodule (a head attached, a module replaced, ``load_state_dict(assign=True)``): when the
+    module is one of this model's, that marks the view stale, and it is rebuilt at the next check;
+    nothing is paid per check while nothing changes. A container made in a forward is not the
+    model's (Hugging Face's ``self.layers[:n]`` builds a new ``ModuleList`` of the model's layers at
+    every forward: each of them registered into it, none into the model). Lazy parameters
+    materialised by their first forward are looked at by name (few).
     """
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.dirty = False
+        self.ours = _module_ids(model)  # (None: not a torch module; any registration marks it)
         self.lazy = lazy_names(model)
         #: per lazy parameter name: checks in a row at which it was still uninitialised although
         #: its optimizer stepped since the check before (:meth:`judge_lazy`)
@@ -157,7 +161,7 @@ class ModelChanges:
             self.dirty = True
         if not self.dirty:
             return False
-        self.dirty, self.lazy = False, lazy_names(self.model)
+        self.dirty, self.lazy, self.ours = False, lazy_names(self.model), _module_ids(self.model)
         return True
 
     def judge_lazy(self, optimizers: list, total_steps: int, patience: int, step: int) -> list[Finding]:
@@ -227,9 +231,19 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 _HOOKS: list = []
 
 
-def _mark_all(*_args) -> None:
+def _mark_all(module, *_args) -> None:
+    """(a registration on ``module``) Every live view of a model that holds ``module`` is stale."""
     for changes in list(_LIVE):
-        changes.dirty = True
+        if changes.ours is None or id(module) in changes.ours:
+            changes.dirty = True
+
+
+def _module_ids(model) -> set[int] | None:
+    """ids of every module of ``model`` (the wrapper's and the wrapped model's), or None."""
+    inner = unwrap(model)
+    if not isinstance(model, nn.Module) and not isinstance(inner, nn.Module):
+        return None
+    return {id(m) for root in (model, inner) if isinstance(root, nn.Module) for m in root.modules()}
 
 
 def _install() -> None:

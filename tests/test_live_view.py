@@ -65,7 +65,107 @@ def test_replaced_submodule_and_assign_load():
     assert set(r.problems.values()) == {S.NOT_IN_OPTIMIZER} and len(r.problems) == 4
 
 
-def test_param_group_edited_in_place():
+class Builds(nn.Module):
+    """Builds modules in its forward, as real models do, without changing its own: Hugging Face's
+    decoders run ``self.layers[:n]`` (a new ``ModuleList`` holding the model's layers: each one
+    registered into it), and a helper module made and thrown away."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = layer(x)
+        nn.Sequential(nn.Identity()).register_parameter("scratch", nn.Parameter(torch.zeros(1)))
+        return x
+
+
+def _counting_views(monkeypatch):
+    from gradhealth import monitor as monitor_module
+
+    built = []
+
+    class Counted(monitor_module.ParamView):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(monitor_module, "ParamView", Counted)
+    return built
+
+
+def test_modules_a_forward_builds_outside_the_model_do_not_rebuild_the_view(monkeypatch):
+    """The view is rebuilt only for a registration on one of the model's modules: a container or a
+    helper that a forward builds around the model's layers is not one (the view was rebuilt at
+    every check of every such model before, 82k Python instructions a check on a tiny Llama)."""
+    torch.manual_seed(0)
+    model, seen = Builds(), []
+    premise = torch.nn.modules.module.register_module_module_registration_hook(lambda *a: seen.append(a[0]))
+    model(torch.randn(2, 4))
+    premise.remove()
+    assert seen and all(m is not model and m is not model.layers for m in seen)  # registrations, none into the model
+    built = _counting_views(monkeypatch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    for _ in range(4):
+        r = step(model, opt, mon, torch.randn(2, 4))
+    assert built == [1]  # the monitor's own view, never rebuilt
+    assert r.problems == {"layers.2.weight": S.NO_GRAD, "layers.2.bias": S.NO_GRAD}  # still judged as it is
+    model.layers[2].register_parameter("gain", nn.Parameter(torch.ones(4)))  # a registration on the model's own
+    r = step(model, opt, mon, torch.randn(2, 4))
+    assert built == [1, 1] and r.status["layers.2.gain"] is S.NO_GRAD and r.in_optimizer["layers.2.gain"] is False
+
+
+def test_a_module_built_apart_then_attached_is_judged_and_other_models_are_not_rebuilt(monkeypatch):
+    torch.manual_seed(0)
+    built = _counting_views(monkeypatch)
+    a, b = Net(), nn.Sequential(nn.Linear(4, 2))
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    mon_a, mon_b = gh.GradHealth(a, opt_a, on_problem="ignore"), gh.GradHealth(b, opt_b, on_problem="ignore")
+    step(a, opt_a, mon_a, torch.randn(2, 4))
+    step(b, opt_b, mon_b, torch.randn(2, 4))
+    head = nn.Sequential()
+    head.add_module("proj", nn.Linear(8, 2))  # registrations in a module of neither model
+    head.proj.register_parameter("extra", nn.Parameter(torch.zeros(2)))
+    step(a, opt_a, mon_a, torch.randn(2, 4))
+    assert built == [1, 1]
+    a.head = head  # attached: a registration on model a's own root
+    r = step(a, opt_a, mon_a, torch.randn(2, 4))
+    step(b, opt_b, mon_b, torch.randn(2, 4))
+    assert built == [1, 1, 1]  # a's view rebuilt, b's not
+    assert {n for n in r.status if n.startswith("head.")} == {"head.proj.weight", "head.proj.bias", "head.proj.extra"}
+    assert r.status["head.proj.weight"] is S.NOT_IN_OPTIMIZER
+
+
+def test_a_real_decoder_that_slices_its_layers_is_viewed_once(monkeypatch):
+    """A tiny Llama (random weights) under a LoRA adapter: its forward slices its layers at every
+    call; the view is built once and a check costs the Python of a small model's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gradhealth.benchmarks.counts import _instructions
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                        vocab_size=100, max_position_embeddings=64))
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    built = _counting_views(monkeypatch)
+    mon = gh.GradHealth(model, opt, on_problem="raise")
+    g, losses, costs = torch.Generator().manual_seed(1), [], []
+    ids = torch.randint(0, 100, (4, 12), generator=g)
+    for i in range(12):
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        costs.append(_instructions(lambda: mon.check(loss=loss)) if i >= 4 else (mon.check(loss=loss), 0)[1])
+        opt.step()
+        losses.append(loss.item())
+    mon.close()
+    assert losses[-1] < losses[0] and mon.last_report.ok  # (healthy: it learns, nothing said)
+    assert built == [1]
+    assert max(costs) <= 8000, costs  # (a 6-tensor MLP's check: ~3.5k)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     opt = torch.optim.SGD([model[0].weight, model[0].bias, model[1].weight], lr=0.1)
