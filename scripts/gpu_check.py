@@ -30,8 +30,8 @@ counts the copies too), and section 4 runs Lightning's ``bf16-mixed`` (CPU autoc
    the 6-tensor MLP.
 9. The whole-step table: plain, the one number, the default monitor, ``lag=1`` on a 6-tensor MLP
    (batch 64), a 12-layer GPT (d=768, bf16 autocast, 8x512 tokens), 8x Linear(256) (batch 64),
-   8x Linear(2048) (batch 256) and 200x (Linear(64, 64), Tanh) (gradients that underflow fp32
-   squares); interleaved blocks, medians, each variant's cost over the plain step and its ratio to
+   8x Linear(2048) (batch 256), the GPT with all but its last block frozen (a fine-tune) and 200x
+   (Linear(64, 64), Tanh) (gradients that underflow fp32 squares); interleaved blocks, medians, each variant's cost over the plain step and its ratio to
    the one number's.
 """
 
@@ -384,6 +384,14 @@ def _stack(width: int, depth: int, act=nn.GELU) -> nn.Module:
     return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), act())], nn.Linear(width, 1))
 
 
+def _frozen_but_last(gpt: nn.Module) -> nn.Module:
+    """Every tensor frozen but the last block's and those after it (a fine-tune's few trainable ones)."""
+    params, last = list(gpt.parameters()), {id(p) for p in gpt.blocks[-1].parameters()}
+    for p in params[: min(i for i, p in enumerate(params) if id(p) in last)]:  # (the tied embedding among them)
+        p.requires_grad_(False)
+    return gpt
+
+
 def shapes() -> dict:
     """label -> (model factory, batch factory, loss(model, batch), autocast dtype or None)."""
     tiny = ARGS.tiny
@@ -403,6 +411,9 @@ def shapes() -> dict:
         "8x Linear(256), batch 64": (lambda: _stack(256, 8), lambda: xy(64, 256), mse, None),
         "8x Linear(2048), batch 256": (lambda: _stack(256 if tiny else 2048, 8),
                                        lambda: xy(16 if tiny else 256, 256 if tiny else 2048), mse, None),
+        "that GPT, all but its last block frozen": (
+            lambda: _frozen_but_last(GPT(vocab, d, layers, heads, t + 1)),
+            lambda: torch.randint(0, vocab, (bsz, t + 1), device=DEV), lm, torch.bfloat16),
         "200x (Linear(64, 64), Tanh): vanishing": (
             lambda: nn.Sequential(*[m for _ in range(20 if tiny else 200) for m in (nn.Linear(64, 64), nn.Tanh())]),
             lambda: xy(64, 64), lambda m, b: m(b[0]).float().pow(2).mean(), None),
@@ -416,10 +427,10 @@ def _runner(shape, variant):
     make, batch, loss_of, amp = shape
     torch.manual_seed(0)
     model = make().to(DEV)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEV.type == "cuda")
+    params = [p for p in model.parameters() if p.requires_grad]  # (a fine-tune's optimizer: its trainable ones)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=DEV.type == "cuda")
     mon = (gh.GradHealth(model, opt, on_problem="ignore", lag=int(variant == "lag=1"))
            if variant in ("default monitor", "lag=1") else None)
-    params = list(model.parameters())
     data = batch()
 
     def step():
