@@ -30,8 +30,8 @@ counts the copies too), and section 4 runs Lightning's ``bf16-mixed`` (CPU autoc
    the 6-tensor MLP.
 9. The whole-step table: plain, the one number, the default monitor, ``lag=1`` on a 6-tensor MLP
    (batch 64), a 12-layer GPT (d=768, bf16 autocast, 8x512 tokens), 8x Linear(256) (batch 64),
-   8x Linear(2048) (batch 256), the GPT with all but its last block frozen (a fine-tune) and 200x
-   (Linear(64, 64), Tanh) (gradients that underflow fp32 squares); interleaved blocks, medians, each variant's cost over the plain step and its ratio to
+   8x Linear(2048) (batch 256), 200x (Linear(64, 64), Tanh) (gradients that underflow fp32
+   squares) and the GPT with all but its last block frozen (a fine-tune); interleaved blocks, medians, each variant's cost over the plain step and its ratio to
    the one number's.
 """
 
@@ -411,12 +411,12 @@ def shapes() -> dict:
         "8x Linear(256), batch 64": (lambda: _stack(256, 8), lambda: xy(64, 256), mse, None),
         "8x Linear(2048), batch 256": (lambda: _stack(256 if tiny else 2048, 8),
                                        lambda: xy(16 if tiny else 256, 256 if tiny else 2048), mse, None),
-        "that GPT, all but its last block frozen": (
-            lambda: _frozen_but_last(GPT(vocab, d, layers, heads, t + 1)),
-            lambda: torch.randint(0, vocab, (bsz, t + 1), device=DEV), lm, torch.bfloat16),
         "200x (Linear(64, 64), Tanh): vanishing": (
             lambda: nn.Sequential(*[m for _ in range(20 if tiny else 200) for m in (nn.Linear(64, 64), nn.Tanh())]),
             lambda: xy(64, 64), lambda m, b: m(b[0]).float().pow(2).mean(), None),
+        "that GPT, all but its last block frozen": (
+            lambda: _frozen_but_last(GPT(vocab, d, layers, heads, t + 1)),
+            lambda: torch.randint(0, vocab, (bsz, t + 1), device=DEV), lm, torch.bfloat16),
     }
 
 

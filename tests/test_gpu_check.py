@@ -51,7 +51,7 @@ def test_gpu_check_runs_from_a_plain_checkout_on_the_cpu(tmp_path):
                  "8. synchronisations per step: skipped (no CUDA"):
         assert done in out, (done, out)
     for shape in ("6-tensor MLP, batch 64", "GPT", "8x Linear(256), batch 64", "8x Linear(2048), batch 256",
-                  "200x (Linear(64, 64), Tanh): vanishing"):
+                  "200x (Linear(64, 64), Tanh): vanishing", "that GPT, all but its last block frozen"):
         row = next(line for line in out.splitlines() if shape in line)
         assert row.count("%") == 3, row  # the one number, the default monitor, lag=1
     assert "gpu_check passed" in out
