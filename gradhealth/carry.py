@@ -220,7 +220,8 @@ class Carry:
             if target.frozen_names:
                 frozen = set(target.frozen_names)
                 if frozen:
-                    moved += [names[i] for i, c in zip(u.indices, u.changed) if c == 1.0 and names[i] in frozen]
+                    seen = list(map(names.__getitem__, compress(u.indices, map(operator.eq, u.changed, repeat(1.0)))))
+                    moved += filter(frozen.__contains__, seen)
         if any(w == "" for w in unchanged.values()) and not changed_any:
             self.still += 1  # a step that moved nothing it was seen to move
             self._still_seen |= decided

@@ -204,7 +204,7 @@ class Deferred:
         launch.ranks = [snap, None, r.origin is not None and r.origin.unsynced() and bool(pending and pending.with_grad),
                         r.take_nosync_step()]
         if snap is not None and snap[1] is not None:
-            packed = joined([*(pending.launched.parts if pending is not None else ()), snap[1]])
+            packed = snap[1] if packed is None else joined([packed, snap[1]])
         return packed
 
     def _join_flagged(self, launch: Launch, exc: Exception) -> None:
@@ -276,7 +276,8 @@ class Deferred:
     @staticmethod
     def _split(launch: Launch, pending, values: list[float]) -> list[float]:
         """The check's own numbers; DDP's hooks' (after them) into ``launch.ranks``."""
-        k = sum(p.numel() for p in pending.launched.parts) if type(pending) is Pending else 0
+        packed = pending.launched.packed if type(pending) is Pending else None
+        k = 0 if packed is None else packed.numel()
         values, launch.ranks[1] = values[:k], values[k:]
         return values
 

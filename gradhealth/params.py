@@ -135,14 +135,18 @@ class ModelChanges:
     module is one of this model's, that marks the view stale, and it is rebuilt at the next check;
     nothing is paid per check while nothing changes. A container made in a forward is not the
     model's (Hugging Face's ``self.layers[:n]`` builds a new ``ModuleList`` of the model's layers at
-    every forward: each of them registered into it, none into the model). Lazy parameters
-    materialised by their first forward are looked at by name (few).
+    every forward: each of them registered into it, none into the model). A module built since the
+    last check that is still alive at this one (``newcomers``) is looked for in the model: placed
+    there without a registration of the model's (``Sequential.insert``, ``_modules[name] = m``), it
+    marks the view stale too. Lazy parameters materialised by their first forward are looked at by
+    name (few).
     """
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.dirty = False
         self.ours = _module_ids(model)  # (None: not a torch module; any registration marks it)
+        self.newcomers: weakref.WeakSet = weakref.WeakSet()  # modules built since the last check
         self.lazy = lazy_names(model)
         #: per lazy parameter name: checks in a row at which it was still uninitialised although
         #: its optimizer stepped since the check before (:meth:`judge_lazy`)
@@ -159,6 +163,10 @@ class ModelChanges:
     def stale(self) -> bool:
         if self.lazy and lazy_names(self.model) != self.lazy:
             self.dirty = True
+        if self.newcomers:  # (a forward's temporary containers are gone by now: usually none left)
+            ours = _module_ids(self.model)
+            self.dirty = self.dirty or any(id(m) in ours for m in self.newcomers)
+            self.newcomers = weakref.WeakSet()
         if not self.dirty:
             return False
         self.dirty, self.lazy, self.ours = False, lazy_names(self.model), _module_ids(self.model)
@@ -236,6 +244,8 @@ def _mark_all(module, *_args) -> None:
     for changes in list(_LIVE):
         if changes.ours is None or id(module) in changes.ours:
             changes.dirty = True
+        elif not changes.dirty:
+            changes.newcomers.add(module)
 
 
 def _module_ids(model) -> set[int] | None:

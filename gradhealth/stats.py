@@ -248,8 +248,8 @@ def joined(parts: Sequence[Tensor]) -> Tensor:
     if floats:
         if len(parts) == 1:
             return parts[0] if parts[0].dim() == 1 else parts[0].reshape(-1)
-        if parts[0].dim() == 0 and parts[-1].dim() == 0:
-            try:  # (scalars of one device; a vector among them fails here, and is joined below)
+        if not any(map(Tensor.dim, parts)):
+            try:  # (scalars of one device; scalars of several fail here, and are joined below)
                 return torch.stack(parts)
             except RuntimeError:
                 pass

@@ -138,6 +138,27 @@ def test_a_module_built_apart_then_attached_is_judged_and_other_models_are_not_r
     assert r.status["head.proj.weight"] is S.NOT_IN_OPTIMIZER
 
 
+@pytest.mark.parametrize("how", ["insert", "_modules"])
+def test_a_layer_placed_without_a_registration_of_the_models_is_judged(how):
+    """``Sequential.insert`` and a replacer that writes ``_modules`` (as quantisation integrations
+    do) put a new layer in without a registration hook on any module of the model; the layer was
+    built since the last check (its own parameters registered into it), so it is looked for and found."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    step(model, opt, mon, torch.randn(3, 4))
+    new = nn.Linear(4, 4)
+    if how == "insert":
+        model.insert(1, new)
+    else:
+        model._modules["0"] = new  # (the first layer swapped in place)
+    r = step(model, opt, mon, torch.randn(3, 4))
+    assert list(r.status) == [n for n, _ in model.named_parameters()]
+    assert r.grad_norm[f"{1 if how == 'insert' else 0}.weight"] == pytest.approx(new.weight.grad.norm().item(), rel=1e-6)
+    assert r.problems == {f"{1 if how == 'insert' else 0}.{k}": S.NOT_IN_OPTIMIZER for k in ("weight", "bias")}
+
+
 def test_a_real_decoder_that_slices_its_layers_is_viewed_once(monkeypatch):
     """A tiny Llama (random weights) under a LoRA adapter: its forward slices its layers at every
     call; the view is built once and a check costs the Python of a small model's."""
