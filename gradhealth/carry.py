@@ -14,6 +14,7 @@ import math
 import operator
 import weakref
 from dataclasses import dataclass, field
+from collections import deque
 from itertools import compress, repeat
 
 import torch
@@ -197,7 +198,11 @@ class Carry:
         changed_any, decided, judged = False, set(), set()
         for u in updates:
             if u.measured:  # (decided exactly unchanged: 0, whatever the rule computed)
-                upd = [0.0 if c == 0.0 else d for d, c in zip(u.update, u.changed)] if 0.0 in u.changed else u.update
+                upd = u.update
+                if 0.0 in u.changed:  # (frozen ones in the optimizer: many, set in C)
+                    upd = list(upd)
+                    deque(map(upd.__setitem__, compress(range(len(upd)), map(operator.eq, u.changed, repeat(0.0))),
+                              repeat(0.0)), maxlen=0)
                 keys = list(map(names.__getitem__, u.indices))
                 if all(map(operator.eq, upd, upd)) and all(map(operator.gt, u.param, repeat(0.0))):  # (in C: no NaN, b > 0)
                     target.update_norm.update(zip(keys, upd))

@@ -132,7 +132,7 @@ class GradHealth:
             return None
         if self.ranks.in_no_sync() or self.ranks.between_boundaries():  # (partial gradients: the boundary judges them)
             return None
-        if self._changes.stale():  # (a deferred check in flight is judged with the parameters it was launched with)
+        if self._changes.stale(self.last_report, self.view):  # (a deferred check in flight is judged with the parameters it was launched with)
             self._deferred is None or self._deferred.settle()
             self._refresh()
         check_tensor("check(loss=...)", loss, optional=True)

@@ -147,6 +147,7 @@ class ModelChanges:
         self.dirty = False
         self.ours = _module_ids(model)  # (None: not a torch module; any registration marks it)
         self.newcomers: weakref.WeakSet = weakref.WeakSet()  # modules built since the last check
+        self._verified: frozenset = frozenset()  # the problems' names last looked up (:meth:`_verify`)
         self.lazy = lazy_names(model)
         #: per lazy parameter name: checks in a row at which it was still uninitialised although
         #: its optimizer stepped since the check before (:meth:`judge_lazy`)
@@ -155,14 +156,35 @@ class ModelChanges:
         _install()
         _LIVE.add(self)
 
+    def _verify(self, report, view) -> None:
+        """A problem (NO_GRAD; NOT_IN_OPTIMIZER with a gradient left from before) may be a parameter
+        the model no longer holds: a layer deleted (``del model.layers[1]``, ``ModuleList.pop``)
+        fires no hook. Each is looked up by its name, once per new set of them: one that is not
+        there marks the view stale."""
+        key = frozenset(report.not_ok)
+        if key == self._verified:
+            return
+        self._verified, root, held = key, unwrap(self.model), dict(zip(view.names, view.params))
+        for n in report.not_ok:
+            try:
+                same = root.get_parameter(n) is held.get(n)
+            except (AttributeError, TypeError):  # (a name that is not a path in the model: looked at afresh)
+                same = False
+            if not same:
+                self.dirty = True
+                return
+
     def note_lazy(self) -> None:
         if self.lazy:
             logging.getLogger("gradhealth").info("lazy parameters not materialised yet, left out until their first "
                                                  "forward: %s", ", ".join(self.lazy))
 
-    def stale(self) -> bool:
+    def stale(self, report=None, view=None) -> bool:
+        """Rebuild the view now? (``report``, ``view``: the last check's, for :meth:`_verify`)"""
         if self.lazy and lazy_names(self.model) != self.lazy:
             self.dirty = True
+        if not self.dirty and report is not None and report.not_ok:
+            self._verify(report, view)
         if self.newcomers:  # (a forward's temporary containers are gone by now: usually none left)
             ours = _module_ids(self.model)
             self.dirty = self.dirty or any(id(m) in ours for m in self.newcomers)

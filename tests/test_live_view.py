@@ -159,6 +159,44 @@ def test_a_layer_placed_without_a_registration_of_the_models_is_judged(how):
     assert r.problems == {f"{1 if how == 'insert' else 0}.{k}": S.NOT_IN_OPTIMIZER for k in ("weight", "bias")}
 
 
+class Slices(nn.Module):
+    """Runs its layers through a slice of them, as Hugging Face decoders do."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        for layer in self.layers[: len(self.layers)]:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)), Slices],
+                         ids=["sequential", "slices"])
+def test_a_layer_deleted_without_a_hook_leaves_the_view(make):
+    """``del model[1]`` fires no registration hook: the check after it still judges the deleted
+    layer (its gradient left from the last step: in no optimizer now), and its problems' names are
+    looked up at the next check and found gone; the view is rebuilt from then on (before: the
+    deleted layer named at every check)."""
+    torch.manual_seed(0)
+    model = make()
+    layers = model if isinstance(model, nn.Sequential) else model.layers
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        assert step(model, opt, mon, x).ok
+    del layers[1]
+    opt.param_groups[0]["params"] = list(model.parameters())
+    reports = [step(model, opt, mon, x) for _ in range(12)]
+    real = [n for n, _ in model.named_parameters()]
+    prefix = "" if layers is model else "layers."
+    assert len(real) == len(reports[0].status) - 2 and set(reports[0].problems) == {f"{prefix}1.weight", f"{prefix}1.bias"}
+    assert all(list(r.status) == real and r.ok and not r.findings for r in reports[1:]), reports[1].status
+
+
 def test_a_real_decoder_that_slices_its_layers_is_viewed_once(monkeypatch):
     """A tiny Llama (random weights) under a LoRA adapter: its forward slices its layers at every
     call; the view is built once and a check costs the Python of a small model's."""
