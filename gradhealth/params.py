@@ -7,6 +7,7 @@ import weakref
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import compress, filterfalse
 
 import torch.nn.modules.module as module_hooks
 from torch import nn
@@ -17,6 +18,7 @@ from .findings import Finding, FindingKind
 from .hooks import guarded
 from .naming import agree, module_of
 from .report import ParamMeta
+from .status import Status
 from .wrappers import unwrap
 
 __all__ = ["ParamView", "Selection", "ModelChanges", "LiveMeta"]
@@ -147,7 +149,7 @@ class ModelChanges:
         self.dirty = False
         self.ours = _module_ids(model)  # (None: not a torch module; any registration marks it)
         self.newcomers: weakref.WeakSet = weakref.WeakSet()  # modules built since the last check
-        self._verified: frozenset = frozenset()  # the problems' names last looked up (:meth:`_verify`)
+        self._verified: set[str] = set()  # the problems' names looked up (:meth:`_verify`)
         self.lazy = lazy_names(model)
         #: per lazy parameter name: checks in a row at which it was still uninitialised although
         #: its optimizer stepped since the check before (:meth:`judge_lazy`)
@@ -159,13 +161,17 @@ class ModelChanges:
     def _verify(self, report, view) -> None:
         """A problem (NO_GRAD; NOT_IN_OPTIMIZER with a gradient left from before) may be a parameter
         the model no longer holds: a layer deleted (``del model.layers[1]``, ``ModuleList.pop``)
-        fires no hook. Each is looked up by its name, once per new set of them: one that is not
-        there marks the view stale."""
-        key = frozenset(report.not_ok)
-        if key == self._verified:
+        fires no hook. Each name is looked up the first time it is such a problem (an expert idle now
+        and then, a layer dropped at random: once each): one that the model holds no more marks the
+        view stale."""
+        status = report.status  # (a ZERO_GRAD or NaN gradient came from this backward: a layer still there)
+        gone = compress(report.not_ok, map(_GONE.__contains__, map(status.__getitem__, report.not_ok)))
+        new = list(filterfalse(self._verified.__contains__, gone))
+        if not new:
             return
-        self._verified, root, held = key, unwrap(self.model), dict(zip(view.names, view.params))
-        for n in report.not_ok:
+        self._verified.update(new)  # (a name that is no path in the model: one rebuild, not one a check)
+        root, held = unwrap(self.model), dict(zip(view.names, view.params))
+        for n in new:
             try:
                 same = root.get_parameter(n) is held.get(n)
             except (AttributeError, TypeError):  # (a name that is not a path in the model: looked at afresh)
@@ -253,6 +259,9 @@ def cannot_train(root: nn.Module, entries) -> frozenset[str]:
 
 def _lazy_params(model: nn.Module) -> list:
     return [(n, p) for n, p in unwrap(model).named_parameters() if is_lazy(p)]
+
+
+_GONE = (Status.NO_GRAD, Status.NOT_IN_OPTIMIZER)  # the states a deleted layer's parameters take
 
 
 # One pair of global hooks for the whole process, however many monitors: each registration marks

@@ -197,6 +197,34 @@ def test_a_layer_deleted_without_a_hook_leaves_the_view(make):
     assert all(list(r.status) == real and r.ok and not r.findings for r in reports[1:]), reports[1].status
 
 
+class Branches(nn.Module):
+    """One of four branches at each step, picked at random (an expert idle now and then): the
+    NO_GRAD set changes from check to check."""
+
+    def __init__(self):
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Linear(4, 1) for _ in range(4))
+        self.g = torch.Generator().manual_seed(3)
+
+    def forward(self, x):
+        return self.branches[int(torch.randint(0, 4, (1,), generator=self.g))](x)
+
+
+def test_problems_that_come_and_go_are_looked_up_once_each(monkeypatch):
+    """A parameter without a gradient is looked up in the model the first time it is one: branches
+    idle at random (every check a new set of NO_GRAD names) never rebuild the view."""
+    torch.manual_seed(0)
+    model = Branches()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    built = _counting_views(monkeypatch)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    seen = set()
+    for _ in range(16):
+        r = step(model, opt, mon, torch.randn(2, 4))
+        seen.add(frozenset(r.problems))
+    assert len(seen) >= 3 and built == [1]  # (the premise: the sets changed)
+
+
 def test_a_real_decoder_that_slices_its_layers_is_viewed_once(monkeypatch):
     """A tiny Llama (random weights) under a LoRA adapter: its forward slices its layers at every
     call; the view is built once and a check costs the Python of a small model's."""
