@@ -189,12 +189,17 @@ class ModelChanges:
         """Rebuild the view now? (``report``, ``view``: the last check's, for :meth:`_verify`)"""
         if self.lazy and lazy_names(self.model) != self.lazy:
             self.dirty = True
-        if not self.dirty and report is not None and report.not_ok:
-            self._verify(report, view)
-        if self.newcomers:  # (a forward's temporary containers are gone by now: usually none left)
-            ours = _module_ids(self.model)
-            self.dirty = self.dirty or any(id(m) in ours for m in self.newcomers)
-            self.newcomers = weakref.WeakSet()
+        try:  # (a model that cannot be walked or looked up now: judged as it is, the run goes on)
+            if not self.dirty and report is not None and report.not_ok:
+                self._verify(report, view)
+            if self.newcomers:  # (a forward's temporary containers are gone by now: usually none left)
+                ours = _module_ids(self.model)
+                self.dirty = self.dirty or any(id(m) in ours for m in self.newcomers)
+        except Exception:
+            pass
+        finally:
+            if self.newcomers:
+                self.newcomers.clear()
         if not self.dirty:
             return False
         self.dirty, self.lazy, self.ours = False, lazy_names(self.model), _module_ids(self.model)

@@ -320,3 +320,25 @@ def test_complex_parameters():
     assert gh.classify(model)["w"] is S.NON_FINITE_GRAD
     model.w.grad = torch.zeros(4, dtype=torch.complex64)
     assert gh.classify(model)["w"] is S.ZERO_GRAD
+
+
+def test_a_failing_look_at_the_model_never_breaks_the_run(monkeypatch):
+    """The deletion look-up and the newcomers' walk run before the check's own guard: a model that
+    cannot be walked or looked up now is judged as it is, and the run goes on."""
+    from gradhealth import params
+
+    def boom(*_args):
+        raise RuntimeError("planted")
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1), nn.Linear(4, 1))  # (the last one never runs: NO_GRAD)
+    model.forward = lambda x: model[1](model[0](x))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    step(model, opt, mon, torch.randn(2, 4))
+    monkeypatch.setattr(params.ModelChanges, "_verify", boom)
+    monkeypatch.setattr(params, "_module_ids", boom)
+    nn.Linear(4, 4)  # (a newcomer: the walk that looks for it fails)
+    for _ in range(3):
+        r = step(model, opt, mon, torch.randn(2, 4))
+    assert r is not None and r.problems == {"2.weight": S.NO_GRAD, "2.bias": S.NO_GRAD}
