@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FindingKind", "Finding", "LEVELS"]
+__all__ = ["FindingKind", "Finding", "LEVELS", "earned"]
 
 #: a finding's level, from quiet to loud; only "error" makes ``report.ok`` False
 LEVELS = ("info", "warning", "error")
@@ -53,12 +53,22 @@ class FindingKind(str, enum.Enum):
         return self.value
 
 
+def earned(level: str, against: str) -> str:
+    """The one rule every verdict passes (DESIGN, "What a verdict may rest on"): an error needs
+    evidence from this run that training is harmed. A judge that saw the run contradict its
+    finding's usual cause says what it saw (``against``: the clip contained the spike and the loss
+    fell; nothing that ran reads ``training``; ...), and the finding is then at most a warning."""
+    return "warning" if level == "error" and against else level
+
+
 @dataclass(frozen=True)
 class Finding:
     """A problem that is not a parameter state (a stale gradient, a grad-mode mistake, ...).
 
     ``level`` is "info", "warning" (expected now and then) or "error" (``report.ok`` is False).
     ``kind`` is a :class:`FindingKind` (a str: ``finding.kind == "STALE_GRAD"`` holds).
+    ``against``: what this run showed against the finding's usual cause; an error with it is said
+    as a warning that names what was seen (:func:`earned`).
     """
 
     kind: FindingKind
@@ -67,11 +77,16 @@ class Finding:
     level: str = "error"
     step: int | None = None
     data: dict[str, Any] = field(default_factory=dict, compare=False)
+    against: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", FindingKind(self.kind))
         if self.level not in LEVELS:
             raise ValueError(f"Finding.level must be one of {', '.join(map(repr, LEVELS))}; got {self.level!r}")
+        level = earned(self.level, self.against)
+        if level != self.level:  # (said once, here: not an error, and why)
+            object.__setattr__(self, "level", level)
+            object.__setattr__(self, "message", f"{self.message}. Not taken as an error: {self.against}")
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
