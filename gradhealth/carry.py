@@ -86,6 +86,8 @@ class Carry:
         self.patience = 3
         self.fit = LossFit()  # what the loss explains about the gradients (:mod:`.fitted`)
         self.pileup = PileUp()  # gradients growing with no step that changes their parameter
+        #: findings about a step resolved at ``state_dict()`` (delivered to its report): the next report carries them
+        self.owed: list[Finding] = []
 
     # ---------------------------------------------------------------- between
     def add_valid(self, mask: Tensor, name: str) -> None:
@@ -244,36 +246,50 @@ class Carry:
         return Delivery(target, found)
 
     # ------------------------------------------------------------ checkpoint
-    def state_dict(self) -> dict:
+    #: the carry's keys in a state (the monitor adds its own: :mod:`.state`)
+    KEYS = ("calls", "checks", "amp_skips", "amp_settled", "history", "histories", "streaks", "still", "skips",
+            "skips_in_a_row", "still_seen", "last_scale", "said", "reentrant", "trace", "fit", "pileup", "owed")
+
+    def state_dict(self, names: list[str] = (), optimizers=()) -> dict:
+        """Everything a later check's verdict rests on (``names``: the view's, for the entries
+        ``still`` decided; ``optimizers``: the monitor's, by index)."""
         return {
             "calls": self.calls,
             "checks": self.checks,
             "amp_skips": self.amp_skips,
             "amp_settled": self.amp_settled,
             "history": self.history.state_dict() if self.history is not None else None,
-            "histories": {i: h.state_dict() for i, h in self.histories.items()},
+            "histories": {str(i): h.state_dict() for i, h in self.histories.items()},
             "streaks": self.streaks.state_dict(),
             "still": self.still,
             "skips": self.skips,
             "skips_in_a_row": self.skips_in_a_row,
+            "still_seen": sorted(names[i] for i in self._still_seen if i < len(names)),
+            "last_scale": self.last_scale,
+            "said": {"frozen_norms": self.frozen_norms_said, "norm_eval": self.norm_eval_said},
+            "reentrant": self.reentrant,
+            # a tracer armed after a check with NaN/inf gradients watches the next step: armed again after a load
+            "trace": {"from": self.trace_from if self.tracer is not None and self.tracer.armed else None,
+                      "ops": self.trace_ops},
+            "fit": self.fit.state_dict(),
+            "pileup": self.pileup.state_dict(optimizers),
+            "owed": [owed_state(f) for f in self.owed],
         }
 
-    def load_state_dict(self, state: dict, modules: set[str] | None = None, units: set[str] | None = None) -> None:
+    def load_state_dict(self, state: dict, modules: set[str] | None = None, units: set[str] | None = None,
+                        names: list[str] = (), optimizers=()):
         """All or nothing: every key is checked (:mod:`.state`) and read into new objects first; a
         malformed state raises ValueError naming the key and leaves this carry as it was.
-        ``modules`` / ``units``: this model's module and unit names, which the state must not exceed."""
-        keys = ("calls", "checks", "amp_skips", "amp_settled", "history", "histories", "streaks", "still", "skips",
-                "skips_in_a_row")
+        ``modules`` / ``units``: this model's module and unit names, which the state must not exceed.
+        Returns the step a tracer was armed after (to arm one again), or None."""
         try:
-            checked.require(state, keys, "state")
+            checked.exact(state, self.KEYS, "state")
             counts = {k: checked.count(state[k], f"state[{k!r}]")
                       for k in ("calls", "checks", "amp_skips", "still", "skips", "skips_in_a_row")}
-            settled = state["amp_settled"]
-            if not isinstance(settled, bool):
-                raise TypeError(f"state['amp_settled'] must be a bool, got {type(settled).__name__}")
+            settled = checked.flag(state["amp_settled"], "state['amp_settled']")
             checked.check_persistence(state["streaks"], "state['streaks']", units)
             streaks = Persistence()
-            streaks.load_state_dict(state["streaks"])
+            streaks.load_state_dict(state["streaks"], units)
             history, histories = self.history, self.histories
             if not isinstance(state["histories"], dict):
                 raise TypeError("state['histories'] must be a dict")
@@ -284,14 +300,71 @@ class Carry:
                     history.load_state_dict(state["history"])
                 histories = {}
                 for i, h in state["histories"].items():
-                    k = checked.count(int(i) if isinstance(i, str) and i.isdigit() else i, "state['histories'] key")
+                    k = checked.count(int(i) if isinstance(i, str) and i.isdigit() and len(i) < 20 else i,
+                                      "state['histories'] key")
                     histories[k] = copy.deepcopy(self._template)
                     checked.check_history(h, f"state['histories'][{i!r}]", modules, histories[k].window)
                     histories[k].load_state_dict(h)
-        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+            where = {n: i for i, n in enumerate(names)}
+            still_seen = {where[n] for n in checked.names(state["still_seen"], "state['still_seen']", set(where))}
+            scale = state["last_scale"]
+            scale = None if scale is None else checked.norm(scale, "state['last_scale']")
+            checked.exact(state["said"], ("frozen_norms", "norm_eval"), "state['said']")
+            said = [checked.flag(state["said"][k], f"state['said'][{k!r}]") for k in ("frozen_norms", "norm_eval")]
+            reentrant = checked.flag(state["reentrant"], "state['reentrant']")
+            checked.exact(state["trace"], ("from", "ops"), "state['trace']")
+            trace_from, trace_ops = state["trace"]["from"], checked.flag(state["trace"]["ops"], "state['trace']['ops']")
+            if trace_from is not None and (isinstance(trace_from, bool) or not isinstance(trace_from, int)):
+                raise TypeError(f"state['trace']['from'] must be a step or None; got {trace_from!r}")
+            fit = LossFit()
+            fit.load_state_dict(state["fit"])
+            pileup = PileUp()
+            pileup.load_state_dict(state["pileup"], list(optimizers), set(names))
+            if not isinstance(state["owed"], list):
+                raise TypeError("state['owed'] must be a list of findings")
+            owed = [owed_finding(f, f"state['owed'][{k}]") for k, f in enumerate(state["owed"])]
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError, IndexError) as exc:
             detail = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
             raise ValueError(f"load_state_dict: not a valid state from GradHealth.state_dict() ({detail}); "
                              "the monitor was left unchanged") from None
+        return lambda: self._restore(counts, settled, streaks, history, histories, still_seen, scale, said, reentrant,
+                                     trace_ops, fit, pileup, owed, trace_from)
+
+    def _restore(self, counts, settled, streaks, history, histories, still_seen, scale, said, reentrant, trace_ops,
+                 fit, pileup, owed, trace_from):
         self.calls, self.checks, self.amp_skips, self.still, self.skips, self.skips_in_a_row = (
             counts[k] for k in ("calls", "checks", "amp_skips", "still", "skips", "skips_in_a_row"))
         self.amp_settled, self.streaks, self.history, self.histories = settled, streaks, history, histories
+        self._still_seen, self.last_scale, self.reentrant, self.trace_ops = still_seen, scale, reentrant, trace_ops
+        self.frozen_norms_said, self.norm_eval_said = said
+        self.fit, self.pileup, self.owed = fit, pileup, owed
+        self.armed, self.witnesses, self.witness_step, self.gone = None, [], None, set()
+        return trace_from
+
+
+def owed_state(f: Finding) -> dict:
+    """A finding as plain data (its ``data`` keeps only what is plain)."""
+    data = {}
+    for k, v in f.data.items():
+        try:
+            data[str(k)] = checked.plain(v, "data")
+        except (TypeError, ValueError):
+            pass
+    return {"kind": str(f.kind), "message": f.message, "params": list(f.params), "level": f.level, "step": f.step,
+            "data": data}
+
+
+def owed_finding(state, path: str) -> Finding:
+    checked.exact(state, ("kind", "message", "params", "level", "step", "data"), path)
+    if not isinstance(state["message"], str) or not isinstance(state["kind"], str):
+        raise TypeError(f"{path}: kind and message must be str")
+    step = state["step"]
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise TypeError(f"{path}['step'] must be an int or None")
+    if not isinstance(state["data"], dict):
+        raise TypeError(f"{path}['data'] must be a dict")
+    params = state["params"]
+    if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+        raise TypeError(f"{path}['params'] must be a list of names")
+    return Finding(state["kind"], state["message"], tuple(params), state["level"], step,
+                   checked.plain(state["data"], f"{path}['data']"))

@@ -49,6 +49,32 @@ class LossFit:
         #: ``frac_reward_zero_std`` here, with the step it was logged at)
         self.notes: dict[str, tuple[float, int]] = {}
 
+    def state_dict(self) -> dict:
+        return {"losses": list(self.losses), "nothing": self.nothing, "first": self.first,
+                "notes": {k: list(v) for k, v in self.notes.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Every key checked (:mod:`.state`), then loaded."""
+        from . import state as checked
+
+        checked.exact(state, ("losses", "nothing", "first", "notes"), "state['fit']")
+        losses = state["losses"]
+        if not isinstance(losses, list) or len(losses) > WINDOW:
+            raise TypeError(f"state['fit']['losses'] must be a list of at most {WINDOW} losses")
+        losses = [checked.number(v, f"state['fit']['losses'][{k}]") for k, v in enumerate(losses)]
+        first = state["first"]
+        first = None if first is None else checked.count(first, "state['fit']['first']")
+        if not isinstance(state["notes"], dict) or not all(isinstance(k, str) for k in state["notes"]):
+            raise TypeError("state['fit']['notes'] must map names to [value, step]")
+        notes = {}
+        for k, v in state["notes"].items():
+            if not isinstance(v, list) or len(v) != 2:
+                raise TypeError(f"state['fit']['notes'][{k!r}] must be [value, step]")
+            notes[k] = (checked.number(v[0], f"state['fit']['notes'][{k!r}][0]"),
+                        checked.count(v[1], f"state['fit']['notes'][{k!r}][1]"))
+        self.losses = deque(losses, maxlen=WINDOW)
+        self.nothing, self.first, self.notes = checked.count(state["nothing"], "state['fit']['nothing']"), first, notes
+
     def add(self, loss: float | None) -> None:
         if loss is not None and math.isfinite(loss):
             self.losses.append(loss)

@@ -206,9 +206,13 @@ class NormHistory:
             "total": list(self.total),
             "modules": list(self.modules),
             "rows": [list(r) for r in self._rows],
+            "spiked": self._spiked,  # (a spike at the next check is the second in a row: an error)
+            # the module medians in use and the check they were taken at (refreshed every ``refresh`` checks)
+            "medians": None if self._medians_at < 0 else {"at": self._medians_at, "values": list(self._medians)},
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """``state`` checked already (:func:`gradhealth.state.check_history`)."""
         self.seen = int(state["seen"])
         self.total = deque((float(v) for v in state["total"]), maxlen=self.window)
         self._sorted = sorted(self.total)
@@ -216,3 +220,8 @@ class NormHistory:
         self._col = {m: c for c, m in enumerate(self.modules)}
         self._rows = deque(([float(v) for v in r] for r in state["rows"]), maxlen=self.window)
         self._medians_at, self._table = -1, None
+        self._spiked = bool(state["spiked"])
+        medians = state["medians"]
+        if medians is not None:
+            self._medians, self._medians_at = [float(v) for v in medians["values"]], int(medians["at"])
+            self._floors = [self.vanish_factor * m for m in self._medians]

@@ -147,3 +147,39 @@ class LrStory:
                 continue
             out.append("new" if rec[1] <= WARMUP else "stuck")
         return out
+
+    # -------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        """Per group, by (optimizer index, group index): [rose, zeros, said]; the groups at 0 at
+        their last step; the optimizers seen with every group above 0."""
+        where = {id(o): k for k, o in enumerate(self.optimizers)}
+        return {"groups": [[where[o], g, *rec] for (o, g), rec in sorted(self._groups.items(), key=lambda kv: (
+                    where.get(kv[0][0], -1), kv[0][1])) if o in where],
+                "zero": sorted([where[o], g] for o, g in self.zero if o in where),
+                "rose": sorted(where[o] for o in self.rose if o in where)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Every key checked (:mod:`.state`), then loaded."""
+        from . import state as checked
+
+        checked.exact(state, ("groups", "zero", "rose"), "state['lrs']")
+        n, ids = len(self.optimizers), [id(o) for o in self.optimizers]
+        for key in state:
+            if not isinstance(state[key], list):
+                raise TypeError(f"state['lrs'][{key!r}] must be a list")
+        groups = {}
+        for k, rec in enumerate(state["groups"]):
+            path = f"state['lrs']['groups'][{k}]"
+            if not isinstance(rec, list) or len(rec) != 5:
+                raise TypeError(f"{path} must be [optimizer, group, rose, zeros, said]")
+            key = (ids[checked.index(rec[0], f"{path}[0]", n)], checked.count(rec[1], f"{path}[1]"))
+            groups[key] = [checked.flag(rec[2], f"{path}[2]"), checked.count(rec[3], f"{path}[3]"),
+                           checked.flag(rec[4], f"{path}[4]")]
+        zero = set()
+        for k, pair in enumerate(state["zero"]):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise TypeError(f"state['lrs']['zero'][{k}] must be [optimizer, group]")
+            zero.add((ids[checked.index(pair[0], f"state['lrs']['zero'][{k}][0]", n)],
+                      checked.count(pair[1], f"state['lrs']['zero'][{k}][1]")))
+        rose = {ids[checked.index(o, f"state['lrs']['rose'][{k}]", n)] for k, o in enumerate(state["rose"])}
+        self._groups, self.zero, self.rose = groups, zero, rose

@@ -195,7 +195,9 @@ class GradHealth:
         finally:  # (its verdict raised, under raise, once the updates reached the sinks)
             self._flush_updates()
 
-    def _flush_updates(self) -> None:
+    def _flush_updates(self, owe: bool = False) -> None:
+        """``owe``: the findings also go into the next report (``state_dict()``: a resumed run's next
+        report carries them as the run that saved it does)."""
         tracker = self.tracker
         if tracker is None or not tracker.pending:
             return
@@ -207,8 +209,11 @@ class GradHealth:
             tracker.settle(u)
         if self.ranks.active:  # (every rank flushes together, at close() or Trainer's logging: shards summed)
             crossrank.reduce_updates(updates, len(self.view), self._shards, self.ranks)
-        self.publisher.deliver(self.carry.resolve_step(None, updates, 0, self.view.params, self.view.names, None, False,
-                                              self.options.amp_skip_alarm), None)
+        delivery = self.carry.resolve_step(None, updates, 0, self.view.params, self.view.names, None, False,
+                                           self.options.amp_skip_alarm)
+        self.publisher.deliver(delivery, None)
+        if owe and delivery is not None:
+            self.carry.owed += delivery.findings
 
     def close(self, _verdict: bool = True) -> None:
         """Remove every hook this monitor installed; flush and close every sink. Idempotent."""
@@ -231,12 +236,24 @@ class GradHealth:
     __exit__ = lambda self, *exc: self.close(exc[0] is None)  # noqa: E731 (over an exception on its way: not raised)
 
     def state_dict(self) -> dict:
-        """The monitor's progress and norm histories (plain Python, for checkpoints)."""
-        return {**self.carry.state_dict(), "params": list(self.view.names)}
+        """Everything a later verdict rests on: the progress, the norm histories and every story the
+        checks keep (plain Python, for checkpoints; versioned: :mod:`.state`). The optimizer step
+        taken since the last check is measured now (one transfer): its findings reach that check's
+        report, and the next report, as they would have."""
+        return checked.save(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """All or nothing, every key checked (:mod:`.state`); a state from another model is refused."""
-        checked.load(self.carry, self.view, state)
+        """All or nothing, every key checked (:mod:`.state`); a state from another model is refused;
+        one from an older version loads what it has, and a warning names what starts fresh."""
+        checked.load(self, state)
+
+    def rearm_tracer(self, step: int) -> None:
+        """The NaN tracer a check armed before the checkpoint, for the step that follows (:func:`.replay.traced`)."""
+        if self.options.trace_on_nonfinite and self.scaler is None and self.carry.tracer is None:
+            from .trace import NonFiniteTracer
+
+            c = self.carry
+            c.tracer, c.trace_from = NonFiniteTracer(self.model).arm(ops=c.trace_ops), step
 
     parameter_names = property(lambda self: list(self.view.names))
     history = property(lambda self: self.carry.history, doc="The norm history of checks over every parameter (None when off).")
@@ -312,6 +329,9 @@ class GradHealth:
                                                obs.scale, self.scaler is not None, self.options.amp_skip_alarm,
                                                launch.after_step, launch.discarded)
             self.publisher.deliver(delivery, report)
+            if self.carry.owed:  # (the findings about the step before a state_dict(), as they would have come now)
+                report.findings += self.carry.owed
+                self.carry.owed = []
         for u in obs.updates:
             self.tracker.settle(u)
         if self.unstepped is not None and not reeval:

@@ -83,6 +83,47 @@ class Once:
                 said.reminder, said.since = n, min(f for f, _, _ in current.values())
         return said
 
+    # -------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        """The problems said and still open, per optimizer index ("all": checks of every parameter),
+        and the steps of the last checks."""
+        key = lambda k: "all" if k is None else str(k)  # noqa: E731
+        return {"open": {key(k): [[*p[:-1], sorted(p[-1]), *v] for p, v in problems.items()]
+                         for k, problems in self._open.items()},
+                "steps": {key(k): list(v) for k, v in self._steps.items()}}
+
+    def load_state_dict(self, state: dict, optimizers: int) -> None:
+        """Every key checked (:mod:`.state`), then loaded."""
+        from . import state as checked
+
+        checked.exact(state, ("open", "steps"), "state['once']")
+        for name in state:
+            if not isinstance(state[name], dict):
+                raise TypeError(f"state['once'][{name!r}] must map 'all' or optimizer indices")
+        opened, steps = {}, {}
+        for k, problems in state["open"].items():
+            path = f"state['once']['open'][{k!r}]"
+            if not isinstance(problems, list):
+                raise TypeError(f"{path} must be a list of problems")
+            mine = opened[checked.key_of(k, f"{path} key", optimizers)] = {}
+            for j, p in enumerate(problems):
+                # ["state", state, names, first, count, words] or ["finding", kind, level, params, first, count, words]
+                size = 6 if isinstance(p, list) and p[:1] == ["state"] else 7
+                if not isinstance(p, list) or len(p) != size or p[0] not in ("state", "finding") \
+                        or not all(isinstance(x, str) for x in p[1:size - 4]) or not isinstance(p[-1], str):
+                    raise TypeError(f"{path}[{j}] must be a problem as state_dict() writes it")
+                names = checked.names(p[size - 4], f"{path}[{j}] names")
+                first = p[size - 3]
+                if isinstance(first, bool) or not isinstance(first, int):
+                    raise TypeError(f"{path}[{j}]: its first step must be an int; got {first!r}")
+                mine[(*p[:size - 4], frozenset(names))] = (first, checked.count(p[size - 2], f"{path}[{j}] count"), p[-1])
+        for k, v in state["steps"].items():
+            path = f"state['once']['steps'][{k!r}]"
+            if not isinstance(v, list) or len(v) > _KEPT or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise TypeError(f"{path} must be a list of at most {_KEPT} steps")
+            steps[checked.key_of(k, f"{path} key", optimizers)] = list(v)
+        self._open, self._steps = opened, steps
+
 
 #: kinds about one batch, not a state that lasts: nothing "resolves" when the next batch differs
 _EVENTS = frozenset({"NOTHING_TO_LEARN"})

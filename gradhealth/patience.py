@@ -241,38 +241,43 @@ class Persistence:
     def state_dict(self) -> dict:
         return {"n": {("all" if k is None else str(k)): v for k, v in self.n.items()},
                 "units": {n: list(r) for n, r in self.rec.items()}, "blank": self.blank,
-                "faint": sorted(self.faint), "frozen": sorted(self.frozen), "thawed": dict(self.thawed)}
+                "faint": sorted(self.faint), "frozen": sorted(self.frozen), "thawed": dict(self.thawed),
+                "skipping": sorted(self.skipping), "partnered": sorted(self.partnered),
+                "stuck": sorted(self.stuck_partner), "dropped": sorted(self._dropped),
+                "reader": self.faint_reader.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict):
-            raise TypeError(f"streaks must be a dict, got {type(state).__name__}")
-        if "units" not in state:  # the former format: {name: consecutive checks without a gradient}
-            state = {"n": {}, "units": {n: [0, 0, _count(c), 0, None, True] for n, c in state.items()}, "blank": 0}
+    def load_state_dict(self, state: dict, units: set[str] | None = None) -> None:
+        """Every key checked (:mod:`.state`: exactly the keys :meth:`state_dict` writes), then loaded."""
+        from . import state as checked
+
+        checked.exact(state, ("n", "units", "blank", "faint", "frozen", "thawed", "skipping", "partnered", "stuck",
+                              "dropped", "reader"), "state['streaks']")
+        for key in ("n", "units", "thawed"):  # (None is no mapping: refused, not read as an empty one)
+            if not isinstance(state[key], dict):
+                raise TypeError(f"state['streaks'][{key!r}] must be a dict; got {type(state[key]).__name__}")
         n = {}
-        for k, v in dict(state["n"]).items():
-            n[None if k == "all" else int(k)] = _count(v)
+        for k, v in state["n"].items():
+            n[None if k == "all" else _count(int(k) if isinstance(k, str) and k.isdigit() and len(k) < 20 else k)] = _count(v)
         rec = {}
-        for name, r in dict(state["units"]).items():
+        for name, r in state["units"].items():
             if not isinstance(r, (list, tuple)) or len(r) != 6:
                 raise ValueError(f"streaks unit {name!r} must be [used, missed, gap, mark, key, never]")
             key = None if r[4] is None else _count(r[4])
             if not isinstance(r[5], bool):
                 raise TypeError(f"streaks unit {name!r}: 'never' must be a bool")
             rec[str(name)] = [_count(r[0]), _count(r[1]), _count(r[2]), _count(r[3]), key, r[5]]
-        sets = {}  # (absent from a state saved before they were kept: empty, as a fresh run's)
-        for key in ("faint", "frozen"):
-            names = state.get(key, [])
-            if not isinstance(names, (list, tuple)) or not all(isinstance(x, str) for x in names):
-                raise TypeError(f"streaks[{key!r}] must be a list of names")
-            sets[key] = set(names)
-        thawed = state.get("thawed", {})
-        if not isinstance(thawed, dict) or not all(isinstance(x, str) for x in thawed):
-            raise TypeError("streaks['thawed'] must map names to counts")
-        self.thawed = {k: _count(v) for k, v in thawed.items()}
-        self.faint, self.frozen = sets["faint"], sets["frozen"]
-        self.n, self.rec, self.blank = n, rec, _count(state.get("blank", 0))
+        checked.names(list(rec), "state['streaks']['units']", units)
+        sets = {key: set(checked.names(state[key], f"state['streaks'][{key!r}]", units if key != "skipping" else None))
+                for key in ("faint", "frozen", "partnered", "stuck", "dropped", "skipping")}
+        checked.names(list(state["thawed"]), "state['streaks']['thawed']", units)
+        thawed = {k: _count(v) for k, v in state["thawed"].items()}
+        reader = Faint()
+        reader.load_state_dict(state["reader"], units)
+        self.thawed, self.faint, self.frozen = thawed, sets["faint"], sets["frozen"]
+        self.partnered, self.stuck_partner, self._dropped, self.skipping = (sets["partnered"], sets["stuck"],
+                                                                            sets["dropped"], sets["skipping"])
+        self.n, self.rec, self.blank, self.faint_reader = n, rec, _count(state["blank"]), reader
         self.open = {k for k, r in rec.items() if r[2] > 0}
-        self.skipping = {_module(k) for k in rec}
 
 
 _EXPERT = re.compile(r"^(.*?(?:^|\.)experts?)(?:\.(\d+)(\..*)?|\[(\d+)\])$", re.IGNORECASE)

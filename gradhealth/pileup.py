@@ -61,6 +61,8 @@ class PileUp:
         self._by_name: dict = {}
         self._hist: deque = deque(maxlen=HISTORY)  # per check: (keys, norms, total steps, steps per optimizer)
         self._long: dict = {}  # name -> (total steps, steps per optimizer, first norm) of a streak older than _hist
+        self._since: dict = {}  # ... of a streak that began before a load (:meth:`load_state_dict`)
+        self._bridge: dict = {}  # name -> its streak, at a load: carried over the first check after it
 
     def update(self, report, names: list[str], params: list, tracker) -> list[Finding]:
         """GRAD_PILEUP for the parameters piling up now (``tracker``: the monitor's
@@ -80,6 +82,11 @@ class PileUp:
             prev = list(map(dict(zip(old, self._vals)).get, keys, repeat(math.inf)))
             vers0 = list(map(dict(zip(old, self._vers)).get, keys, repeat(-1)))
             runs0 = list(map(dict(zip(old, self._runs)).get, keys, repeat(0)))
+            if self._bridge:  # (the first check after a load: a checkpoint holds no gradients, so the ones
+                # now are not the ones the streak saw grow; the streak is carried over it, not broken)
+                for i in [i for i, k in enumerate(keys) if k in self._bridge]:
+                    prev[i], vers0[i], runs0[i] = 0.0, plist[i]._version, self._bridge[keys[i]]
+                self._bridge = {}
         vers = list(map(_VERSION, plist))
         # runs = (runs0 * same version + 1) * grew * OK * finite, all in C (bools are 0 and 1)
         runs = list(map(mul, map(mul, map(mul, map(add, map(mul, runs0, map(eq, vers, vers0)), repeat(1)),
@@ -89,10 +96,12 @@ class PileUp:
         self._keys, self._vals, self._vers, self._runs, self._params = keys, vals, vers, runs, plist
         hist, long = self._hist, self._long
         hist.append((keys, vals, tracker.total_steps, dict(tracker.stepped)))
-        if long:  # (streaks that ended)
+        if long or self._since:  # (streaks that ended)
             alive = dict(zip(keys, runs))
             for n in [n for n in long if alive.get(n, 0) < HISTORY - 1]:
                 del long[n]
+            for n in [n for n in self._since if not alive.get(n, 0)]:
+                del self._since[n]
         for i in compress(range(len(runs)), map(eq, runs, repeat(HISTORY - 1))):  # (a streak about to outlive _hist)
             start = hist[-(HISTORY - 1)]
             long[keys[i]] = (start[2], start[3], _norm_at(hist[-HISTORY], keys[i]))
@@ -103,8 +112,8 @@ class PileUp:
         holders = _holders(tracker.lrs.optimizers, {id(plist[i]) for i in due})
         found, firsts, counts = [], [], []
         for i in due:
-            run = runs[i]  # (where the streak began: its check kept, or noted before it left _hist)
-            steps0, then, first = long[keys[i]] if run >= HISTORY - 1 else (*hist[-run][2:], _norm_at(hist[-run - 1], keys[i]))
+            run = runs[i]  # (where the streak began: its check kept, or noted before it left _hist or before a load)
+            steps0, then, first = self._origin(keys[i], run)
             if tracker.total_steps <= steps0:  # (no step since: accumulation over micro-batches)
                 continue
             p = plist[i]
@@ -128,6 +137,51 @@ class PileUp:
                         "unfrozen later has no hook: register one for it, or rebuild the optimizer), or an optimizer "
                         "that holds them but whose step() never runs", params=tuple(n for n in status if n in found),
                         step=report.step, data={"first": first, "last": last})]
+
+    def _origin(self, name: str, run: int) -> tuple:
+        """(total steps, steps per optimizer, first norm) where ``name``'s streak of ``run`` checks began."""
+        if name in self._since:
+            return self._since[name]
+        if run >= HISTORY - 1:
+            return self._long[name]
+        hist = self._hist
+        return (*hist[-run][2:], _norm_at(hist[-run - 1], name))
+
+    # -------------------------------------------------------------- checkpoint
+    def state_dict(self, optimizers) -> dict:
+        """The streaks (a checkpoint holds no gradients, so no norms to compare with): per name,
+        [checks, total steps then, {optimizer index: its steps then}, first norm]."""
+        where = {id(o): k for k, o in enumerate(optimizers)}
+        out = {}
+        for name, run in zip(self._keys, self._runs):
+            if run:
+                steps0, then, first = self._origin(name, run)
+                out[name] = [run, steps0, {str(where[o]): n for o, n in then.items() if o in where}, first]
+        return {"streaks": out}
+
+    def load_state_dict(self, state: dict, optimizers, names) -> None:
+        """Every key checked (:mod:`.state`), then loaded."""
+        from . import state as checked
+
+        checked.exact(state, ("streaks",), "state['pileup']")
+        streaks = state["streaks"]
+        if not isinstance(streaks, dict):
+            raise TypeError("state['pileup']['streaks'] must map names to streaks")
+        checked.names(list(streaks), "state['pileup']['streaks']", names)
+        bridge, since = {}, {}
+        for name, v in streaks.items():
+            path = f"state['pileup']['streaks'][{name!r}]"
+            if not isinstance(v, list) or len(v) != 4 or not isinstance(v[2], dict):
+                raise TypeError(f"{path} must be [checks, total steps, {{optimizer: steps}}, first norm]")
+            run = checked.count(v[0], f"{path}[0]")
+            if not run:
+                raise ValueError(f"{path}[0] must be at least 1")
+            then = {id(optimizers[checked.index(k, f"{path}[2] key", len(optimizers))]): checked.count(n, f"{path}[2][{k!r}]")
+                    for k, n in v[2].items()}
+            bridge[name] = run
+            since[name] = (checked.count(v[1], f"{path}[1]"), then, checked.norm(v[3], f"{path}[3]"))
+        self.__init__()
+        self._bridge, self._since = bridge, since
 
 
 def _norm_at(entry, name: str) -> float:

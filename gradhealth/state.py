@@ -3,17 +3,28 @@
 ``GradHealth.load_state_dict`` refuses a state with a missing key, a value of the wrong type or out
 of range (a counter that is not an int in ``[0, 2**53]``, a norm that is not a finite number >= 0),
 a history wider than the model's module list, or one from another model (other parameter names,
-named in the error). The error is a ``ValueError`` naming the key; the monitor is left as it was.
+named in the error), and a key it does not know: the state is exactly what ``state_dict()`` of this
+version writes. The error is a ``ValueError`` naming the key; the monitor is left as it was.
+
+A state carries its ``version`` (:data:`VERSION`). One from an older version (version 1 had no
+``version`` key, and exactly its own keys) loads: what it holds is restored, the stories it did not
+keep start fresh, and a warning names them, once per load.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
-__all__ = ["load", "MAX_COUNT", "count", "norm", "require", "check_history", "check_persistence", "check_params"]
+from .errors import GradHealthWarning
+
+__all__ = ["load", "MAX_COUNT", "VERSION", "count", "norm", "require", "exact", "flag", "names", "number", "index",
+           "key_of", "plain", "check_history", "check_persistence", "check_params"]
 
 #: counters stay exact in float64 and writable as TensorBoard steps
 MAX_COUNT = 2**53
+#: the version of the state ``GradHealth.state_dict()`` writes (1: before it carried one)
+VERSION = 2
 
 
 def require(state, keys, path: str) -> None:
@@ -22,6 +33,71 @@ def require(state, keys, path: str) -> None:
     missing = [k for k in keys if k not in state]
     if missing:
         raise KeyError(f"{path} lacks {', '.join(map(repr, missing))}")
+
+
+def exact(state, keys, path: str) -> None:
+    """``state`` is a dict with exactly ``keys``: one missing or one it does not know is refused."""
+    require(state, keys, path)
+    odd = [k for k in state if k not in keys]
+    if odd:
+        raise KeyError(f"{path} has keys this version does not write: {', '.join(map(repr, odd[:5]))}")
+
+
+def flag(v, path: str) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"{path} must be a bool; got {v!r}")
+    return v
+
+
+def names(v, path: str, known: set[str] | None = None) -> list[str]:
+    """A list of distinct names (of this model's, where ``known`` is given)."""
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise TypeError(f"{path} must be a list of names; got {type(v).__name__}")
+    if len(set(v)) != len(v):
+        raise ValueError(f"{path} names one twice")
+    if known is not None and not set(v) <= known:
+        odd = sorted(set(v) - known)
+        raise ValueError(f"{path} names parameters this model does not have: {', '.join(odd[:5])}")
+    return v
+
+
+def number(v, path: str, nan: bool = False) -> float:
+    """A finite number of either sign (NaN too where ``nan``)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{path} must be a number; got {v!r}")
+    v = float(v)
+    if not math.isfinite(v) and not (nan and math.isnan(v)):
+        raise ValueError(f"{path} must be a finite number; got {v!r}")
+    return v
+
+
+def index(v, path: str, n: int) -> int:
+    """An index below ``n`` (an int, or its digits: JSON writes a dict's int keys as strings)."""
+    k = count(int(v) if isinstance(v, str) and v.isdigit() and len(v) < 20 else v, path)
+    if k >= n:
+        raise ValueError(f"{path} is {k}; this monitor has {n}")
+    return k
+
+
+def key_of(v, path: str, n: int):
+    """A key saved per optimizer: "all" (every parameter, None) or an optimizer's index below ``n``."""
+    return None if v == "all" else index(v, path, n)
+
+
+def plain(v, path: str, depth: int = 0):
+    """Plain data (what JSON and ``torch.save`` keep): None, bool, int, str, finite or NaN float,
+    lists and dicts with str keys of those."""
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        if math.isinf(v):
+            raise ValueError(f"{path} must be a finite number; got {v!r}")
+        return v
+    if depth < 4 and isinstance(v, list):
+        return [plain(x, f"{path}[{k}]", depth + 1) for k, x in enumerate(v)]
+    if depth < 4 and isinstance(v, dict) and all(isinstance(k, str) for k in v):
+        return {k: plain(x, f"{path}[{k!r}]", depth + 1) for k, x in v.items()}
+    raise TypeError(f"{path} must be plain data; got {type(v).__name__}")
 
 
 def count(v, path: str) -> int:
@@ -42,8 +118,9 @@ def norm(v, path: str, nan: bool = False) -> float:
 
 
 def check_history(state, path: str, modules: set[str] | None, window: int) -> None:
-    require(state, ("seen", "total", "modules", "rows"), path)
+    exact(state, ("seen", "total", "modules", "rows", "spiked", "medians"), path)
     count(state["seen"], f"{path}['seen']")
+    flag(state["spiked"], f"{path}['spiked']")
     for key in ("total", "modules", "rows"):
         if not isinstance(state[key], list):
             raise TypeError(f"{path}[{key!r}] must be a list; got {type(state[key]).__name__}")
@@ -62,6 +139,16 @@ def check_history(state, path: str, modules: set[str] | None, window: int) -> No
             raise ValueError(f"{path}['rows'][{k}] must be a list of at most {len(names)} norms")
         for j, v in enumerate(r):
             norm(v, f"{path}['rows'][{k}][{j}]", nan=True)
+    medians = state["medians"]
+    if medians is not None:
+        exact(medians, ("at", "values"), f"{path}['medians']")
+        if count(medians["at"], f"{path}['medians']['at']") > state["seen"]:
+            raise ValueError(f"{path}['medians']['at'] is past {path}['seen']")
+        if not isinstance(medians["values"], list) or not isinstance(state["modules"], list) \
+                or len(medians["values"]) != len(state["modules"]):
+            raise ValueError(f"{path}['medians']['values'] must be a list of one median per module")
+        for j, v in enumerate(medians["values"]):
+            norm(v, f"{path}['medians']['values'][{j}]", nan=True)
 
 
 def check_persistence(state, path: str, units: set[str] | None) -> None:
@@ -88,15 +175,143 @@ def check_params(saved, names: list[str]) -> None:
         raise ValueError(f"the state is from another model ({what or 'the same names in another order'})")
 
 
-def load(carry, view, state) -> None:
-    """``GradHealth.load_state_dict``: the state checked against this model, then loaded."""
-    from .experts import unit_name
+#: what a monitor keeps beside its carry's keys (:attr:`gradhealth.carry.Carry.KEYS`)
+MONITOR_KEYS = ("version", "params", "lrs", "steps", "once", "unstepped")
+#: version 1's keys (it had no ``version``), exactly
+V1_KEYS = ("calls", "checks", "amp_skips", "amp_settled", "history", "histories", "streaks", "still", "skips",
+           "skips_in_a_row", "params")
+#: what each key a version 1 state lacks holds, in the words of the warning
+STORIES = {
+    "lrs": "each param group's learning-rate story (a hold at 0, a warm-up from 0, a fall)",
+    "steps": "the optimizer step counts that date the change tests",
+    "once": "the problems already said (said again once)",
+    "unstepped": "the optimizers' not-stepped streaks",
+    "still_seen": "the parameters the not-updated streak decided",
+    "last_scale": "the grad scaler's last scale",
+    "said": "the normalisation-layer notes already said",
+    "reentrant": "a reentrant checkpoint seen",
+    "trace": "the NaN tracer armed for the next step",
+    "fit": "the loss-fit baseline (running loss median, nothing-to-learn count)",
+    "pileup": "the gradient pile-up streaks",
+    "owed": "findings about the last step",
+    "streaks": "the persistence rule's {}",
+    "history": "the norm history's {}",
+}
 
+
+def save(monitor) -> dict:
+    """``GradHealth.state_dict``: plain Python (``torch.save`` and JSON keep it)."""
+    m, t = monitor, monitor.tracker
+    names, opts = m.view.names, m.optimizers
+    if t is not None and t.pending and not m.ranks.active and m._deferred is None:
+        m._flush_updates(owe=True)  # (the step already taken: its verdict is made now and owed to the next report)
+    return {"version": VERSION, **m.carry.state_dict(names, opts), "params": list(names),
+            "lrs": t.lrs.state_dict() if t is not None else None,
+            "steps": t.state_dict() if t is not None else None,
+            "once": m.publisher.once.state_dict(),
+            "unstepped": m.unstepped.state_dict() if m.unstepped is not None else None}
+
+
+def _fresh(monitor) -> dict:
+    """The state of a monitor that has not checked yet (what an older state's missing stories start as)."""
+    from .carry import Carry
+    from .lrstory import LrStory
+    from .once import Once
+    from .unstepped import Unstepped
+
+    m, t = monitor, monitor.tracker
+    carry = Carry(m.options.history)
+    return {**carry.state_dict(m.view.names, m.optimizers),
+            "lrs": LrStory(m.optimizers).state_dict() if t is not None else None,
+            "steps": {"stepped": {}, "total": 0, "arms": {}, "tests": {}, "turn": {}, "watched": []} if t is not None else None,
+            "once": Once().state_dict(), "unstepped": Unstepped().state_dict() if m.unstepped is not None else None}
+
+
+def upgrade(monitor, state: dict) -> tuple[dict, list[str]]:
+    """A state of an older version as this version's, and the words for what it lacked (started
+    fresh). A state of this version is returned as it is; one of no known version is refused."""
+    version = state.get("version", 1)
+    if version == VERSION and not isinstance(version, bool):
+        return state, []
+    if version != 1 or "version" in state:
+        raise ValueError(f"state['version'] is {version!r}; this gradhealth reads versions 1 to {VERSION}")
+    exact(state, V1_KEYS, "state (version 1)")
+    fresh, lacking = _fresh(monitor), []
+    new = {**fresh, **state, "version": VERSION}
+    lacking += [STORIES[k] for k in fresh if k not in state and k in STORIES and fresh[k] is not None]
+    streaks = state["streaks"]
+    if isinstance(streaks, dict):
+        if "units" not in streaks:  # the first format: {name: consecutive checks without a gradient}
+            streaks = {"n": {}, "units": {n: [0, 0, c, 0, None, True] for n, c in streaks.items()}, "blank": 0}
+        gone = [k for k in fresh["streaks"] if k not in streaks]
+        new["streaks"] = {**fresh["streaks"], **streaks}
+        if gone:
+            lacking.append(STORIES["streaks"].format(" and ".join(", ".join(gone).rsplit(", ", 1)) + " records"))
+    for key in ("history",) if isinstance(state["history"], dict) else ():
+        gone = [k for k in ("spiked", "medians") if k not in state["history"]]
+        new[key] = {**state[key], "spiked": False, "medians": None}
+        if gone:
+            lacking.append(STORIES["history"].format("last spike and module medians"))
+    if isinstance(state["histories"], dict):
+        new["histories"] = {k: {**h, "spiked": False, "medians": None} if isinstance(h, dict) else h
+                            for k, h in state["histories"].items()}
+    return new, lacking
+
+
+def load(monitor, state) -> None:
+    """``GradHealth.load_state_dict``: the state checked against this monitor, whole, then loaded."""
+    from .experts import unit_name
+    from .lrstory import LrStory
+    from .once import Once
+    from .unstepped import Unstepped
+
+    m, view, t = monitor, monitor.view, monitor.tracker
     if not isinstance(state, dict):
         raise TypeError(f"load_state_dict: state must be a dict from GradHealth.state_dict(); got {type(state).__name__}")
     try:
         check_params(state.get("params"), view.names)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"load_state_dict: {exc}; the monitor was left unchanged") from None
+    lacking: list[str] = []
+    try:
+        state, lacking = upgrade(m, state)
+        exact(state, m.carry.KEYS + MONITOR_KEYS, "state")
+        carry = {k: state[k] for k in m.carry.KEYS}
+        n = len(m.optimizers)
+        lrs = steps = None
+        if t is not None:
+            for key in ("lrs", "steps"):
+                if not isinstance(state[key], dict):
+                    raise TypeError(f"state[{key!r}] must be a dict (this monitor has an optimizer)")
+            lrs = LrStory(m.optimizers)
+            lrs.load_state_dict(state["lrs"])
+            steps = t.load_state_dict(state["steps"])
+        once = Once()
+        once.load_state_dict(state["once"], n)
+        unstepped = None
+        if m.unstepped is not None:
+            if not isinstance(state["unstepped"], dict):
+                raise TypeError("state['unstepped'] must be a dict (this monitor has several optimizers)")
+            unstepped = Unstepped()
+            unstepped.load_state_dict(state["unstepped"], n)
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError, IndexError) as exc:
+        detail = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise ValueError(f"load_state_dict: not a valid state from GradHealth.state_dict() ({detail}); "
+                         "the monitor was left unchanged") from None
     units = set(view.names) | {unit_name(s.module, e) for s in view.stacks.values() for e in range(s.count)}
-    carry.load_state_dict(state, set(view.modules), units)
+    restore = m.carry.load_state_dict(carry, set(view.modules), units, view.names, m.optimizers)
+    # (everything checked: from here on nothing can fail)
+    trace_from = restore()
+    if t is not None:
+        lrs.optimizers = t.lrs.optimizers
+        t.lrs = lrs
+        t.restore(steps)
+    m.publisher.once = once
+    if unstepped is not None:
+        m.unstepped = unstepped
+    if trace_from is not None:
+        m.rearm_tracer(trace_from)
+    if lacking:
+        warnings.warn(f"gradhealth: this state is from an older gradhealth (version 1, not "
+                      f"{VERSION}): it did not keep {'; '.join(lacking)}. These start fresh; everything else it "
+                      "held is restored", GradHealthWarning, stacklevel=3)

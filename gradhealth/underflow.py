@@ -85,6 +85,24 @@ class Faint:
     def keep(self) -> None:
         self.last = self.norms
 
+    def state_dict(self) -> dict:
+        """What a later check reads: the last check's subnormal norms (below every dtype's smallest
+        normal number: the others read as normal), and the prefix's streak."""
+        return {"last": {n: v for n, v in self.last.items() if 0.0 < v < _WIDEST}, "lead": list(self.lead),
+                "streak": self.streak}
+
+    def load_state_dict(self, state: dict, units=None) -> None:
+        from . import state as checked
+
+        checked.exact(state, ("last", "lead", "streak"), "state['streaks']['reader']")
+        last = state["last"]
+        if not isinstance(last, dict):
+            raise TypeError("state['streaks']['reader']['last'] must map names to norms")
+        checked.names(list(last), "state['streaks']['reader']['last']", units)
+        last = {n: checked.norm(v, f"state['streaks']['reader']['last'][{n!r}]") for n, v in last.items()}
+        lead = checked.names(state["lead"], "state['streaks']['reader']['lead']", units)
+        self.last, self.lead, self.streak = last, list(lead), checked.count(state["streak"], "state['streaks']['reader']['streak']")
+
     def prefix(self, status: Mapping[str, Status], grad_norm: Mapping[str, float], step: int, patience: int) -> list[Finding]:
         """VANISHING_GRAD (cause ``subnormal``) when the model's first parameters (in its order, the
         frozen ones passed over), at least two, have subnormal gradients at ``patience`` checks in a

@@ -77,3 +77,35 @@ class Unstepped:
                     "toggle_optimizer phase; the other optimizer's step() there does not update these)",
                     params=tuple(held), step=step, data={"optimizer": k, "class": type(opt).__name__, "checks": n}))
         return found
+
+    # -------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict:
+        """The streaks, and each optimizer's step counts at its last check (a checkpoint holds no
+        gradients: not the witnesses)."""
+        return {"streak": {str(k): n for k, n in self.streak.items()},
+                "seen": {str(k): [s[1], s[2]] for k, s in self._seen.items() if s is not None}}
+
+    def load_state_dict(self, state: dict, optimizers: int) -> None:
+        """Every key checked (:mod:`.state`), then loaded. The gradients the last check saw are gone
+        with the checkpoint: taken as thrown away where the optimizer's streak says the loop threw
+        them away before, else as unknown (the streak neither grows nor ends at the next check)."""
+        from . import state as checked
+
+        checked.exact(state, ("streak", "seen"), "state['unstepped']")
+        for key in state:
+            if not isinstance(state[key], dict):
+                raise TypeError(f"state['unstepped'][{key!r}] must map optimizer indices")
+        streak = {checked.index(k, "state['unstepped']['streak'] key", optimizers):
+                  checked.count(v, f"state['unstepped']['streak'][{k!r}]") for k, v in state["streak"].items()}
+        seen = {}
+        for k, v in state["seen"].items():
+            i = checked.index(k, "state['unstepped']['seen'] key", optimizers)
+            if not isinstance(v, list) or len(v) != 2:
+                raise TypeError(f"state['unstepped']['seen'][{k!r}] must be [its steps, all steps]")
+            mine, total = (checked.count(x, f"state['unstepped']['seen'][{k!r}]") for x in v)
+            seen[i] = (_GONE if streak.get(i) else (), mine, total)
+        self.streak, self._seen = streak, seen
+
+
+#: a witness whose parameter is gone: :func:`.stale.discarded` reads it as thrown away
+_GONE = [(lambda: None, lambda: None, 0)]

@@ -109,13 +109,48 @@ def test_history_values_and_widths_are_checked():
     # a 10^4 spike after a history of infinities could never be EXPLODING_GRAD: refused above
 
 
-def test_a_state_saved_before_the_faint_frozen_and_thawed_units_were_kept_loads():
-    older = copy.deepcopy(GOOD)
-    for key in ("faint", "frozen", "thawed"):
-        del older["streaks"][key]
+V1_KEYS = ("calls", "checks", "amp_skips", "amp_settled", "history", "histories", "streaks", "still", "skips",
+           "skips_in_a_row", "params")
+
+
+def version_1(state):
+    """What gradhealth wrote before its states carried a version: these keys, its streaks without
+    the records added later, its histories without the last spike and the medians."""
+    old = {k: copy.deepcopy(state[k]) for k in V1_KEYS}
+    old["streaks"] = {k: old["streaks"][k] for k in ("n", "units", "blank")}
+    old["history"] = {k: old["history"][k] for k in ("seen", "total", "modules", "rows")}
+    return old
+
+
+def test_a_version_1_state_loads_what_it_has_and_says_once_what_starts_fresh():
     mon = trained(steps=2)
-    mon.load_state_dict(older)
-    assert mon.state_dict()["streaks"] == {**GOOD["streaks"], "faint": [], "frozen": [], "thawed": {}}
+    with pytest.warns(gh.GradHealthWarning, match=r"older gradhealth \(version 1, not 2\)") as said:
+        mon.load_state_dict(version_1(GOOD))
+    [warning] = [w for w in said if issubclass(w.category, gh.GradHealthWarning)]
+    for words in ("learning-rate story", "loss-fit baseline", "pile-up streaks", "faint, frozen, thawed",
+                  "last spike and module medians"):
+        assert words in str(warning.message)
+    got = mon.state_dict()
+    for key in ("calls", "checks", "still", "params"):
+        assert got[key] == GOOD[key]
+    assert got["streaks"]["units"] == GOOD["streaks"]["units"] and got["streaks"]["n"] == GOOD["streaks"]["n"]
+    assert got["history"]["total"] == GOOD["history"]["total"] and got["history"]["seen"] == GOOD["history"]["seen"]
+    assert got["fit"] == trained(steps=0).state_dict()["fit"]  # (a story it did not keep: as a fresh run's)
+    assert got["version"] == 2
+
+
+def test_a_state_of_this_version_missing_a_record_is_refused_not_defaulted():
+    mon = trained(steps=2)
+    before = mon.state_dict()
+    for key in ("faint", "frozen", "thawed"):
+        bad = copy.deepcopy(GOOD)
+        del bad["streaks"][key]
+        with pytest.raises(ValueError, match=rf"state\['streaks'\] lacks '{key}'.*left unchanged"):
+            mon.load_state_dict(bad)
+    assert mon.state_dict() == before
+    for version in (3, 0, "2", True, None):
+        with pytest.raises(ValueError, match="reads versions 1 to 2"):
+            mon.load_state_dict(dict(GOOD, version=version))
 
 
 def test_a_state_from_another_model_is_refused_naming_the_parameters():
