@@ -271,3 +271,119 @@ def test_a_resumed_plain_loop_tells_the_uninterrupted_story(case, one_thread):
     assert shows(whole, case.story) or shows(fresh, case.story), f"premise: {case.story} from step {case.n} on"
     assert fresh != whole, "premise: a monitor that starts fresh at the checkpoint tells another story"
     assert resume_plain(case) == whole
+
+
+# ------------------------------------------------- through the frameworks' resume
+def story_step(net, i):
+    """One step's loss by the batch's index: layer 2 dropped at one step in three, a batch with
+    nothing to learn at one in five (the frameworks choose the order; the index decides the story)."""
+    x, y = batch(i)
+    loss = ((net(x, {2} if i % 3 == 1 else ()) - y) ** 2).mean()
+    return loss * 0.0 if i % 5 == 4 else loss
+
+
+def held_groups(net):  # layers.0 held at lr 0 on purpose, the rest trains
+    return [{"params": [p for n, p in net.named_parameters() if not n.startswith("layers.0.")], "lr": 0.05},
+            {"params": list(net.layers[0].parameters()), "lr": 0.0}]
+
+
+STORIES = ("TRANSIENT_GRAD", "NOTHING_TO_LEARN")
+
+
+def test_lightning_fit_from_ckpt_path_tells_the_uninterrupted_story(tmp_path, one_thread):
+    pl = pytest.importorskip("lightning.pytorch")
+    from gradhealth.integrations.lightning import GradHealthCallback
+
+    class Story(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Layers()
+
+        def training_step(self, idx, batch_idx):
+            return story_step(self.net, int(idx[0]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(held_groups(self.net))
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(list(range(7)), batch_size=1)
+
+    n, m = 7, 8
+
+    def fit(ckpt_path=None, seed=0, load=True):
+        torch.manual_seed(seed)
+        rec = Recorder()
+        cb = GradHealthCallback(sinks=(rec,), log=False)
+        if not load:  # (the control: the checkpoint without the monitor's state)
+            cb.load_state_dict = lambda state: None
+        saver = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=n, save_top_k=-1,
+                                             filename="{step}")
+        trainer = pl.Trainer(max_steps=n + m, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[cb, saver], default_root_dir=str(tmp_path))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(Story(), ckpt_path=ckpt_path)
+        said = [str(w.message) for w in caught if issubclass(w.category, gh.GradHealthWarning)]
+        return [summary(r) for r in rec.reports if r.step >= n], said
+
+    whole, said_whole = fit()
+    assert all(shows(whole, story) for story in STORIES), "premise: the stories go on after the checkpoint"
+    ckpt = str(tmp_path / f"step={n}.ckpt")
+    fresh, said_fresh = fit(ckpt, seed=1, load=False)
+    assert [r[0] for r in fresh] == [r[0] for r in whole] and fresh != whole  # premise: the state carries them
+    resumed, said_resumed = fit(ckpt, seed=1)
+    assert resumed == whole
+    assert [s for s in said_resumed if "step" in s] == [s for s in said_whole if any(f"step {k}:" in s for k in range(n, n + m))]
+
+
+def test_hf_trainer_resume_from_checkpoint_tells_the_uninterrupted_story(tmp_path, one_thread):
+    transformers = pytest.importorskip("transformers")
+    from gradhealth.integrations.transformers import GradHealthCallback
+
+    class Story(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = Layers()
+
+        def forward(self, idx, labels=None):
+            return {"loss": story_step(self.net, int(idx[0]))}
+
+    class Indices(torch.utils.data.Dataset):
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return {"idx": i}
+
+    n, m = 8, 8
+
+    def train(out, resume=None, seed=0, load=True):
+        torch.manual_seed(seed)
+        rec = Recorder()
+        cb = GradHealthCallback(sinks=(rec,), log=False, tensorboard=False, replay_on_nonfinite=False)
+        model = Story()
+        args = transformers.TrainingArguments(str(out), use_cpu=True, report_to=[], max_steps=n + m,
+                                              per_device_train_batch_size=1, lr_scheduler_type="constant",
+                                              save_strategy="steps", save_steps=n, disable_tqdm=True, seed=0,
+                                              data_seed=0, logging_steps=5)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Indices(), callbacks=[cb],
+                                       optimizers=(torch.optim.SGD(held_groups(model.net)), None))
+        if not load:  # (the control: the checkpoint without the monitor's state)
+            trainer.state.stateful_callbacks = {}
+            cb.on_train_begin = lambda *a, _f=cb.on_train_begin, **k: _f(
+                *a[:1], transformers.TrainerState(), *a[2:], **k)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train(resume_from_checkpoint=resume)
+        said = [str(w.message) for w in caught if issubclass(w.category, gh.GradHealthWarning)]
+        return [summary(r) for r in rec.reports if r.step > n], said
+
+    whole, said_whole = train(tmp_path)
+    saved = json.load(open(tmp_path / f"checkpoint-{n}" / "trainer_state.json"))["stateful_callbacks"]
+    assert saved["GradHealthCallback"]["attributes"]["_pending_state"]["version"] == 2  # (in the JSON it writes)
+    assert all(shows(whole, story) for story in STORIES), "premise: the stories go on after the checkpoint"
+    fresh, _ = train(tmp_path, str(tmp_path / f"checkpoint-{n}"), seed=1, load=False)
+    assert [r[0] for r in fresh] == [r[0] for r in whole] and fresh != whole  # premise: the state carries them
+    resumed, said_resumed = train(tmp_path, str(tmp_path / f"checkpoint-{n}"), seed=1)
+    assert resumed == whole
+    assert [s for s in said_resumed] == [s for s in said_whole if any(f"step {k}:" in s for k in range(n + 1, n + m + 1))]
