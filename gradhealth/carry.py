@@ -305,6 +305,11 @@ class Carry:
                     histories[k] = copy.deepcopy(self._template)
                     checked.check_history(h, f"state['histories'][{i!r}]", modules, histories[k].window)
                     histories[k].load_state_dict(h)
+            else:  # (this monitor keeps no history: one in the state is checked all the same, and not kept)
+                for path, h in [("state['history']", state["history"])] + [
+                        (f"state['histories'][{i!r}]", h) for i, h in state["histories"].items()]:
+                    if h is not None or path != "state['history']":
+                        checked.check_history(h, path, modules, checked.MAX_COUNT)
             where = {n: i for i, n in enumerate(names)}
             still_seen = {where[n] for n in checked.names(state["still_seen"], "state['still_seen']", set(where))}
             scale = state["last_scale"]

@@ -153,6 +153,9 @@ class PileUp:
         [checks, total steps then, {optimizer index: its steps then}, first norm]."""
         where = {id(o): k for k, o in enumerate(optimizers)}
         out = {}
+        for name, run in self._bridge.items():  # (loaded, not checked since)
+            steps0, then, first = self._since[name]
+            out[name] = [run, steps0, {str(where[o]): n for o, n in then.items() if o in where}, first]
         for name, run in zip(self._keys, self._runs):
             if run:
                 steps0, then, first = self._origin(name, run)

@@ -286,12 +286,17 @@ def load(monitor, state) -> None:
             lrs = LrStory(m.optimizers)
             lrs.load_state_dict(state["lrs"])
             steps = t.load_state_dict(state["steps"])
+        else:
+            for key in ("lrs", "steps"):
+                if state[key] is not None:
+                    raise TypeError(f"state[{key!r}] must be None (this monitor has no optimizer)")
         once = Once()
         once.load_state_dict(state["once"], n)
         unstepped = None
+        if (m.unstepped is not None) != (state["unstepped"] is not None):
+            raise TypeError(f"state['unstepped'] must be {'a dict' if m.unstepped is not None else 'None'} (this "
+                            f"monitor has {'several optimizers' if m.unstepped is not None else 'at most one optimizer'})")
         if m.unstepped is not None:
-            if not isinstance(state["unstepped"], dict):
-                raise TypeError("state['unstepped'] must be a dict (this monitor has several optimizers)")
             unstepped = Unstepped()
             unstepped.load_state_dict(state["unstepped"], n)
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError, IndexError) as exc:

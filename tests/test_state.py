@@ -161,3 +161,122 @@ def test_a_state_from_another_model_is_refused_naming_the_parameters():
     same = trained(steps=2)
     same.load_state_dict(GOOD)
     assert same.state_dict() == GOOD
+
+
+# ------------------------------------------ every key deleted, renamed, retyped
+def rich_state():
+    """A real state where every story has something to say: two optimizers (the first with a group
+    held at lr 0, the second holds the head and neither steps nor zeroes: its gradients pile up),
+    a layer dropped now and then, batches with nothing to learn, problems said."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    body = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.0}, {"params": model[2].parameters(), "lr": 0.05}])
+    head = torch.optim.SGD(model[4].parameters(), lr=0.05)
+    mon = gh.GradHealth(model, [body, head], on_problem="ignore")
+    for step in range(14):
+        body.zero_grad()
+        x = torch.randn(3, 4)
+        h = model[1](model[0](x))
+        h = h if step % 3 == 1 else model[3](model[2](h))  # (model[2] dropped at one step in three)
+        loss = ((model[4](h) - 10.0) ** 2).mean() * (0.0 if step == 5 else 1.0)
+        loss.backward()
+        mon.check(loss=loss)
+        body.step()
+    mon.carry.fit.notes["frac_reward_zero_std"] = (1.0, 5)  # (what the Trainer adapter writes from TRL's logs)
+    return mon, mon.state_dict()
+
+
+def stopped_state():
+    """A real state saved right after a step that changed nothing: its findings are owed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+
+    class Stopped(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure=None):
+            return None
+
+    opt = Stopped(model.parameters(), lr=0.1)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        mon.check()
+        opt.step()
+    return mon, mon.state_dict()
+
+
+#: keys whose children are data (names, optimizer indices, notes), not the state's own keys: a child
+#: may be absent (a unit that never missed, an optimizer not stepped yet), so it is renamed and retyped only
+DATA = {"units", "thawed", "histories", "n", "stepped", "arms", "tests", "turn", "last", "notes", "open", "steps",
+        "streak", "seen", "data", "streaks"}
+FREE = {"notes", "data"}  # (any name is a valid key there)
+
+
+def mutations(state, path=()):
+    """(description, path, how) for every key of the state and the first elements of its lists."""
+    if isinstance(state, dict):
+        data = bool(path) and path[-1] in DATA and not (path[-1] == "streaks" and len(path) == 1)
+        for k, v in state.items():
+            if path[-1:] == ("data",):  # (a finding's own data: any plain value)
+                break
+            if not data:
+                yield f"delete {path + (k,)}", path + (k,), "delete"
+            if not (data and path[-1] in FREE):
+                yield f"rename {path + (k,)}", path + (k,), "rename"
+            yield f"retype {path + (k,)}", path + (k,), "retype"
+            yield from mutations(v, path + (k,))
+    elif isinstance(state, list):
+        for k, v in enumerate(state[:2]):
+            yield f"retype {path + (k,)}", path + (k,), "retype"
+            yield from mutations(v, path + (k,))
+
+
+def other_type(v):
+    if isinstance(v, bool):
+        return 1
+    if isinstance(v, (int, float)) or v is None:
+        return "7"
+    if isinstance(v, str):
+        return 7
+    return {} if isinstance(v, list) else []
+
+
+def mutated(state, path, how):
+    state = copy.deepcopy(state)
+    obj = state
+    for k in path[:-1]:
+        obj = obj[k]
+    key = path[-1]
+    if how == "delete":
+        del obj[key]
+    elif how == "rename":
+        obj[f"{key}_x"] = obj.pop(key)
+    else:
+        obj[key] = other_type(obj[key])
+    return state
+
+
+@pytest.mark.parametrize("make", [rich_state, stopped_state])
+def test_every_key_deleted_renamed_or_retyped_is_refused_whole(make):
+    mon, state = make()
+    if make is rich_state:  # premise: the stories are in it
+        assert state["lrs"]["groups"] and state["pileup"]["streaks"] and state["once"]["open"]["all"]
+        assert state["unstepped"]["seen"] and state["fit"]["losses"] and state["streaks"]["units"]
+    else:
+        assert state["owed"] and state["still_seen"] and state["steps"]["watched"]
+    fresh, before = make()[0], None
+    before = fresh.state_dict()
+    accepted = []
+    for what, path, how in mutations(state):
+        try:
+            fresh.load_state_dict(mutated(state, path, how))
+        except ValueError as exc:
+            assert "left unchanged" in str(exc), what
+            assert fresh.state_dict() == before, f"{what}: half loaded"
+            continue
+        accepted.append(what)
+        fresh = make()[0]
+    assert not accepted, accepted
+    fresh.load_state_dict(state)  # (the state itself loads)
+    assert fresh.state_dict() == state
