@@ -51,7 +51,7 @@ training normally, saving as configured), "raise" (a :class:`gradhealth.GradHeal
 ``on_pre_optimizer_step``: ``trainer.train()`` raises before the faulty step is applied), or
 "ignore".
 
-State: the callback is an ``ExportableState``. Its norm history and counters ride in every
+State: the callback is an ``ExportableState``. Its monitor's whole state rides in every
 checkpoint's ``trainer_state.json`` and are restored by ``resume_from_checkpoint`` (whatever
 ``restore_callback_states_from_checkpoint`` says; with it True, Trainer rebuilds the callback
 from its saved options, which cannot include ``sinks``: pass sinks through ``report_to``).
