@@ -259,7 +259,7 @@ class Carry:
             "amp_skips": self.amp_skips,
             "amp_settled": self.amp_settled,
             "history": self.history.state_dict() if self.history is not None else None,
-            "histories": {str(i): h.state_dict() for i, h in self.histories.items()},
+            "histories": {i: h.state_dict() for i, h in self.histories.items()},
             "streaks": self.streaks.state_dict(),
             "still": self.still,
             "skips": self.skips,

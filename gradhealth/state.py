@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from types import SimpleNamespace
 
 from .errors import GradHealthWarning
 
@@ -175,6 +176,8 @@ def check_params(saved, names: list[str]) -> None:
         raise ValueError(f"the state is from another model ({what or 'the same names in another order'})")
 
 
+_ANY = 64  # (optimizers a state may name where this monitor has no story for them)
+
 #: what a monitor keeps beside its carry's keys (:attr:`gradhealth.carry.Carry.KEYS`)
 MONITOR_KEYS = ("version", "params", "lrs", "steps", "once", "unstepped")
 #: version 1's keys (it had no ``version``), exactly
@@ -260,6 +263,7 @@ def upgrade(monitor, state: dict) -> tuple[dict, list[str]]:
 
 def load(monitor, state) -> None:
     """``GradHealth.load_state_dict``: the state checked against this monitor, whole, then loaded."""
+    from .deltas import UpdateTracker
     from .experts import unit_name
     from .lrstory import LrStory
     from .once import Once
@@ -278,41 +282,37 @@ def load(monitor, state) -> None:
         exact(state, m.carry.KEYS + MONITOR_KEYS, "state")
         carry = {k: state[k] for k in m.carry.KEYS}
         n = len(m.optimizers)
-        lrs = steps = None
-        if t is not None:
-            for key in ("lrs", "steps"):
-                if not isinstance(state[key], dict):
-                    raise TypeError(f"state[{key!r}] must be a dict (this monitor has an optimizer)")
-            lrs = LrStory(m.optimizers)
+        for key in ("lrs", "steps", "unstepped"):  # (None: saved by a monitor without an optimizer, or with one)
+            if state[key] is not None and not isinstance(state[key], dict):
+                raise TypeError(f"state[{key!r}] must be a dict or None; got {type(state[key]).__name__}")
+        # (a monitor without those stories checks them all the same, against any optimizer index, and keeps none)
+        anyone = SimpleNamespace(lrs=SimpleNamespace(optimizers=[None] * _ANY), entries=view.entries)
+        lrs = LrStory(m.optimizers if t is not None else anyone.lrs.optimizers)
+        if state["lrs"] is not None:
             lrs.load_state_dict(state["lrs"])
-            steps = t.load_state_dict(state["steps"])
-        else:
-            for key in ("lrs", "steps"):
-                if state[key] is not None:
-                    raise TypeError(f"state[{key!r}] must be None (this monitor has no optimizer)")
+        steps = type(t).load_state_dict(t, state["steps"]) if t is not None and state["steps"] is not None else None
+        if t is None and state["steps"] is not None:
+            UpdateTracker.load_state_dict(anyone, state["steps"])
         once = Once()
         once.load_state_dict(state["once"], n)
-        unstepped = None
-        if (m.unstepped is not None) != (state["unstepped"] is not None):
-            raise TypeError(f"state['unstepped'] must be {'a dict' if m.unstepped is not None else 'None'} (this "
-                            f"monitor has {'several optimizers' if m.unstepped is not None else 'at most one optimizer'})")
-        if m.unstepped is not None:
-            unstepped = Unstepped()
-            unstepped.load_state_dict(state["unstepped"], n)
+        unstepped = Unstepped()
+        if state["unstepped"] is not None:
+            unstepped.load_state_dict(state["unstepped"], n if m.unstepped is not None else _ANY)
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError, IndexError) as exc:
         detail = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         raise ValueError(f"load_state_dict: not a valid state from GradHealth.state_dict() ({detail}); "
                          "the monitor was left unchanged") from None
     units = set(view.names) | {unit_name(s.module, e) for s in view.stacks.values() for e in range(s.count)}
-    restore = m.carry.load_state_dict(carry, set(view.modules), units, view.names, m.optimizers)
+    restore = m.carry.load_state_dict(carry, set(view.modules), units, view.names, m.optimizers or anyone.lrs.optimizers)
     # (everything checked: from here on nothing can fail)
     trace_from = restore()
     if t is not None:
         lrs.optimizers = t.lrs.optimizers
         t.lrs = lrs
-        t.restore(steps)
+        if steps is not None:
+            t.restore(steps)
     m.publisher.once = once
-    if unstepped is not None:
+    if m.unstepped is not None:
         m.unstepped = unstepped
     if trace_from is not None:
         m.rearm_tracer(trace_from)
