@@ -186,16 +186,16 @@ V1_KEYS = ("calls", "checks", "amp_skips", "amp_settled", "history", "histories"
 #: what each key a version 1 state lacks holds, in the words of the warning
 STORIES = {
     "lrs": "each param group's learning-rate story (a hold at 0, a warm-up from 0, a fall)",
-    "steps": "the optimizer step counts that date the change tests",
-    "once": "the problems already said (said again once)",
-    "unstepped": "the optimizers' not-stepped streaks",
-    "still_seen": "the parameters the not-updated streak decided",
-    "last_scale": "the grad scaler's last scale",
-    "said": "the normalisation-layer notes already said",
-    "reentrant": "a reentrant checkpoint seen",
-    "trace": "the NaN tracer armed for the next step",
     "fit": "the loss-fit baseline (running loss median, nothing-to-learn count)",
     "pileup": "the gradient pile-up streaks",
+    "unstepped": "the optimizers' not-stepped streaks",
+    "once": "the problems already said (said again once)",
+    "steps": "the optimizer step counts that date the change tests",
+    "still_seen": "the parameters the not-updated streak decided",
+    "last_scale": "the grad scaler's last scale",
+    "trace": "the NaN tracer armed for the next step",
+    "said": "the normalisation-layer notes already said",
+    "reentrant": "a reentrant checkpoint seen",
     "owed": "findings about the last step",
     "streaks": "the persistence rule's {}",
     "history": "the norm history's {}",
@@ -241,7 +241,7 @@ def upgrade(monitor, state: dict) -> tuple[dict, list[str]]:
     exact(state, V1_KEYS, "state (version 1)")
     fresh, lacking = _fresh(monitor), []
     new = {**fresh, **state, "version": VERSION}
-    lacking += [STORIES[k] for k in fresh if k not in state and k in STORIES and fresh[k] is not None]
+    lacking += [words for k, words in STORIES.items() if k in fresh and k not in state and fresh[k] is not None]
     streaks = state["streaks"]
     if isinstance(streaks, dict):
         if "units" not in streaks:  # the first format: {name: consecutive checks without a gradient}
