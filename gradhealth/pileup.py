@@ -62,7 +62,7 @@ class PileUp:
         self._hist: deque = deque(maxlen=HISTORY)  # per check: (keys, norms, total steps, steps per optimizer)
         self._long: dict = {}  # name -> (total steps, steps per optimizer, first norm) of a streak older than _hist
         self._since: dict = {}  # ... of a streak that began before a load (:meth:`load_state_dict`)
-        self._bridge: dict = {}  # name -> its streak, at a load: carried over the first check after it
+        self._bridge: dict = {}  # name -> its streak, at a load: held over the first check after it
 
     def update(self, report, names: list[str], params: list, tracker) -> list[Finding]:
         """GRAD_PILEUP for the parameters piling up now (``tracker``: the monitor's
@@ -83,9 +83,10 @@ class PileUp:
             vers0 = list(map(dict(zip(old, self._vers)).get, keys, repeat(-1)))
             runs0 = list(map(dict(zip(old, self._runs)).get, keys, repeat(0)))
             if self._bridge:  # (the first check after a load: a checkpoint holds no gradients, so the ones
-                # now are not the ones the streak saw grow; the streak is carried over it, not broken)
+                # now are not the ones the streak saw grow, and a step may have run since its last check: the
+                # streak is held over this check, neither grown nor broken; growth and versions are read from here)
                 for i in [i for i, k in enumerate(keys) if k in self._bridge]:
-                    prev[i], vers0[i], runs0[i] = 0.0, plist[i]._version, self._bridge[keys[i]]
+                    prev[i], vers0[i], runs0[i] = 0.0, plist[i]._version, self._bridge[keys[i]] - 1
                 self._bridge = {}
         vers = list(map(_VERSION, plist))
         # runs = (runs0 * same version + 1) * grew * OK * finite, all in C (bools are 0 and 1)
