@@ -7,7 +7,6 @@ state is what carries it)."""
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import re
