@@ -17,6 +17,14 @@ numbers). Two rules:
   fit's: info, not a warning. Also where the loss fell about as far as the gradients did
   (``loss / median <= FIT_SLACK * norm / median`` for every low module). A real collapse
   (saturated activations, dead ReLUs, a cut path) leaves the loss where it was, or raises it.
+* **a spike the clip contains**: an EXPLODING_GRAD error (a spike at two checks in a row) where the
+  run clips by norm (``monitor.clip_grad_norm_`` ran after the last check, with a ``max_norm`` within
+  the spike rule's ``spike_factor`` x the running median, so the step the optimizer takes is no
+  spike) and the loss is not climbing (the last ``RECENT`` checks' losses do not rank above the
+  window's earlier ones beyond chance: a one-sided rank-sum test, ``CLIMB_Z``). Batch size 1 makes heavy-tailed
+  per-sample norms, and two large ones in a row happen by chance; the clip is there for them.
+  Said as a warning with what was seen (``Finding.against``). A loss that climbs, or a run that
+  does not clip, keeps the error.
 """
 
 from __future__ import annotations
@@ -38,6 +46,12 @@ WINDOW, WARMUP = 100, 5
 FIT_SLACK = 10.0
 #: a batch whose loss is this far below the running median is already fitted
 FIT_RATIO = 0.1
+#: the loss's recent median is over this many checks (this one included), against the window's earlier ones
+RECENT = 16
+#: the recent losses rank above the earlier ones with z above this (one-sided p < 0.01): the loss climbs
+CLIMB_Z = 2.33
+#: the spike's advice, not given to a run that clips already
+_CLIP_ADVICE = "; clip gradients (clip_grad_norm_) to contain it"
 
 
 class LossFit:
@@ -48,10 +62,61 @@ class LossFit:
         #: what the framework's own logs said about the batches (the Trainer adapter writes TRL's
         #: ``frac_reward_zero_std`` here, with the step it was logged at)
         self.notes: dict[str, tuple[float, int]] = {}
+        #: the ``max_norm`` of a clip by norm that ran since the last check (``monitor.clip_grad_norm_``)
+        self.clip: float | None = None
+
+    def clipped(self, max_norm: float) -> None:
+        """A clip by 2-norm at ``max_norm`` ran on the last check's gradients."""
+        self.clip = float(max_norm)
 
     def add(self, loss: float | None) -> None:
         if loss is not None and math.isfinite(loss):
             self.losses.append(loss)
+        self.clip = None  # (the next check's spike is contained only by a clip after this one)
+
+    def explain(self, found: list[Finding], loss: float | None, step: int) -> list[Finding]:
+        """The norm history's findings, with what the loss and the clip explain (:meth:`vanishing`,
+        :meth:`contained`)."""
+        return self.contained(self.vanishing(found, loss, step), loss)
+
+    def trend(self, loss: float | None) -> tuple[float, float, int, int, float] | None:
+        """(recent median, earlier median, their counts, z) of the loss, ``loss`` (this check's)
+        counted among the ``RECENT`` recent ones; None when there is too little to tell. ``z``: the
+        rank-sum statistic of the recent losses against the earlier ones (Mann-Whitney, normal
+        approximation): above ``CLIMB_Z`` the recent ones are larger than chance allows, the loss
+        climbs. Ranks, not means: with small batches the per-batch losses are heavy-tailed."""
+        if loss is None or not math.isfinite(loss):
+            return None
+        past = list(self.losses)
+        cut = max(len(past) - RECENT + 1, 0)
+        recent, earlier = past[cut:] + [loss], past[:cut]
+        n, k = len(recent), len(earlier)
+        if k < WARMUP:
+            return None
+        ranked = sorted([(v, 1) for v in recent] + [(v, 0) for v in earlier])
+        u = sum(r for r, (_, new) in enumerate(ranked, 1) if new) - n * (n + 1) / 2
+        z = (u - n * k / 2) / math.sqrt(n * k * (n + k + 1) / 12)
+        return statistics.median(recent), statistics.median(earlier), n, k, z
+
+    def contained(self, found: list[Finding], loss: float | None) -> list[Finding]:
+        """``found``, with an EXPLODING_GRAD error the clip contains while the loss is not climbing
+        said as a warning with what was seen."""
+        if self.clip is None or not any(f.kind == K.EXPLODING_GRAD and f.level == "error" for f in found):
+            return found
+        out = []
+        for f in found:
+            total, median, factor = (f.data.get(k) for k in ("total", "median", "factor"))
+            trend = self.trend(loss) if f.kind == K.EXPLODING_GRAD and f.level == "error" and median else None
+            if trend is None or trend[4] > CLIMB_Z or not total > self.clip or self.clip > factor * median:
+                out.append(f)
+                continue
+            now, before, n, k, _ = trend
+            seen = (f"the run clips by norm: clip_grad_norm_ (max_norm {self.clip:g}) scales these gradients by "
+                    f"{self.clip / total:.2g}, so the step applies no spike, and the loss is not climbing (median "
+                    f"{now:.3g} over the last {n} checks, {before:.3g} over the {k} before)")
+            out.append(Finding(f.kind, f.message.replace(_CLIP_ADVICE, ""), params=f.params, level=f.level, step=f.step,
+                               data={**f.data, "clip": self.clip, "loss_medians": (now, before)}, against=seen))
+        return out
 
     def nothing_to_learn(self, report) -> list[Finding]:
         """NOTHING_TO_LEARN for a check whose loss is exactly 0 with every gradient exactly 0; its
