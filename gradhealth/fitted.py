@@ -6,10 +6,11 @@ numbers). Two rules:
 * **nothing to learn from this batch**: the loss is exactly 0 (finite) and every gradient of the
   judged parameters is exactly 0. The zeros are the loss's, not the model's: every GRPO/PPO group whose
   rewards tie has advantages of 0 (TRL logs ``frac_reward_zero_std`` = 1), a selection that picked
-  nothing weights every term by 0. Said as a warning the first time, then as info with the count (one
-  warning however often it repeats); the ZERO_GRAD units of such a check are not counted as misses
-  by the persistence rule, and the norm history does not take the check (it says nothing of the
-  gradients' scale).
+  nothing weights every term by 0. One such batch is routine (TRL logs the share of tied groups as
+  ``frac_reward_zero_std``): info, with the count. A run where most batches are tied (at least
+  ``MOSTLY`` of the window's checks, and more than half of them) is the warning, said once; the
+  ZERO_GRAD units of such a check are not counted as misses by the persistence rule, and the norm
+  history does not take the check (it says nothing of the gradients' scale).
 * **a batch already fitted**: a VANISHING_GRAD collapse that the loss's own collapse explains. A
   batch whose loss is an order of magnitude below the run's running median (``loss / median <=
   FIT_RATIO``) is one the model already fits: near a minimum the gradient goes to 0 faster than the
@@ -46,6 +47,9 @@ WINDOW, WARMUP = 100, 5
 FIT_SLACK = 10.0
 #: a batch whose loss is this far below the running median is already fitted
 FIT_RATIO = 0.1
+#: a run is mostly tied (NOTHING_TO_LEARN as a warning) from this many such checks in the window, and
+#: more than half of its checks
+MOSTLY = 4
 #: the loss's recent median is over this many checks (this one included), against the window's earlier ones
 RECENT = 16
 #: the recent losses rank above the earlier ones with z above this (one-sided p < 0.01): the loss climbs
@@ -59,6 +63,9 @@ class LossFit:
         self.losses: deque[float] = deque(maxlen=WINDOW)
         self.nothing = 0  # checks with nothing to learn so far
         self.first: int | None = None
+        self.tied: deque[bool] = deque(maxlen=WINDOW)  # per recent check: nothing to learn from it
+        self._tied_now = False
+        self.warned = False  # the mostly-tied warning was said
         #: what the framework's own logs said about the batches (the Trainer adapter writes TRL's
         #: ``frac_reward_zero_std`` here, with the step it was logged at)
         self.notes: dict[str, tuple[float, int]] = {}
@@ -72,6 +79,8 @@ class LossFit:
     def add(self, loss: float | None) -> None:
         if loss is not None and math.isfinite(loss):
             self.losses.append(loss)
+        self.tied.append(self._tied_now)
+        self._tied_now = False
         self.clip = None  # (the next check's spike is contained only by a clip after this one)
 
     def explain(self, found: list[Finding], loss: float | None, step: int) -> list[Finding]:
@@ -131,6 +140,11 @@ class LossFit:
         self.nothing += 1
         if self.first is None:
             self.first = report.step
+        self._tied_now = True
+        tied, checks = sum(self.tied) + 1, len(self.tied) + 1
+        mostly = tied >= MOSTLY and 2 * tied > checks
+        warn = mostly and not self.warned
+        self.warned = self.warned or warn
         # (no streak is counted at such a check: a parameter without a gradient now, a branch this
         # batch did not take, is judged by the checks around it, not by this one)
         report.tolerated = report.tolerated | frozenset(n for n, s in status.items() if s is Status.ZERO_GRAD
@@ -139,16 +153,18 @@ class LossFit:
         trl = (f" TRL logged frac_reward_zero_std = {seen[0]:g} at step {seen[1]}: the rewards of "
                f"{'every' if seen[0] >= 1 else 'a share of the'} prompt group{'s' if seen[0] < 1 else ''} tied, so "
                "their advantages are 0." if seen is not None and seen[0] > 0 else "")
-        count = ("" if self.nothing == 1 else
-                 f" ({self.nothing} such checks so far, the first at step {self.first}; said as a warning once)")
+        count = ("" if self.nothing == 1 else f" ({self.nothing} such checks so far, the first at step {self.first})")
+        share = f"{tied} of the last {checks} checks had nothing to learn"
+        last = (f"Most batches are tied: {share}, so most steps train nothing. Make the rewards vary (harder or "
+                "easier prompts, a graded reward) or skip such batches" if mostly else
+                f"One such batch now and then is routine ({share}); a warning if most are")
         return [Finding(K.NOTHING_TO_LEARN, f"nothing to learn from this batch at step {report.step}: the loss is exactly 0 "
                         f"and every gradient is exactly 0, so the zeros come from the loss, not from the model "
                         f"({describe_names(status, zero)}).{trl} Likely: tied rewards / zero advantages (every completion "
                         "of a GRPO/PPO group scored the same: a task too hard or too easy for now), or an empty "
-                        f"selection (a mask or weights that kept no term of the loss){count}. If it lasts, make the "
-                        "rewards vary (harder or easier prompts, a graded reward) or skip such batches",
-                        level="warning" if self.nothing == 1 else "info", step=report.step,
-                        data={"count": self.nothing, "first": self.first})]
+                        f"selection (a mask or weights that kept no term of the loss){count}. {last}",
+                        level="warning" if warn else "info", step=report.step,
+                        data={"count": self.nothing, "first": self.first, "tied": tied, "checks": checks})]
 
     def vanishing(self, found: list[Finding], loss: float | None, step: int) -> list[Finding]:
         """``found`` (the norm history's findings), with a VANISHING_GRAD collapse the loss's own
