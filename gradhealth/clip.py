@@ -153,6 +153,8 @@ def _scaling(monitor, source: ClipSource, parameters, grads: list, values: list)
 
 def clip_grad_norm_(monitor, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None, parameters=None, unscale: bool = True) -> Tensor:
+    if float(norm_type) == 2.0:  # (the norm history's judge: a spike this clip contains is no error)
+        monitor.carry.fit.clipped(max_norm)
     source: ClipSource | None = monitor._clip_source or None  # (False: the first clip; checks keep norms from now on)
     monitor._clip_source = None  # one clip per check: a second one reads the gradients again
     scaled = _still_scaled(monitor)

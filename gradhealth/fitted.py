@@ -6,10 +6,11 @@ numbers). Two rules:
 * **nothing to learn from this batch**: the loss is exactly 0 (finite) and every gradient of the
   judged parameters is exactly 0. The zeros are the loss's, not the model's: every GRPO/PPO group whose
   rewards tie has advantages of 0 (TRL logs ``frac_reward_zero_std`` = 1), a selection that picked
-  nothing weights every term by 0. Said as a warning the first time, then as info with the count (one
-  warning however often it repeats); the ZERO_GRAD units of such a check are not counted as misses
-  by the persistence rule, and the norm history does not take the check (it says nothing of the
-  gradients' scale).
+  nothing weights every term by 0. One such batch is routine (TRL logs the share of tied groups as
+  ``frac_reward_zero_std``): info, with the count. A run where most batches are tied (at least
+  ``MOSTLY`` of the window's checks, and more than half of them) is the warning, said once; the
+  ZERO_GRAD units of such a check are not counted as misses by the persistence rule, and the norm
+  history does not take the check (it says nothing of the gradients' scale).
 * **a batch already fitted**: a VANISHING_GRAD collapse that the loss's own collapse explains. A
   batch whose loss is an order of magnitude below the run's running median (``loss / median <=
   FIT_RATIO``) is one the model already fits: near a minimum the gradient goes to 0 faster than the
@@ -17,6 +18,14 @@ numbers). Two rules:
   fit's: info, not a warning. Also where the loss fell about as far as the gradients did
   (``loss / median <= FIT_SLACK * norm / median`` for every low module). A real collapse
   (saturated activations, dead ReLUs, a cut path) leaves the loss where it was, or raises it.
+* **a spike the clip contains**: an EXPLODING_GRAD error (a spike at two checks in a row) where the
+  run clips by norm (``monitor.clip_grad_norm_`` ran after the last check, with a ``max_norm`` within
+  the spike rule's ``spike_factor`` x the running median, so the step the optimizer takes is no
+  spike) and the loss is not climbing (the last ``RECENT`` checks' losses do not rank above the
+  window's earlier ones beyond chance: a one-sided rank-sum test, ``CLIMB_Z``). Batch size 1 makes heavy-tailed
+  per-sample norms, and two large ones in a row happen by chance; the clip is there for them.
+  Said as a warning with what was seen (``Finding.against``). A loss that climbs, or a run that
+  does not clip, keeps the error.
 """
 
 from __future__ import annotations
@@ -38,6 +47,15 @@ WINDOW, WARMUP = 100, 5
 FIT_SLACK = 10.0
 #: a batch whose loss is this far below the running median is already fitted
 FIT_RATIO = 0.1
+#: a run is mostly tied (NOTHING_TO_LEARN as a warning) from this many such checks in the window, and
+#: more than half of its checks
+MOSTLY = 4
+#: the loss's recent median is over this many checks (this one included), against the window's earlier ones
+RECENT = 16
+#: the recent losses rank above the earlier ones with z above this (one-sided p < 0.01): the loss climbs
+CLIMB_Z = 2.33
+#: the spike's advice, not given to a run that clips already
+_CLIP_ADVICE = "; clip gradients (clip_grad_norm_) to contain it"
 
 
 class LossFit:
@@ -45,9 +63,18 @@ class LossFit:
         self.losses: deque[float] = deque(maxlen=WINDOW)
         self.nothing = 0  # checks with nothing to learn so far
         self.first: int | None = None
+        self.tied: deque[bool] = deque(maxlen=WINDOW)  # per recent check: nothing to learn from it
+        self._tied_now = False
+        self.warned = False  # the mostly-tied warning was said
         #: what the framework's own logs said about the batches (the Trainer adapter writes TRL's
         #: ``frac_reward_zero_std`` here, with the step it was logged at)
         self.notes: dict[str, tuple[float, int]] = {}
+        #: the ``max_norm`` of a clip by norm that ran since the last check (``monitor.clip_grad_norm_``)
+        self.clip: float | None = None
+
+    def clipped(self, max_norm: float) -> None:
+        """A clip by 2-norm at ``max_norm`` ran on the last check's gradients."""
+        self.clip = float(max_norm)
 
     def state_dict(self) -> dict:
         return {"losses": list(self.losses), "nothing": self.nothing, "first": self.first,
@@ -78,6 +105,53 @@ class LossFit:
     def add(self, loss: float | None) -> None:
         if loss is not None and math.isfinite(loss):
             self.losses.append(loss)
+        self.tied.append(self._tied_now)
+        self._tied_now = False
+        self.clip = None  # (the next check's spike is contained only by a clip after this one)
+
+    def explain(self, found: list[Finding], loss: float | None, step: int) -> list[Finding]:
+        """The norm history's findings, with what the loss and the clip explain (:meth:`vanishing`,
+        :meth:`contained`)."""
+        return self.contained(self.vanishing(found, loss, step), loss)
+
+    def trend(self, loss: float | None) -> tuple[float, float, int, int, float] | None:
+        """(recent median, earlier median, their counts, z) of the loss, ``loss`` (this check's)
+        counted among the ``RECENT`` recent ones; None when there is too little to tell. ``z``: the
+        rank-sum statistic of the recent losses against the earlier ones (Mann-Whitney, normal
+        approximation): above ``CLIMB_Z`` the recent ones are larger than chance allows, the loss
+        climbs. Ranks, not means: with small batches the per-batch losses are heavy-tailed."""
+        if loss is None or not math.isfinite(loss):
+            return None
+        past = list(self.losses)
+        cut = max(len(past) - RECENT + 1, 0)
+        recent, earlier = past[cut:] + [loss], past[:cut]
+        n, k = len(recent), len(earlier)
+        if k < WARMUP:
+            return None
+        ranked = sorted([(v, 1) for v in recent] + [(v, 0) for v in earlier])
+        u = sum(r for r, (_, new) in enumerate(ranked, 1) if new) - n * (n + 1) / 2
+        z = (u - n * k / 2) / math.sqrt(n * k * (n + k + 1) / 12)
+        return statistics.median(recent), statistics.median(earlier), n, k, z
+
+    def contained(self, found: list[Finding], loss: float | None) -> list[Finding]:
+        """``found``, with an EXPLODING_GRAD error the clip contains while the loss is not climbing
+        said as a warning with what was seen."""
+        if self.clip is None or not any(f.kind == K.EXPLODING_GRAD and f.level == "error" for f in found):
+            return found
+        out = []
+        for f in found:
+            total, median, factor = (f.data.get(k) for k in ("total", "median", "factor"))
+            trend = self.trend(loss) if f.kind == K.EXPLODING_GRAD and f.level == "error" and median else None
+            if trend is None or trend[4] > CLIMB_Z or not total > self.clip or self.clip > factor * median:
+                out.append(f)
+                continue
+            now, before, n, k, _ = trend
+            seen = (f"the run clips by norm: clip_grad_norm_ (max_norm {self.clip:g}) scales these gradients by "
+                    f"{self.clip / total:.2g}, so the step applies no spike, and the loss is not climbing (median "
+                    f"{now:.3g} over the last {n} checks, {before:.3g} over the {k} before)")
+            out.append(Finding(f.kind, f.message.replace(_CLIP_ADVICE, ""), params=f.params, level=f.level, step=f.step,
+                               data={**f.data, "clip": self.clip, "loss_medians": (now, before)}, against=seen))
+        return out
 
     def nothing_to_learn(self, report) -> list[Finding]:
         """NOTHING_TO_LEARN for a check whose loss is exactly 0 with every gradient exactly 0; its
@@ -92,6 +166,11 @@ class LossFit:
         self.nothing += 1
         if self.first is None:
             self.first = report.step
+        self._tied_now = True
+        tied, checks = sum(self.tied) + 1, len(self.tied) + 1
+        mostly = tied >= MOSTLY and 2 * tied > checks
+        warn = mostly and not self.warned
+        self.warned = self.warned or warn
         # (no streak is counted at such a check: a parameter without a gradient now, a branch this
         # batch did not take, is judged by the checks around it, not by this one)
         report.tolerated = report.tolerated | frozenset(n for n, s in status.items() if s is Status.ZERO_GRAD
@@ -100,16 +179,18 @@ class LossFit:
         trl = (f" TRL logged frac_reward_zero_std = {seen[0]:g} at step {seen[1]}: the rewards of "
                f"{'every' if seen[0] >= 1 else 'a share of the'} prompt group{'s' if seen[0] < 1 else ''} tied, so "
                "their advantages are 0." if seen is not None and seen[0] > 0 else "")
-        count = ("" if self.nothing == 1 else
-                 f" ({self.nothing} such checks so far, the first at step {self.first}; said as a warning once)")
+        count = ("" if self.nothing == 1 else f" ({self.nothing} such checks so far, the first at step {self.first})")
+        share = f"{tied} of the last {checks} checks had nothing to learn"
+        last = (f"Most batches are tied: {share}, so most steps train nothing. Make the rewards vary (harder or "
+                "easier prompts, a graded reward) or skip such batches" if mostly else
+                f"One such batch now and then is routine ({share}); a warning if most are")
         return [Finding(K.NOTHING_TO_LEARN, f"nothing to learn from this batch at step {report.step}: the loss is exactly 0 "
                         f"and every gradient is exactly 0, so the zeros come from the loss, not from the model "
                         f"({describe_names(status, zero)}).{trl} Likely: tied rewards / zero advantages (every completion "
                         "of a GRPO/PPO group scored the same: a task too hard or too easy for now), or an empty "
-                        f"selection (a mask or weights that kept no term of the loss){count}. If it lasts, make the "
-                        "rewards vary (harder or easier prompts, a graded reward) or skip such batches",
-                        level="warning" if self.nothing == 1 else "info", step=report.step,
-                        data={"count": self.nothing, "first": self.first})]
+                        f"selection (a mask or weights that kept no term of the loss){count}. {last}",
+                        level="warning" if warn else "info", step=report.step,
+                        data={"count": self.nothing, "first": self.first, "tied": tied, "checks": checks})]
 
     def vanishing(self, found: list[Finding], loss: float | None, step: int) -> list[Finding]:
         """``found`` (the norm history's findings), with a VANISHING_GRAD collapse the loss's own

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import operator
 import os
 import sys
+import types
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +18,8 @@ from .errors import GradModeError
 from .hooks import guarded
 from .naming import ROOT
 
-__all__ = ["ForwardRecord", "ForwardWatch", "diagnose_loss", "check_loss", "uses_checkpointing"]
+__all__ = ["ForwardRecord", "ForwardWatch", "diagnose_loss", "check_loss", "uses_checkpointing", "reads_training",
+           "mode_matters"]
 
 _CUT_HINT = (
     "the graph was cut between the model and the loss: look for .detach(), .data, .item(), "
@@ -34,6 +37,9 @@ class ForwardRecord:
     training: bool
     #: submodules with dropout or batch norm that were in eval() mode while the model ran
     eval_modules: tuple[str, ...] = ()
+    #: the modules in eval() mode that ran in that forward and compute differently for it
+    #: (:func:`mode_matters`); None: not observed (another rank's record)
+    readers: tuple[str, ...] | None = None
 
 
 _TRAINING = operator.attrgetter("training")
@@ -120,6 +126,62 @@ def check_loss(loss, model: nn.Module | None = None) -> None:
 
 _NORMS = (nn.modules.batchnorm._BatchNorm,)
 _DROPOUT_OR_NORM = (nn.modules.dropout._DropoutNd, nn.AlphaDropout, *_NORMS)
+_MODULE_NAMES = frozenset(dir(nn.Module))
+
+
+def _code_reads(code: types.CodeType, cls: type, depth: int) -> bool:
+    if "training" in code.co_names:  # (self.training, read or written)
+        return True
+    if any(isinstance(c, types.CodeType) and _code_reads(c, cls, depth) for c in code.co_consts):
+        return True  # (a closure, a comprehension)
+    for name in code.co_names if depth else ():  # a method of its own class it calls (self._apply_instance_norm)
+        if name in _MODULE_NAMES:
+            continue
+        f = inspect.getattr_static(cls, name, None)
+        f = getattr(f, "__func__", f)
+        inner = getattr(inspect.unwrap(f), "__code__", None) if callable(f) else None
+        if inner is not None and inner is not code and _code_reads(inner, cls, depth - 1):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def reads_training(cls: type) -> bool:
+    """Does the forward of module class ``cls`` read ``training``: in its own code, a closure or
+    comprehension in it, or a method of its class it calls (two calls deep)? Decided from the code,
+    once per class: dropout, batch and instance norm, RNNs, attention and any user module that
+    branches on ``self.training`` do; Linear, convolutions, GroupNorm, LayerNorm, activations and
+    containers do not."""
+    try:
+        code = getattr(inspect.unwrap(cls.forward), "__code__", None)
+        return code is not None and _code_reads(code, cls, 2)
+    except Exception:  # (a forward we cannot read: taken as reading it)
+        return True
+
+
+def _rates(module: nn.Module) -> list[float]:
+    """The dropout rates ``module`` holds: a float attribute ``p`` or named ``*drop*`` (nn.Dropout's
+    ``p``, an RNN's or attention's ``dropout``), a child named ``*drop*``'s ``p``."""
+    rates = [v for k, v in vars(module).items() if isinstance(v, float) and (k == "p" or "drop" in k)]
+    for k, child in module._modules.items():
+        if child is not None and "drop" in k and isinstance(getattr(child, "p", None), float):
+            rates.append(child.p)
+    return rates
+
+
+def mode_matters(module: nn.Module) -> bool:
+    """Does ``module`` compute differently in eval() than in train()? Its forward reads ``training``
+    (:func:`reads_training`) and what the flag switches is on: running statistics it would use in
+    place of the batch's (a norm that tracks them), or a dropout rate above 0. A module that reads
+    the flag and holds neither statistics nor a rate (its own branch on ``self.training``) does."""
+    if not reads_training(type(module)):
+        return False
+    if getattr(module, "running_mean", None) is not None or getattr(module, "running_var", None) is not None:
+        return True
+    rates = _rates(module)
+    if hasattr(module, "track_running_stats"):  # a norm without running statistics: the batch's either way
+        return any(r > 0 for r in rates)
+    return any(r > 0 for r in rates) if rates else True
 
 
 def _first_grad_tensor(output) -> list[Tensor]:
@@ -180,6 +242,11 @@ class ForwardWatch:
       max |x| as 0-d device tensors; read only at a check with NaN/inf gradients: a finite output
       with a NaN gradient means the NaN was made in the loss).
 
+    Which of the modules in eval() mode that ran compute differently for it (:func:`mode_matters`:
+    dropout with p > 0, a norm on its running statistics, a forward that reads ``self.training``) is
+    kept with the record (``readers``): every module whose forward reads ``training`` is watched too.
+    A model in eval() in which none did computed what train() mode computes: said as a warning.
+
     Normalisation layers in eval() mode are intended idioms, not eval-mode mistakes: with frozen
     (or no) affine parameters, frozen-BatchNorm fine-tuning (``carry.frozen_norms``); with
     trainable ones, ``norm_eval`` (detection backbones) and QAT's ``freeze_bn_stats``
@@ -199,7 +266,9 @@ class ForwardWatch:
         self.top_k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "moe_topk", None)
         children = dict(module.named_children())
         watched = [(name, m) for name, m in module.named_modules()
-                   if name == "" or name in children or isinstance(m, _DROPOUT_OR_NORM)]
+                   if name == "" or name in children or isinstance(m, _DROPOUT_OR_NORM) or reads_training(type(m))]
+        #: the modules in eval() mode that ran with grad in this forward and compute differently for it
+        self._readers: set[str] = set()
         # where the modes are read: the model's own forward, or, for a LightningModule (its
         # training_step calls the inner modules, never its forward), each direct child's
         entries = [("", module)] if not callable(getattr(module, "training_step", None)) else list(children.items())
@@ -223,6 +292,8 @@ class ForwardWatch:
         hooked = self._hooked[i]
         if not hooked and not self.probe and all(map(_TRAINING, modules)):
             return  # (the usual forward: everything in training mode, nothing hooked, nothing probed)
+        if i == 0:
+            self._readers.clear()  # (a new forward: what reads the mode is seen again)
         want = {id(m): (n, m) for n, m in watched if not m.training}
         if self.probe and self.root.training:
             want.update({id(m): (n, m) for n, m in children + self._probe_modules()})
@@ -290,6 +361,8 @@ class ForwardWatch:
             return
         if module.training:
             return
+        if mode_matters(module):
+            self._readers.add(name or ROOT)
         if isinstance(module, _NORMS):
             # normalisation layers alone in eval() while the rest trains: frozen BatchNorm
             # (frozen affine), or norm_eval / QAT's freeze_bn_stats (affine still training)
@@ -306,7 +379,8 @@ class ForwardWatch:
         if seen is not None and not seen.training:
             names.add(ROOT)  # the model itself was seen in eval() by an earlier hook of this backward
         names.add(name or ROOT)
-        self.carry.eval_backward = ForwardRecord(True, False, ROOT not in names, tuple(sorted(names - {ROOT})))
+        self.carry.eval_backward = ForwardRecord(True, False, ROOT not in names, tuple(sorted(names - {ROOT})),
+                                                 tuple(sorted(self._readers)))
 
     def remove(self) -> None:
         for h in [*self.handles, *(h for hooked in self._hooked for h in hooked.values())]:

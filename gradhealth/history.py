@@ -166,7 +166,7 @@ class NormHistory:
                             f"{med:.3g}{where}{', at two checks in a row' if again else ''}: a bad batch (look at its inputs "
                             "and targets), a learning rate too high, or an fp16 overflow; clip gradients "
                             "(clip_grad_norm_) to contain it", params=names, step=step, level="error" if again else "warning",
-                            data={"total": total, "median": med})
+                            data={"total": total, "median": med, "factor": self.spike_factor})
                 )
         if judged:
             meds = self._module_medians()

@@ -72,7 +72,10 @@ def empty_valid_set(valid_counts: Mapping[str, int], loss: float | None, norms: 
 
 
 def eval_mode(record: ForwardRecord | None, step: int, where: str = "") -> list[Finding]:
-    """GRAD_MODE when a training forward (one a backward went through) ran in eval() mode."""
+    """GRAD_MODE when a training forward (one a backward went through) ran in eval() mode: an error
+    where a module that ran computes differently for it (``record.readers``: dropout with p > 0, a
+    norm on its running statistics, a forward that reads ``self.training``), a warning that says so
+    where none did (eval() changed nothing; the model may not be the user's to change)."""
     if record is None:
         return []
     if not record.training:
@@ -81,9 +84,18 @@ def eval_mode(record: ForwardRecord | None, step: int, where: str = "") -> list[
         shown = ", ".join(record.eval_modules[:5]) + (" ..." if len(record.eval_modules) > 5 else "")
         one = len(record.eval_modules) == 1
         what = f"{'submodule' if one else 'submodules'} {shown} {'was' if one else 'were'} in eval() mode during the training forward"
-    return [Finding(K.GRAD_MODE, f"{what}{where}: dropout is off and batch norm uses (and no longer updates) its running "
-                    "statistics. Call model.train() after validation, before training resumes", step=step,
-                    params=record.eval_modules)]
+    readers = record.readers
+    if readers == ():  # observed: nothing that ran reads the mode
+        return [Finding(K.GRAD_MODE, f"{what}{where}. Call model.train() after validation, before training resumes, "
+                        "or the first dropout or batch norm added to the model will train in eval() mode",
+                        step=step, params=record.eval_modules, data={"readers": ()},
+                        against="nothing that ran in this forward reads `training` (no dropout with p > 0, no batch "
+                                "norm with running statistics, no forward that branches on self.training): it computed "
+                                "what train() mode computes")]
+    shown = f"{', '.join(readers[:5])}{' ...' if len(readers) > 5 else ''} ran in eval() mode, so " if readers else ""
+    return [Finding(K.GRAD_MODE, f"{what}{where}: {shown}dropout is off and batch norm uses (and no longer updates) its "
+                    "running statistics. Call model.train() after validation, before training resumes", step=step,
+                    params=record.eval_modules, data={"readers": readers})]
 
 
 def frozen_norms(names: Collection[str], step: int) -> list[Finding]:

@@ -351,7 +351,7 @@ class GradHealth:
                                                       v.module_runs)
         history = self.carry.history_for(report.optimizer_index)
         if history is not None and not nothing:
-            report.findings += fit.vanishing(history.update(step, report.total_grad_norm, report.module_grad_norm,
+            report.findings += fit.explain(history.update(step, report.total_grad_norm, report.module_grad_norm,
                                                             self.carry.streaks.skipping), report.loss, step)
         fit.add(report.loss)
         if not reeval:

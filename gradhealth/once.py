@@ -56,6 +56,7 @@ class Once:
     def __init__(self):
         self._open: dict = {}  # per optimizer index: {problem: (first step, checks in a row, words)}
         self._steps: dict = {}  # per optimizer index: the steps of its last checks (where a gap began)
+        self._held: dict = {}  # per optimizer index: problems of a _CONFIRMED kind absent at one check
 
     def update(self, report) -> Said:
         key = report.optimizer_index
@@ -67,9 +68,14 @@ class Once:
         if not before and report.not_ok == [] and not report.findings:  # (nothing open, nothing now)
             return _SILENT
         now = problems_of(report)
+        held = self._held.setdefault(key, set())
+        gone = [p for p in before if p[0] == "finding" and p[1] in _CONFIRMED and p not in now]
+        keep = {p for p in gone if p not in held}  # absent once: not resolved yet
+        held.intersection_update(gone)
+        held |= keep
         said = Said()
-        said.resolved = _resolved(before, now)
-        current = {}
+        said.resolved = _resolved(before, {**now, **{p: before[p][2] for p in keep}})
+        current = {p: before[p] for p in keep}
         for p, words in now.items():
             first, count, _ = before.get(p) or _began(p, report, steps, words)
             current[p] = (first, count + 1, words)
@@ -127,6 +133,10 @@ class Once:
 
 #: kinds about one batch, not a state that lasts: nothing "resolves" when the next batch differs
 _EVENTS = frozenset({"NOTHING_TO_LEARN"})
+#: kinds resolved only when absent at two checks in a row: a loop that never zeroes its gradients
+#: adds onto consumed ones at every backward but the one after something else cleared them
+#: (Lightning sets them to None before each validation run), and that one check is no fix
+_CONFIRMED = frozenset({"STALE_GRAD"})
 #: the steps of this many recent checks are kept, to say where a gap without gradients began
 _KEPT = 128
 

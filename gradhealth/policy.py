@@ -11,7 +11,7 @@ from .report import LONG, Report, describe_groups, group_by_module
 from .naming import terminal_safe
 from .once import Once
 from .patience import ALPHA
-from .status import Status, hint
+from .status import NO_BACKWARD, Status, hint
 
 __all__ = ["alarm", "explain", "Publisher"]
 
@@ -59,6 +59,8 @@ def explain(report: Report) -> str:
     for state, rows in by_state.items():
         count = sum(len(names) for _, names, _ in rows)
         words = hint(state, count)
+        if state is Status.NO_GRAD and report.backward is False:
+            words = NO_BACKWARD
         if state is Status.ZERO_GRAD and (kind := _explained(report, rows)):  # (the cause is known: said below)
             words = f"exactly zero gradients: see {kind} below."
         if state is Status.NON_FINITE_GRAD and report.findings_of("NONFINITE_ORIGIN"):

@@ -240,6 +240,9 @@ class Report:
     clip_max_norm: float | None = None
     published: bool = field(default=False, repr=False, compare=False)  # the sinks have had it
     guarded: bool = field(default=False, repr=False)  # the step guard is on
+    #: False where an adapter saw that no backward ran since the last check (Lightning skips it for
+    #: a training_step that returns None); None: not observed
+    backward: bool | None = field(default=None, repr=False)
 
     def _odd(self):
         """(name, state) of every parameter that is not OK, the FROZEN ones included."""

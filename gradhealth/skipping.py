@@ -65,7 +65,8 @@ def guard(report, options, carry, history, params, scaler_present: bool, tracker
     for p in params if drop else ():
         p.grad = None
     inside = report.in_optimizer
-    outside = sum(1 for n in report.status if inside is not None and not inside.get(n, True))
+    had = list(report.grad_norm)  # (the parameters with a gradient: what was dropped; the others had none to drop)
+    outside = sum(1 for n in had if inside is not None and not inside.get(n, True))
     carry.armed = None  # the step that follows changes nothing, by design: not measured
     if tracker is not None:
         tracker.disarm()
@@ -91,8 +92,8 @@ def guard(report, options, carry, history, params, scaler_present: bool, tracker
     tail = (f"; {n} steps in a row: the model itself produces them, skipping will not help (trace the NaN with "
             "gh.trace_nonfinite, lower the learning rate, look at the data)" if alarm else
             f" ({n} in a row; an error at {options.skip_alarm})")
-    how = (f"the gradients of every judged parameter ({dropped}{f', {outside} of them in no optimizer' if outside else ''}) "
-           "were dropped before it on every rank" if not kept else "the fused optimizer skipped it on the device (its "
+    how = (f"the gradients of {describe_names(report.status, had) if had else f'{dropped} parameters'}"
+           f"{f' ({outside} of them in no optimizer)' if outside else ''} were dropped before it on every rank" if not kept else "the fused optimizer skipped it on the device (its "
            "found_inf), leaving the gradients for zero_grad() to clear")
     report.findings.append(Finding(FindingKind.STEP_SKIPPED, f"the optimizer step after step {report.step} changes nothing: {what}; "
                     f"{how}, so the parameters and the optimizer's state stay as they were{tail}", params=params, step=report.step, level="error" if alarm else "warning",

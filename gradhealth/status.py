@@ -72,6 +72,12 @@ HINTS_ONE = {
 }
 
 
+#: NO_GRAD's words where no backward ran before the check (``report.backward`` is False)
+NO_BACKWARD = ("got no gradient because no backward ran before this check: nothing was backpropagated (a "
+               "Lightning training_step that returns None makes Lightning skip backward and the step changes "
+               "nothing). Return the loss from training_step, or call backward() before check().")
+
+
 def hint(state: Status, count: int) -> str:
     """The causes and fix of ``state``, worded for ``count`` parameters."""
     return (HINTS_ONE if count == 1 else HINTS)[state]

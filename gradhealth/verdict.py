@@ -6,6 +6,7 @@ Each judge is a pure function of observed values (:mod:`.judges`, :mod:`.crossra
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import operator
@@ -66,8 +67,9 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
         where = lambda mask: crossrank.where(mask, across.world)  # noqa: E731
         if across.cause_mask:
             found += judges.loss_cause(obs.loss_cause or "see that rank's warning", step, where(across.cause_mask))
-        if across.eval_mask:
-            found += judges.eval_mode(crossrank.remote_record(obs.eval_record), step, where(across.eval_mask))
+        if across.eval_mask:  # (what read the mode is one rank's view: the same error on every rank)
+            record = crossrank.remote_record(obs.eval_record)
+            found += judges.eval_mode(dataclasses.replace(record, readers=None), step, where(across.eval_mask))
         if across.stale_mask:
             found += judges.stale_grad(report.status, stale or set(report.status), step, where(across.stale_mask))
         found += crossrank.rank_findings(report, across, obs, names, any(

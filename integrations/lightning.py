@@ -172,6 +172,7 @@ class GradHealthCallback(Callback):
         self.monitor: GradHealth | None = None
         self.last_report: Report | None = None
         self._loss: torch.Tensor | None = None
+        self._backward = False  # a backward ran since the last check (on_before_backward)
         #: the micro-batches of the current optimizer step: (batch, batch_idx, random state before it)
         self._window: deque[tuple[Any, int, dict | None]] = deque(maxlen=1)
         self._launched: dict[int, list] = {}  # (lag=1) the window of the check in flight, by its step
@@ -249,7 +250,7 @@ class GradHealthCallback(Callback):
 
     @override
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
-        self._loss = loss
+        self._loss, self._backward = loss, True
         if self.check_loss and self.monitor is not None:
             cause = self.monitor.diagnose_loss(loss)
             if cause is not None:
@@ -279,7 +280,10 @@ class GradHealthCallback(Callback):
             self._checked_backward = False  # checked at the end of its backward already
             return
         several = len(mon.optimizers) > 1
+        backward, self._backward = self._backward, False  # (a training_step that returned None: no backward)
         report = mon.measure(self._loss, step=trainer.global_step, optimizer=optimizer if several else None)
+        if report is not None and not backward and not manual and not mon.options.lag:
+            report.backward = False
         window, self._window = list(self._window), deque(maxlen=self._window.maxlen)
         if mon.options.lag and not manual:  # (the report is the check before's: so is the batch to replay)
             window, done = self._launched.pop(getattr(report, "step", None), []), window

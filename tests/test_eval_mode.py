@@ -185,3 +185,128 @@ def test_lightning_inner_model_left_in_eval_is_flagged(dropout, named):
     trainer.fit(Wrapper(), SyntheticData(n_batches=4))
     [f] = cb.last_report.findings_of("GRAD_MODE")
     assert named in f.params and "model.train()" in f.message
+
+
+# ------------------------------------------ eval() that changes nothing (nothing reads `training`)
+
+
+class Noisy(nn.Module):
+    """A user module whose own forward branches on ``self.training`` (no dropout, no norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        x = self.lin(x)
+        return x + 0.1 * torch.randn_like(x) if self.training else x
+
+
+class Sampling(nn.Module):
+    """Reads ``training`` one call down, in a method of its own (as InstanceNorm does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def _maybe_drop(self, x):
+        return nn.functional.dropout(x, 0.5, self.training)
+
+    def forward(self, x):
+        return self._maybe_drop(self.lin(x))
+
+
+FLAT, SEQ, CHANNELS = (5, 6), (5, 3, 6), (5, 6, 3)  # the input shapes: features; (seq, batch, features); (N, C, L)
+MODULES = {
+    "Linear": (lambda: nn.Linear(6, 6), FLAT), "ReLU": (nn.ReLU, FLAT), "GroupNorm": (lambda: nn.GroupNorm(2, 6), FLAT),
+    "LayerNorm": (lambda: nn.LayerNorm(6), FLAT), "Dropout(0)": (lambda: nn.Dropout(0.0), FLAT),
+    "Dropout(0.3)": (lambda: nn.Dropout(0.3), FLAT), "BatchNorm1d": (lambda: nn.BatchNorm1d(6), FLAT),
+    "BatchNorm1d(no stats)": (lambda: nn.BatchNorm1d(6, track_running_stats=False), FLAT),
+    "InstanceNorm1d": (lambda: nn.InstanceNorm1d(6), CHANNELS),
+    "InstanceNorm1d(stats)": (lambda: nn.InstanceNorm1d(6, track_running_stats=True), CHANNELS),
+    "LSTM(dropout 0)": (lambda: nn.LSTM(6, 6, num_layers=2), SEQ),
+    "LSTM(dropout 0.5)": (lambda: nn.LSTM(6, 6, num_layers=2, dropout=0.5), SEQ),
+    "MultiheadAttention(0)": (lambda: nn.MultiheadAttention(6, 2), SEQ),
+    "MultiheadAttention(0.5)": (lambda: nn.MultiheadAttention(6, 2, dropout=0.5), SEQ),
+    "TransformerEncoderLayer(0)": (lambda: nn.TransformerEncoderLayer(6, 2, 12, dropout=0.0), SEQ),
+    "TransformerEncoderLayer(0.1)": (lambda: nn.TransformerEncoderLayer(6, 2, 12, dropout=0.1), SEQ),
+    "Noisy": (Noisy, FLAT), "Sampling": (Sampling, FLAT),
+}
+
+
+def _differs(make, shape) -> bool:
+    """The oracle: does the module compute something else in eval() than in train(), from the same
+    input and the same random state?"""
+    torch.manual_seed(0)
+    m, x = make(), torch.randn(shape)
+    outs = []
+    for train in (True, False):
+        torch.manual_seed(1)
+        with torch.no_grad():
+            out = m.train(train)(*([x] * 3 if isinstance(m, nn.MultiheadAttention) else [x]))
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    return not torch.equal(*outs)
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_which_modules_the_mode_matters_for_is_decided_from_their_code_as_running_them_shows(name):
+    from gradhealth.guards import mode_matters
+
+    make, shape = MODULES[name]
+    assert mode_matters(make()) is _differs(make, shape), name
+
+
+def _sequential_run(eval_mode: bool, **kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    if eval_mode:
+        model.eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = gh.GradHealth(model, opt, **kw)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    y = x.sum(1, keepdim=True)
+    reports, losses = [], []
+    for _ in range(20):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        reports.append(mon.check(loss=loss))
+        opt.step()
+        losses.append(loss.item())
+    mon.close()
+    return model, reports, losses
+
+
+def test_eval_on_a_model_nothing_in_which_reads_the_mode_is_a_warning_not_an_error():
+    """``nn.Sequential(Linear, ReLU, Linear).eval()`` while training (a model the user may not be
+    able to change: a library put it in eval()): training is bit-identical to train() mode, so
+    gradhealth says what it saw and does not stop the run."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model, reports, losses = _sequential_run(True, on_problem="raise")
+    reference, _, ref_losses = _sequential_run(False, on_problem="ignore")
+    assert not model.training and losses[-1] < 0.5 * losses[0]  # premise: in eval() the whole run, and it learns
+    assert losses == ref_losses and all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    [f] = reports[0].findings_of("GRAD_MODE")
+    assert f.level == "warning" and "the model was in eval() mode" in f.message
+    assert "Not taken as an error: nothing that ran in this forward reads `training`" in f.message
+    assert all(r.ok for r in reports)
+    assert any("GRAD_MODE" in str(w.message) for w in seen)  # said, not raised
+
+
+@pytest.mark.parametrize("extra, reader", [(nn.Dropout(0.2), "2"), (nn.BatchNorm1d(16), "2"), (Noisy, "2")])
+def test_eval_on_a_model_with_dropout_batch_norm_or_a_training_branch_in_the_forward_stays_an_error(extra, reader):
+    torch.manual_seed(0)
+    if extra is Noisy:
+        extra = Noisy()
+        model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), extra, nn.Linear(6, 1)).eval()
+    else:
+        model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), extra, nn.Linear(16, 1)).eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = gh.GradHealth(model, opt, on_problem="raise")
+    nn.functional.mse_loss(model(torch.randn(8, 4)), torch.randn(8, 1)).backward()
+    with pytest.raises(gh.GradHealthError, match="GRAD_MODE") as raised:
+        mon.check()
+    assert f"{reader} ran in eval() mode, so dropout is off" in str(raised.value)
+    assert "Not taken as an error" not in str(raised.value)

@@ -230,3 +230,32 @@ def test_grads_are_unscaled_when_classified():
     for r, ref in zip(sink.reports, seen):
         assert r.total_grad_norm == pytest.approx(ref, rel=1e-5)  # unscaled, and not divided a second time
         assert r.total_grad_norm < 100  # the scaled gradients would be ~65536x larger
+
+
+class _NoneStep(DemoModule):
+    """A training_step that returns None at every step: Lightning skips backward (and the step
+    changes nothing)."""
+
+    def training_step(self, batch, batch_idx):
+        return None
+
+
+class _Spare(DemoModule):
+    """The counterpart: a backward runs, and a layer the forward never uses gets no gradient from it."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("module, words, wrong", [
+    (_NoneStep, "got no gradient because no backward ran before this check", "from this backward"),
+    (_Spare, "got no gradient from this backward", "no backward ran"),
+])
+def test_no_grad_says_no_backward_ran_where_lightning_ran_none(module, words, wrong):
+    kept = Reports()
+    _, said = fit(module(), [GradHealthCallback(on_problem="warn", sinks=[kept], log=False)], steps=4)
+    if module is _NoneStep:  # premise: nothing reached any parameter, at every check
+        assert all(set(r.status.values()) == {gh.Status.NO_GRAD} for r in kept.reports)
+    [no_grad] = [s for s in said if "NO_GRAD" in s]
+    assert words in no_grad and wrong not in no_grad

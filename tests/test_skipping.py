@@ -1,6 +1,7 @@
 """The step guard: a poisoned optimizer step changes nothing (plain loop, Lightning, Trainer), an
 error once it repeats, spikes on request, counts through checkpoints."""
 
+import math
 import warnings
 
 import pytest
@@ -253,3 +254,38 @@ def test_trainer_run_with_one_nan_batch_equals_the_run_without_it(tmp_path):
     states = [opt.state[p] for p in model.parameters()]
     ref_states = [ref_opt.state[p] for p in ref.parameters()]
     assert all(all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(states, ref_states))
+
+
+def test_the_step_guard_on_sb3_dqn_says_only_what_it_dropped():
+    """Stable-Baselines3's DQN, the monitor on ``model.policy`` and its optimizer, checked before each
+    optimizer step, a NaN reward planted once: the guard drops the step. The target network
+    (``q_net_target``, in no optimizer, moved by a hard copy) had no gradient to drop: only q_net's
+    gradients are named."""
+    gym = pytest.importorskip("gymnasium")
+    sb3 = pytest.importorskip("stable_baselines3")
+
+    class NaNReward(gym.Wrapper):
+        def __init__(self, env, at):
+            super().__init__(env)
+            self.n, self.at = 0, at
+
+        def step(self, action):
+            obs, reward, terminated, truncated, info = self.env.step(action)
+            self.n += 1
+            return obs, (math.nan if self.n == self.at else reward), terminated, truncated, info
+
+    model = sb3.DQN("MlpPolicy", NaNReward(gym.make("CartPole-v1"), at=40), learning_starts=32, batch_size=16,
+                    train_freq=1, buffer_size=200, seed=0, policy_kwargs=dict(net_arch=[16]))
+    mon = gh.GradHealth(model.policy, model.policy.optimizer, on_problem="ignore", skip_nonfinite=True)
+    reports = []
+    model.policy.optimizer.register_step_pre_hook(lambda opt, args, kwargs: reports.append(mon.check()))
+    model.learn(total_timesteps=60)
+    mon.close()
+    skipped = [r for r in reports if r.findings_of("STEP_SKIPPED")]
+    assert skipped  # premise: the NaN reward reached the gradients and the step was dropped
+    r = skipped[0]
+    target = [n for n in r.status if n.startswith("q_net_target.")]
+    assert target and all(r.status[n] is gh.Status.NO_GRAD and not r.in_optimizer[n] for n in target)  # premise
+    [f] = r.findings_of("STEP_SKIPPED")
+    assert "the gradients of q_net.* (4 params) were dropped" in f.message, f.message
+    assert "no optimizer" not in f.message and "every judged parameter" not in f.message

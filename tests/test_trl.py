@@ -134,12 +134,53 @@ def test_grpo_with_tied_rewards_has_nothing_to_learn_and_is_not_stopped(tmp_path
     assert all(r.ok for r in kept.reports)
     found = [r.findings_of("NOTHING_TO_LEARN") for r in kept.reports]
     assert all(len(f) == 1 for f in found)
-    assert [f[0].level for f in found] == ["warning"] + ["info"] * 5
+    # one tied batch is routine (info); the run is mostly tied from the 4th such check on: said once
+    assert [f[0].level for f in found] == ["info"] * 3 + ["warning"] + ["info"] * 2
     assert "nothing to learn from this batch at step 1" in found[0][0].message
+    assert "One such batch now and then is routine (1 of the last 1 checks" in found[0][0].message
+    assert "Most batches are tied: 4 of the last 4 checks had nothing to learn" in found[3][0].message
     assert "(6 such checks so far, the first at step 1" in found[-1][0].message
     assert "TRL logged frac_reward_zero_std = 1 at step" in found[-1][0].message
     assert len(said) == 1 and "NOTHING_TO_LEARN" in said[0], said  # one warning for all of them
     assert not [f for r in kept.reports for f in r.findings if f.kind == "TRANSIENT_GRAD" or f.kind == "VANISHING_GRAD"]
+
+
+def test_grpo_with_a_kl_reference_and_one_tied_batch_is_silent_under_raise(tmp_path):
+    """GRPOTrainer(beta=0.04) with its KL reference model (built by TRL from the policy's own path):
+    at step 1 the policy is the reference, so the KL term and its gradient are exactly 0, and the
+    first group's completions all scored the same: nothing to learn from that one batch, an info
+    line. The rewards vary after it and the run trains."""
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = tokenizer()
+    tiny_llama(len(tok)).save_pretrained(tmp_path / "policy")
+    calls = []
+
+    def tied_once(completions, **kw):
+        calls.append(len(completions))
+        if len(calls) == 1:
+            return [1.0] * len(completions)
+        return [float(c.count("mat") + c.count("rug")) - 0.1 * len(c.split()) for c in completions]
+
+    rows = sentences(32)
+    kept = Kept()
+    args = GRPOConfig(**{**common(tmp_path / "out"), "max_steps": 8}, beta=0.04, num_generations=4,
+                      max_completion_length=4, generation_batch_size=4)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tmp_path / "policy"), reward_funcs=tied_once,
+                          args=args, train_dataset=datasets.Dataset.from_dict({"prompt": [p for p, _ in rows]}),
+                          processing_class=tok, callbacks=[GradHealthCallback(on_problem="raise", sinks=[kept])])
+    assert trainer.ref_model is not None  # premise: a KL reference model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gh.GradHealthWarning)
+        trainer.train()
+    tied = [h["frac_reward_zero_std"] for h in trainer.state.log_history if "frac_reward_zero_std" in h]
+    assert tied[0] == 1.0 and not any(tied[1:])  # premise: one tied batch, at step 1 (TRL's own statistic)
+    assert kept.reports[0].loss == 0.0 and any(r.loss != 0.0 for r in kept.reports[1:])
+    assert len(kept.reports) == 8 and all(r.ok for r in kept.reports)
+    [f] = kept.reports[0].findings_of("NOTHING_TO_LEARN")
+    assert f.level == "info" and "One such batch now and then is routine (1 of the last 1 checks" in f.message
+    assert not [f for r in kept.reports for f in r.findings if f.level != "info"]
 
 
 def test_grpo_with_rewards_that_vary_is_silent_under_raise(tmp_path):
