@@ -78,13 +78,14 @@ class LossFit:
 
     def state_dict(self) -> dict:
         return {"losses": list(self.losses), "nothing": self.nothing, "first": self.first,
-                "notes": {k: list(v) for k, v in self.notes.items()}}
+                "notes": {k: list(v) for k, v in self.notes.items()}, "tied": list(self.tied), "warned": self.warned,
+                "clip": self.clip}
 
     def load_state_dict(self, state: dict) -> None:
         """Every key checked (:mod:`.state`), then loaded."""
         from . import state as checked
 
-        checked.exact(state, ("losses", "nothing", "first", "notes"), "state['fit']")
+        checked.exact(state, ("losses", "nothing", "first", "notes", "tied", "warned", "clip"), "state['fit']")
         losses = state["losses"]
         if not isinstance(losses, list) or len(losses) > WINDOW:
             raise TypeError(f"state['fit']['losses'] must be a list of at most {WINDOW} losses")
@@ -99,8 +100,15 @@ class LossFit:
                 raise TypeError(f"state['fit']['notes'][{k!r}] must be [value, step]")
             notes[k] = (checked.number(v[0], f"state['fit']['notes'][{k!r}][0]"),
                         checked.count(v[1], f"state['fit']['notes'][{k!r}][1]"))
+        tied, warned, clip = state["tied"], state["warned"], state["clip"]
+        if not isinstance(tied, list) or len(tied) > WINDOW or not all(isinstance(t, bool) for t in tied):
+            raise TypeError(f"state['fit']['tied'] must be a list of at most {WINDOW} bools")
+        if not isinstance(warned, bool):
+            raise TypeError("state['fit']['warned'] must be a bool")
+        clip = None if clip is None else checked.number(clip, "state['fit']['clip']")
         self.losses = deque(losses, maxlen=WINDOW)
         self.nothing, self.first, self.notes = checked.count(state["nothing"], "state['fit']['nothing']"), first, notes
+        self.tied, self.warned, self.clip = deque(tied, maxlen=WINDOW), warned, clip
 
     def add(self, loss: float | None) -> None:
         if loss is not None and math.isfinite(loss):
