@@ -8,8 +8,11 @@ numbers: the checks with a usable gradient (``used``), those without one before 
 (``missed``), and the current gap (``gap``). The rule (``Persistence.judge``):
 
 * **never used** (no usable gradient since its first check): an error once the gap reaches
-  ``grad_patience``; but while other units of the model skip now and then (a stochastic model),
-  only once the gap is also improbable for the most-skipping of them (below);
+  ``grad_patience``, whatever other units do: it has no transient past, and a block that LayerDrop
+  skips says nothing about a head the forward never uses. Only its siblings are a reference: an
+  expert's (``experts.3``, ``experts[3]``: a router picks among them), and, while they skip, the
+  other blocks of its numbered stack (``blocks.5.1.weight`` beside ``blocks.<i>.1.weight``, the
+  units stochastic depth skips); then the gap must also be improbable at their pooled rate;
 * **intermittent** (it had gradients, and now misses some): an error once the gap is at least
   ``grad_patience`` and its probability under the unit's own past rate is below ``ALPHA``. With
   ``m`` misses in ``m + u`` earlier checks (a Beta(1, 1) prior on its skip rate ``q``), the
@@ -48,7 +51,7 @@ from .stats import fetch, plan_groups
 from .status import Status
 from .underflow import Faint, underflow
 
-__all__ = ["Persistence", "Verdict", "persist", "predictive", "gap_limit", "family_of", "zero_partners", "frozen_partner", "ALPHA", "CAP"]
+__all__ = ["Persistence", "Verdict", "persist", "predictive", "gap_limit", "family_of", "siblings_of", "zero_partners", "frozen_partner", "ALPHA", "CAP"]
 
 #: the probability below which a unit's current gap is no longer taken for chance
 ALPHA = 1e-8
@@ -185,57 +188,56 @@ class Persistence:
     # ------------------------------------------------------------------- judge
     def judge(self, gaps: dict, patience: int, status: dict | None = None) -> Verdict:
         """Which of the gaps the rule counts as persistent now (see the module docstring).
-        ``status`` (every judged name) finds the siblings of a never-used expert."""
-        errors, history = set(), {}
+        ``status`` (every judged name) finds the siblings of a never-used unit."""
+        errors, history, alone = set(), {}, []
         if self.blank >= patience:
             return Verdict(gaps, {n for n, g in gaps.items() if g >= patience}, history, self.blank)
-        proxies, best = None, {}  # best: gap -> the proxies' largest log-probability of it
         for n, g in gaps.items():
             r = self.rec[n]
             if not r[5]:
                 history[n] = (r[0], r[1])
             if g < patience:
                 continue
-            if r[5]:  # never used: judged by the most-skipping unit of the model, if any skips
-                if proxies is None:
-                    proxies = self._proxies()
-                if g not in best:  # (none skips: -inf, an error)
-                    best[g] = max((predictive(m, u, g) for m, u in proxies), default=-math.inf)
-                family = self._family(n, status) if status is not None else ()
-                if (max(best[g], *(predictive(m, u, g) for m, u in family)) if family else best[g]) < _LOG_ALPHA:
-                    errors.add(n)
+            if r[5]:  # never used: no transient past of its own (judged by its siblings, if it has any)
+                alone.append(n)
             elif predictive(r[1], r[0], g) < _LOG_ALPHA:
                 errors.add(n)
+        if alone:
+            experts = {n: family_of(n) for n in alone}
+            keys = {n: experts[n] or siblings_of(n) for n in alone}
+            pooled = self._families({k for k in keys.values() if k is not None}, status or {})
+            for n in alone:
+                missed, used = pooled.get(keys[n], (0, 0))
+                # (blocks that never skip are no sign of a stochastic model: the unit is an error now)
+                if not used or not (missed or experts[n]) or predictive(missed, used, gaps[n]) < _LOG_ALPHA:
+                    errors.add(n)
         return Verdict(gaps, errors, history, self.blank)
 
-    def _proxies(self) -> list[tuple[int, int]]:
-        """(misses, uses) of the units that have both had and missed gradients, one per distinct
-        history (the most-skipping ones decide)."""
-        out, faint = set(), self.faint
-        for n, r in self.rec.items():
-            if not r[5] and n not in faint:
-                used = self._used(r)
-                if used and r[1] + r[2]:
-                    out.add((r[1] + r[2], used))
-        return sorted(out)
-
-    def _family(self, name: str, status: dict) -> list[tuple[int, int]]:
-        """For an expert (``...experts.3.w``, ``...experts[3]``): its siblings' pooled (misses,
-        uses). A router picks among them, so an expert idle from the first batches is judged by how
-        often its siblings go idle, not taken for an unused layer at once."""
-        key = family_of(name)
-        if key is None:
-            return []
-        missed = used = 0
-        for other in status:
-            if other != name and family_of(other) == key and status[other] is not Status.FROZEN:
-                r = self.rec.get(other)
-                if r is None:
-                    used += self._judged(None)
-                elif not r[5]:
-                    u = self._used(r)
-                    used, missed = used + u, missed + r[1] + r[2]
-        return [(missed, used)] if used else []
+    def _families(self, keys: set, status: dict) -> dict:
+        """Each family's pooled (misses, uses) over its members that are not frozen (one pass over
+        the judged names, only at a check where a never-used unit has reached its patience). A
+        family is an expert's siblings (a router picks among them) or the same parameter of the
+        other blocks of a numbered stack (``blocks.3.1.weight``: ``blocks.<i>.1.weight``, the units
+        LayerDrop / stochastic depth skip): a unit never used while its siblings skip at random is
+        judged by how often they go without, not taken for an unused layer at once (blocks that
+        never skip say nothing of the kind: an error at ``grad_patience``); a head beside them has
+        no siblings and is an error at ``grad_patience``, whatever the blocks do."""
+        out: dict = {}
+        if not keys:
+            return out
+        judged, rec, faint = self._judged(None), self.rec, self.faint
+        for other, state in status.items():
+            key = family_of(other) or siblings_of(other)
+            if key not in keys or state is Status.FROZEN or other in faint:  # (faint: underflow, not skipping)
+                continue
+            missed, used = out.get(key, (0, 0))
+            r = rec.get(other)
+            if r is None:
+                used += judged
+            elif not r[5]:
+                used, missed = used + self._used(r), missed + r[1] + r[2]
+            out[key] = (missed, used)
+        return out
 
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
@@ -287,6 +289,17 @@ def family_of(name: str) -> tuple[str, str] | None:
     if m is None:
         return None
     return m.group(1), m.group(3) or ""
+
+
+@lru_cache(maxsize=65536)
+def siblings_of(name: str) -> tuple[str, str] | None:
+    """``("blocks", ".1.weight")`` for ``blocks.3.1.weight`` (the outermost numbered container:
+    the stack LayerDrop and stochastic depth skip blocks of); None for a name outside one."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i]), "".join("." + p for p in parts[i + 1:])
+    return None
 
 
 def _module(unit: str) -> str:
