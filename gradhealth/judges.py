@@ -125,13 +125,14 @@ def norm_idioms(carry, step: int) -> list[Finding]:
 
 def checkpoint_no_grad(no_grad: Collection[str], checkpointing: bool, status: Mapping[str, Status],
                        step: int, reentrant: bool = False) -> list[Finding]:
-    """CHECKPOINT_NO_GRAD (warning): persistent NO_GRAD in a model that uses gradient
-    checkpointing: reentrant checkpointing gives no gradient to a segment whose inputs do not
-    require grad (typically after frozen embeddings)."""
+    """CHECKPOINT_NO_GRAD (warning): persistent NO_GRAD in a model that checkpoints reentrantly
+    (``checkpointing``: set to, e.g. ``gradient_checkpointing_kwargs={"use_reentrant": True}``;
+    ``reentrant``: seen in its forwards), which gives no gradient to a segment whose inputs do not
+    require grad (typically after frozen embeddings). Non-reentrant checkpointing cannot: not blamed."""
     if not no_grad or not (checkpointing or reentrant):
         return []
     how = ("runs torch.utils.checkpoint(..., use_reentrant=True) in its forward" if reentrant and not checkpointing
-           else "uses gradient checkpointing")
+           else "checkpoints its layers with use_reentrant=True")
     return [Finding(K.CHECKPOINT_NO_GRAD, f"{describe_names(status, no_grad)} {agree(no_grad, 'get', 'gets')} no gradient and the model {how}: "
                     "reentrant torch.utils.checkpoint (Hugging Face's "
                     "gradient_checkpointing_enable() default on older versions) gives no gradient to a checkpointed "
