@@ -45,6 +45,7 @@ import torch
 
 from collections.abc import Collection, Mapping
 
+from .copies import Copies
 from .findings import Finding, FindingKind
 from .naming import ROOT, agree, module_of
 from .stats import fetch, plan_groups
@@ -111,6 +112,8 @@ class Persistence:
         self.faint: set[str] = set()
         self._dropped: set[str] = set()  # units with a NO_GRAD check in their open gap
         self.faint_reader = Faint()  # (this check's gradient norms and the last one's)
+        #: NO_GRAD parameters in no optimizer (target / EMA copies): set aside, not judged here
+        self.copies = Copies()
 
     # ------------------------------------------------------------------ update
     def _judged(self, key) -> int:
@@ -119,10 +122,11 @@ class Persistence:
     def _used(self, r: list) -> int:
         return r[0] + (self._judged(r[4]) - r[3] if r[2] == 0 else 0)
 
-    def update(self, status: dict, not_ok: list, key=None, faint: Faint | None = None, frozen=None) -> dict:
+    def update(self, status: dict, not_ok: list, key=None, faint: Faint | None = None, frozen=None, aside: int = 0) -> dict:
         """Count this check; return the gap of every NO_GRAD / ZERO_GRAD unit now. Units not
         judged at this check (another optimizer's) keep their numbers. ``faint``: this check's
-        gradient norms, for the units whose gap opens or closes now (:class:`.underflow.Faint`)."""
+        gradient norms, for the units whose gap opens or closes now (:class:`.underflow.Faint`).
+        ``aside``: how many of ``status`` are left out of ``not_ok`` (copies, :mod:`.copies`)."""
         missing = list(compress(not_ok, map(_NO_USABLE.__contains__, map(status.__getitem__, not_ok))))
         rec = self.rec
         now = self._judged(key)
@@ -168,7 +172,7 @@ class Persistence:
         self.n[key] = self.n.get(key, 0) + 1
         if faint is not None:
             faint.keep()
-        trainable = len(status) - operator.countOf(status.values(), Status.FROZEN) if missing else 0
+        trainable = len(status) - operator.countOf(status.values(), Status.FROZEN) - aside if missing else 0
         self.blank = self.blank + 1 if missing and len(missing) == trainable else 0
         return gaps
 
@@ -313,20 +317,29 @@ def _count(v) -> int:
     return v
 
 
-def persist(report, persistence: Persistence, patience: int, names: list[str], params: list) -> list:
+def persist(report, persistence: Persistence, patience: int, names: list[str], params: list, sync: bool = True) -> list:
     """The stage of a check: update ``persistence`` from ``report`` (its parameters, and its
     stacked experts as units of their own) and set its ``grad_streak``, ``grad_history`` and
-    ``tolerated``; returns the TRANSIENT_GRAD / DEAD_EXPERT findings."""
+    ``tolerated``; returns the TRANSIENT_GRAD / DEAD_EXPERT / TARGET_COPY findings. ``sync``: a
+    device read is allowed now (not in the deferred mode)."""
     status, not_ok, units, frozen = report.status, report.not_ok or [], report.expert_status, report.frozen_names
     if units:
         status = {**status, **units}
         not_ok = list(not_ok) + [u for u, s in units.items() if s is not Status.OK]
         frozen = None if frozen is None else frozen + [u for u, s in units.items() if s is Status.FROZEN]
+    # in no optimizer and without a gradient (a target network, an EMA copy): nothing should move
+    # them by gradient; set aside from the rule, tolerated, said at info with what was seen
+    copies = persistence.copies.pick(report)
+    if copies:
+        not_ok = [n for n in not_ok if n not in copies]
     faint = persistence.faint_reader.read(report.grad_norm, names, params)
-    gaps = persistence.update(status, not_ok, report.optimizer_index, faint, frozen)
+    gaps = persistence.update(status, not_ok, report.optimizer_index, faint, frozen, len(copies))
     report.grad_streak = gaps
+    aside = persistence.copies.see(copies, report.status, names, params, report.step, sync)
     if not gaps:
-        return []
+        if aside is not None:
+            report.tolerated = report.tolerated | copies
+        return [aside] if aside is not None else []
     from .judges import idle_experts, transient_grads  # (judges import the report module, which this one need not)
 
     verdict = persistence.judge(gaps, patience, status)
@@ -348,6 +361,8 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
     mine = Verdict({n: g for n, g in gaps.items() if n not in units} if units else gaps,
                    (verdict.errors - set(units) - partners) | stuck, verdict.history)
     report.tolerated, found = transient_grads(report.status, mine, patience, partners, report.step)
+    if aside is not None:
+        report.tolerated, found = report.tolerated | copies, found + [aside]
     if mine.errors:
         found += underflow(report.status, mine.errors - stuck, report.grad_norm, gaps, report.step, faint)
     if stuck:
