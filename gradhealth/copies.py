@@ -26,6 +26,7 @@ from itertools import compress, repeat
 
 import torch
 
+from .distributed import to_local
 from .findings import Finding, FindingKind
 from .stats import fetch, plan_groups
 from .status import Status
@@ -44,6 +45,7 @@ class Copies:
     def __init__(self) -> None:
         self.names: frozenset[str] = frozenset()
         self.params: list = []
+        self.ordered: tuple[str, ...] = ()  # their names, in the model's order
         self.marks: tuple = ((), ())  # (versions, storages) at the last look
         self.first: int | None = None  # the step at which this set was first seen
         self.moved: int | None = None  # the first step by which a write was seen
@@ -72,7 +74,8 @@ class Copies:
             return None
         if names != self.names:  # (a new set: looked at from now)
             self.names, self.first, self.moved, self.count, self._words = names, step, None, 0, ""
-            self.params = list(compress(params, map(names.__contains__, all_names)))
+            inside = list(map(names.__contains__, all_names))
+            self.params, self.ordered = list(compress(params, inside)), tuple(compress(all_names, inside))
             self.marks = (list(map(_VERSION, self.params)), list(map(_STORAGE, self.params)))
             self.values = self._values() if look else None
         elif self.moved is None:
@@ -88,13 +91,13 @@ class Copies:
         if not self._words:
             self._words = self._say(status, names)
             log.info("gradhealth step %d: %s", step, self._words)  # (said once per change of what was seen)
-        return Finding(FindingKind.TARGET_COPY, self._words, params=tuple(n for n in status if n in names),
-                       level="info", step=step)
+        return Finding(FindingKind.TARGET_COPY, self._words, params=self.ordered, level="info", step=step)
 
     def _values(self) -> list[float]:
         """The copies' L2 norms (accumulated in float64): one fused reduction per (device, dtype),
         one transfer."""
-        tensors = [p for p in self.params if p.numel() and p.is_floating_point()]
+        # (a DTensor's local shard: a DTensor op here would hide a collective one rank decided on)
+        tensors = [t for t in map(to_local, map(torch.Tensor.detach, self.params)) if t.numel() and t.is_floating_point()]
         if not tensors:
             return []
         out: list = [None] * len(tensors)

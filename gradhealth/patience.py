@@ -27,9 +27,9 @@ numbers: the checks with a usable gradient (``used``), those without one before 
 
 Counts are halved once a unit's ``used + missed`` passes ``CAP``, so the rate follows a
 schedule that changes (and the state stays bounded: a few ints per unit that ever missed). Units
-that never missed have no record and cost nothing. ``zero_partners`` recognises the
+that never missed have no record and cost nothing. :mod:`.partners` recognises the
 zero-initialised-partner start (a sibling weight that is exactly zero), read only at a check where
-a parameter's zero gradient is new.
+a parameter's zero gradient is new; :mod:`.copies` sets aside the parameters in no optimizer.
 """
 
 from __future__ import annotations
@@ -39,16 +39,11 @@ import operator
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import compress, filterfalse, repeat
-
-import torch
-
-from collections.abc import Collection, Mapping
+from itertools import compress, repeat
 
 from .copies import Copies
-from .findings import Finding, FindingKind
-from .naming import ROOT, agree, module_of
-from .stats import fetch, plan_groups
+from .naming import module_of
+from .partners import frozen_partner, zero_partners
 from .status import Status
 from .underflow import Faint, underflow
 
@@ -62,6 +57,7 @@ CAP = 4096
 _NO_USABLE = (Status.NO_GRAD, Status.ZERO_GRAD)
 _USABLE = (Status.OK, Status.NON_FINITE_GRAD, Status.NOT_IN_OPTIMIZER)
 _LOG_ALPHA = math.log(ALPHA)
+_NEVER = operator.itemgetter(5)  # (a unit's record: never had a usable gradient)
 
 
 def predictive(missed: float, used: float, gap: int) -> float:
@@ -207,13 +203,22 @@ class Persistence:
             elif predictive(r[1], r[0], g) < _LOG_ALPHA:
                 errors.add(n)
         if alone:
-            experts = {n: family_of(n) for n in alone}
-            keys = {n: experts[n] or siblings_of(n) for n in alone}
-            pooled = self._families({k for k in keys.values() if k is not None}, status or {})
+            # (a stack's siblings count only where some unit skips: none does in most models, and
+            # then a never-used unit that is not an expert is an error without a look at the others)
+            skips = not all(map(_NEVER, self.rec.values()))
+            keys = {}
             for n in alone:
-                missed, used = pooled.get(keys[n], (0, 0))
+                expert = family_of(n)
+                key = expert or (siblings_of(n) if skips else None)
+                if key is None:
+                    errors.add(n)
+                else:
+                    keys[n] = (key, expert is not None)
+            pooled = self._families({k for k, _ in keys.values()}, status or {}) if keys else {}
+            for n, (key, expert) in keys.items():
+                missed, used = pooled.get(key, (0, 0))
                 # (blocks that never skip are no sign of a stochastic model: the unit is an error now)
-                if not used or not (missed or experts[n]) or predictive(missed, used, gaps[n]) < _LOG_ALPHA:
+                if not used or not (missed or expert) or predictive(missed, used, gaps[n]) < _LOG_ALPHA:
                     errors.add(n)
         return Verdict(gaps, errors, history, self.blank)
 
@@ -371,78 +376,3 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
         found += idle_experts({n: g for n, g in gaps.items() if n in units}, verdict.errors & set(units),
                               verdict.history, report.step, report.expert_tokens)
     return found
-
-
-def _ancestors(name: str, levels: int = 2) -> list[str]:
-    """The parameter's module and up to ``levels`` modules above it."""
-    out, mod = [], module_of(name)
-    for _ in range(levels + 1):
-        out.append(mod)
-        if mod == ROOT:
-            break
-        mod = mod.rpartition(".")[0] or ROOT
-    return out
-
-
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_WEIGHTS: dict[int, tuple] = {}
-
-
-def _weights(names: list[str]) -> tuple[list[int], dict[str, int]]:
-    """The indices of ``names`` that are not biases, and each name's index (kept per list of names)."""
-    kept = _WEIGHTS.get(id(names))
-    if kept is None or kept[0] is not names:
-        from .report import evict
-
-        evict(_WEIGHTS, 8)
-        kept = _WEIGHTS[id(names)] = (names, [i for i, n in enumerate(names) if not n.endswith("bias")],
-                                      {n: i for i, n in enumerate(names)})
-    return kept[1], kept[2]
-
-
-def zero_partners(candidates: list[str], names: list[str], params: list, frozen: bool = False) -> set[str]:
-    """The candidates (ZERO_GRAD parameters) that sit next to a trainable weight that is exactly
-    zero: within two modules above their own (``q.lora_A.default.weight`` and
-    ``q.lora_B.default.weight`` under ``q``). Biases do not count as partners (many start at zero).
-    ``frozen``: next to a frozen weight that is exactly zero instead. One fused max-abs reduction
-    per (device, dtype) and one transfer."""
-    if not candidates:
-        return set()
-    prefixes = {a for n in candidates for a in _ancestors(n)}
-    cand = set(candidates)
-    under = lambda n, a: a == ROOT or n.startswith(a + ".")  # noqa: E731
-    # (picked in C, parameter by parameter: the model's non-bias weights, trainable or frozen as
-    # asked, not candidates, under a prefix, not empty)
-    base, index = _weights(names)
-    near = filterfalse(cand.__contains__, compress(map(names.__getitem__, base), map(
-        operator.is_not, map(_REQUIRES_GRAD, map(params.__getitem__, base)), repeat(frozen))))
-    if ROOT not in prefixes:
-        near = filter(operator.methodcaller("startswith", tuple(a + "." for a in prefixes)), near)
-    near = list(near)
-    held = list(map(params.__getitem__, map(index.__getitem__, near)))
-    sizes = list(map(torch.Tensor.numel, held))
-    siblings, tensors = list(zip(compress(near, sizes), repeat(None))), list(compress(held, sizes))
-    if not siblings:
-        return set()
-    maxima: list = [None] * len(tensors)
-    with torch.no_grad():  # (the parameters themselves: no detached view of each)
-        for _, _, idx in plan_groups(tensors):
-            for i, m in zip(idx, torch._foreach_norm([tensors[i] for i in idx], math.inf)):
-                maxima[i] = m
-    zero = {n for (n, _), v in zip(siblings, fetch(maxima)) if v == 0.0}
-    if not zero:
-        return set()
-    return {c for c in candidates if any(under(z, a) for a in _ancestors(c) for z in zero)}
-
-
-def frozen_partner(status: Mapping[str, Status], names: Collection[str], step: int) -> list[Finding]:
-    """FROZEN_PARTNER: exactly zero gradients beside a frozen weight that is exactly zero (a LoRA
-    B frozen at its zero init while A trains): nothing can move that weight, so they stay zero."""
-    from .report import describe_names  # (as in persist: imported where used)
-
-    return [Finding(FindingKind.FROZEN_PARTNER, f"{describe_names(status, names)} got {agree(names, 'exactly zero gradients', 'an exactly zero gradient')} "
-                    f"at step {step}: {agree(names, 'their', 'its')} zero-initialised partner is frozen: nothing can move it "
-                    f"off zero, so {agree(names, 'they', 'it')} will never get a gradient (a LoRA B frozen at its zero init "
-                    "while A trains; LoRA-FA freezes A, the random one, and trains B). Unfreeze the zero one, or "
-                    f"freeze {agree(names, 'these', 'this')} instead", params=tuple(n for n in status if n in names), step=step,
-                    data={"cause": "frozen_zero_partner"})]
