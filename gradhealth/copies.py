@@ -62,8 +62,8 @@ class Copies:
             not_ok = [n for n, s in status.items() if s is not Status.OK and s is not Status.FROZEN]
         if not not_ok:
             return frozenset()
-        none = compress(not_ok, map(operator.is_, map(status.__getitem__, not_ok), repeat(Status.NO_GRAD)))
-        return frozenset(n for n in none if in_opt.get(n) is False)
+        none = list(compress(not_ok, map(operator.is_, map(status.__getitem__, not_ok), repeat(Status.NO_GRAD))))
+        return frozenset(compress(none, map(operator.is_, map(in_opt.get, none), repeat(False)))) if none else frozenset()
 
     def see(self, names: frozenset[str], status: dict, all_names: list[str], params: list, step: int,
             look: bool = True) -> Finding | None:

@@ -39,7 +39,7 @@ import operator
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import compress, repeat
+from itertools import compress, filterfalse, repeat
 
 from .copies import Copies
 from .naming import module_of
@@ -336,7 +336,7 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
     # them by gradient; set aside from the rule, tolerated, said at info with what was seen
     copies = persistence.copies.pick(report)
     if copies:
-        not_ok = [n for n in not_ok if n not in copies]
+        not_ok = list(filterfalse(copies.__contains__, not_ok))
     faint = persistence.faint_reader.read(report.grad_norm, names, params)
     gaps = persistence.update(status, not_ok, report.optimizer_index, faint, frozen, len(copies))
     report.grad_streak = gaps
