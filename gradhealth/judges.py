@@ -329,7 +329,7 @@ def transient_grads(status: Mapping[str, Status], verdict, patience: int, partne
     if fresh:
         longest = max(gaps[n] for n in fresh)
         why = (f"{longest} of the {patience} consecutive checks tolerated before it counts as an error" if longest < patience
-               else f"{longest} checks; tolerated longer because sibling experts go without tokens now and then")
+               else f"{longest} checks; tolerated longer because its siblings (experts, blocks of its stack) go without now and then")
         out.append(Finding(K.TRANSIENT_GRAD, f"{describe_names(status, fresh)} got no usable gradient at step {step} "
                            f"({why}): normal now and then for mixture-of-experts experts that got no tokens in this "
                            "batch, layers skipped by LayerDrop / stochastic depth, conditionally executed branches or "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
-from itertools import compress, repeat
+from itertools import compress, filterfalse, repeat
 
 from . import crossrank, experts, judges
 from .guards import checkpoint_cut, output_maxima
@@ -80,7 +80,8 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
         found += judges.nonfinite_experts(report.expert_status, step)
     no_grad = _named(report.errors, Status.NO_GRAD) if not quiet else []
     if m._watch is not None:  # NO_GRAD now: the next forwards look for a reentrant checkpoint
-        m._watch.probe = set() if quiet else set(map(module_of, _named(report.problems, Status.NO_GRAD)))
+        m._watch.probe = set() if quiet else set(map(module_of, filterfalse(  # (a copy's NO_GRAD is by design)
+            m.carry.streaks.copies.names.__contains__, _named(report.problems, Status.NO_GRAD))))
     if no_grad:  # only then: did a reentrant checkpoint run their modules with grad disabled?
         cut, configured = checkpoint_cut(no_grad, m._watch, report.grad_streak, unwrap(m.model))
         found += judges.checkpoint_no_grad(cut, configured, report.status, step, carry.reentrant)
