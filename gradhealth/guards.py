@@ -16,10 +16,10 @@ from torch import Tensor, nn
 
 from .errors import GradModeError
 from .hooks import guarded
-from .naming import ROOT
+from .naming import ROOT, module_of
 
 __all__ = ["ForwardRecord", "ForwardWatch", "diagnose_loss", "check_loss", "uses_checkpointing", "reads_training",
-           "mode_matters"]
+           "mode_matters", "reentrant_checkpointing", "checkpoint_cut"]
 
 _CUT_HINT = (
     "the graph was cut between the model and the loss: look for .detach(), .data, .item(), "
@@ -253,9 +253,9 @@ class ForwardWatch:
     (``carry.norm_eval``). The model itself, a direct child that is not a normalisation layer, or
     a dropout module in eval() during a training backward stays a GRAD_MODE error. A module that
     runs with grad disabled inside a training model under a reentrant ``torch.utils.checkpoint``
-    sets ``carry.reentrant`` (for CHECKPOINT_NO_GRAD): looked for by hooks on the direct children
-    during the forwards after a check that found NO_GRAD parameters (``probe``), the only time the
-    answer is used.
+    is kept in ``cut`` and sets ``carry.reentrant`` (for CHECKPOINT_NO_GRAD: :func:`checkpoint_cut`):
+    looked for by hooks on the direct children and the NO_GRAD parameters' modules during the
+    forwards after a check that found NO_GRAD parameters (``probe``), the only time the answer is used.
     """
 
     def __init__(self, model: nn.Module, module: nn.Module, carry, experts: bool = False):
@@ -285,6 +285,10 @@ class ForwardWatch:
         #: the modules of the NO_GRAD parameters; their forward runs inside the checkpoint, however deep)
         self.probe: set[str] = set()
         self._probed: tuple = (frozenset(), [])
+        #: the probed modules seen running with grad disabled inside a reentrant checkpoint (their
+        #: parameters' NO_GRAD is the checkpoint's doing), and those whose stack was looked at
+        self.cut: set[str] = set()
+        self.walked: set[str] = set()
 
     def _before(self, i: int, watched: list, children: list, modules: list, module, args) -> None:
         if not torch.is_grad_enabled():
@@ -356,8 +360,11 @@ class ForwardWatch:
 
     def _on_module(self, name: str, module, args, output) -> None:
         if not torch.is_grad_enabled():
-            if self.root.training and not self.carry.reentrant and _in_reentrant_checkpoint():
-                self.carry.reentrant = True  # a hand-written checkpoint(..., use_reentrant=True)
+            if self.root.training and name not in self.walked:  # (each module's stack looked at once)
+                self.walked.add(name)
+                if _in_reentrant_checkpoint():
+                    self.cut.add(name)
+                    self.carry.reentrant = True  # a hand-written checkpoint(..., use_reentrant=True)
             return
         if module.training:
             return
@@ -407,3 +414,51 @@ def uses_checkpointing(module: nn.Module) -> bool:
     torch's checkpoint wrappers)?"""
     return any(getattr(m, "gradient_checkpointing", False) is True or type(m).__name__ == "CheckpointWrapper"
                for m in module.modules())
+
+
+def reentrant_checkpointing(module: nn.Module) -> bool:
+    """Is the model set to checkpoint its layers *reentrantly*: a Hugging Face
+    ``gradient_checkpointing`` flag whose checkpoint function says ``use_reentrant=True`` (or
+    leaves torch's default), or a torch checkpoint wrapper with the reentrant implementation? Only
+    that kind cuts a segment whose inputs do not require grad; ``use_reentrant=False`` cannot. A flag
+    whose function cannot be read is not taken for reentrant: the forwards say it then
+    (``carry.reentrant``, :class:`ForwardWatch`)."""
+    for m in module.modules():
+        impl = getattr(m, "checkpoint_impl", None)  # (torch's checkpoint_wrapper: REENTRANT / NO_REENTRANT)
+        if impl is not None and getattr(impl, "name", None) == "REENTRANT":
+            return True
+        if getattr(m, "gradient_checkpointing", False) is True and _reentrant(getattr(m, "_gradient_checkpointing_func", None)):
+            return True
+    return False
+
+
+def _reentrant(fn) -> bool:
+    """Does this checkpoint function (``functools.partial(checkpoint, use_reentrant=...)``, as
+    Hugging Face builds it) run reentrant checkpoints?"""
+    keywords: dict = {}
+    while isinstance(fn, functools.partial):
+        keywords = {**fn.keywords, **keywords}
+        fn = fn.func
+    if "use_reentrant" in keywords:
+        return bool(keywords["use_reentrant"])
+    from torch.utils.checkpoint import checkpoint
+
+    return fn is checkpoint  # (torch's default when it is not said: reentrant)
+
+
+def checkpoint_cut(no_grad: list[str], watch: ForwardWatch | None, gaps: dict, model: nn.Module) -> tuple[list[str], bool]:
+    """The NO_GRAD parameters a reentrant checkpoint may have cut, and whether the model is set to
+    checkpoint reentrantly. Seen, not assumed: those whose module (or a module above it) ran with
+    grad disabled inside a reentrant ``torch.utils.checkpoint`` during the forwards the watch
+    probed; a module that ran outside one, or not at all, was not cut (a pooler the loss does not
+    use, under any checkpointing). Only where the forwards were not looked at (a gap of one check,
+    no watch) does the model's setting (:func:`reentrant_checkpointing`) stand in for them."""
+    cut = watch.cut if watch is not None else ()
+    unseen = set(no_grad) if watch is None else {n for n in no_grad if gaps.get(n, 1) <= 1}
+    configured = bool(unseen) and reentrant_checkpointing(model)
+
+    def inside(name: str) -> bool:
+        mod = module_of(name)
+        return any(not o or o == ROOT or mod == o or mod.startswith(o + ".") for o in cut)
+
+    return [n for n in no_grad if (configured and n in unseen) or (cut and inside(n))], configured

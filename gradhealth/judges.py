@@ -137,13 +137,14 @@ def norm_idioms(carry, step: int) -> list[Finding]:
 
 def checkpoint_no_grad(no_grad: Collection[str], checkpointing: bool, status: Mapping[str, Status],
                        step: int, reentrant: bool = False) -> list[Finding]:
-    """CHECKPOINT_NO_GRAD (warning): persistent NO_GRAD in a model that uses gradient
-    checkpointing: reentrant checkpointing gives no gradient to a segment whose inputs do not
-    require grad (typically after frozen embeddings)."""
+    """CHECKPOINT_NO_GRAD (warning): persistent NO_GRAD in a model that checkpoints reentrantly
+    (``checkpointing``: set to, e.g. ``gradient_checkpointing_kwargs={"use_reentrant": True}``;
+    ``reentrant``: seen in its forwards), which gives no gradient to a segment whose inputs do not
+    require grad (typically after frozen embeddings). Non-reentrant checkpointing cannot: not blamed."""
     if not no_grad or not (checkpointing or reentrant):
         return []
     how = ("runs torch.utils.checkpoint(..., use_reentrant=True) in its forward" if reentrant and not checkpointing
-           else "uses gradient checkpointing")
+           else "checkpoints its layers with use_reentrant=True")
     return [Finding(K.CHECKPOINT_NO_GRAD, f"{describe_names(status, no_grad)} {agree(no_grad, 'get', 'gets')} no gradient and the model {how}: "
                     "reentrant torch.utils.checkpoint (Hugging Face's "
                     "gradient_checkpointing_enable() default on older versions) gives no gradient to a checkpointed "
@@ -340,7 +341,7 @@ def transient_grads(status: Mapping[str, Status], verdict, patience: int, partne
     if fresh:
         longest = max(gaps[n] for n in fresh)
         why = (f"{longest} of the {patience} consecutive checks tolerated before it counts as an error" if longest < patience
-               else f"{longest} checks; tolerated longer because other parts of this model skip now and then")
+               else f"{longest} checks; tolerated longer because its siblings (experts, blocks of its stack) go without now and then")
         out.append(Finding(K.TRANSIENT_GRAD, f"{describe_names(status, fresh)} got no usable gradient at step {step} "
                            f"({why}): normal now and then for mixture-of-experts experts that got no tokens in this "
                            "batch, layers skipped by LayerDrop / stochastic depth, conditionally executed branches or "

@@ -340,7 +340,8 @@ class GradHealth:
         fit = self.carry.fit
         nothing = fit.nothing_to_learn(report) if report.loss == 0.0 else []  # (the loss's zeros: :mod:`.fitted`)
         report.findings += nothing or persist(  # transient or persistent NO_GRAD / ZERO_GRAD: which ones are tolerated now
-            report, self.carry.streaks, self.options.grad_patience, self.view.names, self.view.params)
+            report, self.carry.streaks, self.options.grad_patience, self.view.names, self.view.params,
+            launch.transfer is None)
         report.findings += self.carry.streaks.faint_reader.prefix(report.status, report.grad_norm, step,
                                                                   self.options.grad_patience)  # (:mod:`.underflow`)
         if self.tracker is not None and not reeval:

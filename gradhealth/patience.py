@@ -8,8 +8,11 @@ numbers: the checks with a usable gradient (``used``), those without one before 
 (``missed``), and the current gap (``gap``). The rule (``Persistence.judge``):
 
 * **never used** (no usable gradient since its first check): an error once the gap reaches
-  ``grad_patience``; but while other units of the model skip now and then (a stochastic model),
-  only once the gap is also improbable for the most-skipping of them (below);
+  ``grad_patience``, whatever other units do: it has no transient past, and a block that LayerDrop
+  skips says nothing about a head the forward never uses. Only its siblings are a reference: an
+  expert's (``experts.3``, ``experts[3]``: a router picks among them), and, while they skip, the
+  other blocks of its numbered stack (``blocks.5.1.weight`` beside ``blocks.<i>.1.weight``, the
+  units stochastic depth skips); then the gap must also be improbable at their pooled rate;
 * **intermittent** (it had gradients, and now misses some): an error once the gap is at least
   ``grad_patience`` and its probability under the unit's own past rate is below ``ALPHA``. With
   ``m`` misses in ``m + u`` earlier checks (a Beta(1, 1) prior on its skip rate ``q``), the
@@ -24,9 +27,9 @@ numbers: the checks with a usable gradient (``used``), those without one before 
 
 Counts are halved once a unit's ``used + missed`` passes ``CAP``, so the rate follows a
 schedule that changes (and the state stays bounded: a few ints per unit that ever missed). Units
-that never missed have no record and cost nothing. ``zero_partners`` recognises the
+that never missed have no record and cost nothing. :mod:`.partners` recognises the
 zero-initialised-partner start (a sibling weight that is exactly zero), read only at a check where
-a parameter's zero gradient is new.
+a parameter's zero gradient is new; :mod:`.copies` sets aside the parameters in no optimizer.
 """
 
 from __future__ import annotations
@@ -38,17 +41,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import compress, filterfalse, repeat
 
-import torch
-
-from collections.abc import Collection, Mapping
-
-from .findings import Finding, FindingKind
-from .naming import ROOT, agree, module_of
-from .stats import fetch, plan_groups
+from .copies import Copies
+from .naming import module_of
+from .partners import frozen_partner, zero_partners
 from .status import Status
 from .underflow import Faint, underflow
 
-__all__ = ["Persistence", "Verdict", "persist", "predictive", "gap_limit", "family_of", "zero_partners", "frozen_partner", "ALPHA", "CAP"]
+__all__ = ["Persistence", "Verdict", "persist", "predictive", "gap_limit", "family_of", "siblings_of", "zero_partners", "frozen_partner", "ALPHA", "CAP"]
 
 #: the probability below which a unit's current gap is no longer taken for chance
 ALPHA = 1e-8
@@ -58,6 +57,7 @@ CAP = 4096
 _NO_USABLE = (Status.NO_GRAD, Status.ZERO_GRAD)
 _USABLE = (Status.OK, Status.NON_FINITE_GRAD, Status.NOT_IN_OPTIMIZER)
 _LOG_ALPHA = math.log(ALPHA)
+_NEVER = operator.itemgetter(5)  # (a unit's record: never had a usable gradient)
 
 
 def predictive(missed: float, used: float, gap: int) -> float:
@@ -108,6 +108,8 @@ class Persistence:
         self.faint: set[str] = set()
         self._dropped: set[str] = set()  # units with a NO_GRAD check in their open gap
         self.faint_reader = Faint()  # (this check's gradient norms and the last one's)
+        #: NO_GRAD parameters in no optimizer (target / EMA copies): set aside, not judged here
+        self.copies = Copies()
 
     # ------------------------------------------------------------------ update
     def _judged(self, key) -> int:
@@ -116,10 +118,11 @@ class Persistence:
     def _used(self, r: list) -> int:
         return r[0] + (self._judged(r[4]) - r[3] if r[2] == 0 else 0)
 
-    def update(self, status: dict, not_ok: list, key=None, faint: Faint | None = None, frozen=None) -> dict:
+    def update(self, status: dict, not_ok: list, key=None, faint: Faint | None = None, frozen=None, aside: int = 0) -> dict:
         """Count this check; return the gap of every NO_GRAD / ZERO_GRAD unit now. Units not
         judged at this check (another optimizer's) keep their numbers. ``faint``: this check's
-        gradient norms, for the units whose gap opens or closes now (:class:`.underflow.Faint`)."""
+        gradient norms, for the units whose gap opens or closes now (:class:`.underflow.Faint`).
+        ``aside``: how many of ``status`` are left out of ``not_ok`` (copies, :mod:`.copies`)."""
         missing = list(compress(not_ok, map(_NO_USABLE.__contains__, map(status.__getitem__, not_ok))))
         rec = self.rec
         now = self._judged(key)
@@ -165,7 +168,7 @@ class Persistence:
         self.n[key] = self.n.get(key, 0) + 1
         if faint is not None:
             faint.keep()
-        trainable = len(status) - operator.countOf(status.values(), Status.FROZEN) if missing else 0
+        trainable = len(status) - operator.countOf(status.values(), Status.FROZEN) - aside if missing else 0
         self.blank = self.blank + 1 if missing and len(missing) == trainable else 0
         return gaps
 
@@ -185,57 +188,65 @@ class Persistence:
     # ------------------------------------------------------------------- judge
     def judge(self, gaps: dict, patience: int, status: dict | None = None) -> Verdict:
         """Which of the gaps the rule counts as persistent now (see the module docstring).
-        ``status`` (every judged name) finds the siblings of a never-used expert."""
-        errors, history = set(), {}
+        ``status`` (every judged name) finds the siblings of a never-used unit."""
+        errors, history, alone = set(), {}, []
         if self.blank >= patience:
             return Verdict(gaps, {n for n, g in gaps.items() if g >= patience}, history, self.blank)
-        proxies, best = None, {}  # best: gap -> the proxies' largest log-probability of it
         for n, g in gaps.items():
             r = self.rec[n]
             if not r[5]:
                 history[n] = (r[0], r[1])
             if g < patience:
                 continue
-            if r[5]:  # never used: judged by the most-skipping unit of the model, if any skips
-                if proxies is None:
-                    proxies = self._proxies()
-                if g not in best:  # (none skips: -inf, an error)
-                    best[g] = max((predictive(m, u, g) for m, u in proxies), default=-math.inf)
-                family = self._family(n, status) if status is not None else ()
-                if (max(best[g], *(predictive(m, u, g) for m, u in family)) if family else best[g]) < _LOG_ALPHA:
-                    errors.add(n)
+            if r[5]:  # never used: no transient past of its own (judged by its siblings, if it has any)
+                alone.append(n)
             elif predictive(r[1], r[0], g) < _LOG_ALPHA:
                 errors.add(n)
+        if alone:
+            # (a stack's siblings count only where some unit skips: none does in most models, and
+            # then a never-used unit that is not an expert is an error without a look at the others)
+            skips = not all(map(_NEVER, self.rec.values()))
+            keys = {}
+            for n in alone:
+                expert = family_of(n)
+                key = expert or (siblings_of(n) if skips else None)
+                if key is None:
+                    errors.add(n)
+                else:
+                    keys[n] = (key, expert is not None)
+            pooled = self._families({k for k, _ in keys.values()}, status or {}) if keys else {}
+            for n, (key, expert) in keys.items():
+                missed, used = pooled.get(key, (0, 0))
+                # (blocks that never skip are no sign of a stochastic model: the unit is an error now)
+                if not used or not (missed or expert) or predictive(missed, used, gaps[n]) < _LOG_ALPHA:
+                    errors.add(n)
         return Verdict(gaps, errors, history, self.blank)
 
-    def _proxies(self) -> list[tuple[int, int]]:
-        """(misses, uses) of the units that have both had and missed gradients, one per distinct
-        history (the most-skipping ones decide)."""
-        out, faint = set(), self.faint
-        for n, r in self.rec.items():
-            if not r[5] and n not in faint:
-                used = self._used(r)
-                if used and r[1] + r[2]:
-                    out.add((r[1] + r[2], used))
-        return sorted(out)
-
-    def _family(self, name: str, status: dict) -> list[tuple[int, int]]:
-        """For an expert (``...experts.3.w``, ``...experts[3]``): its siblings' pooled (misses,
-        uses). A router picks among them, so an expert idle from the first batches is judged by how
-        often its siblings go idle, not taken for an unused layer at once."""
-        key = family_of(name)
-        if key is None:
-            return []
-        missed = used = 0
-        for other in status:
-            if other != name and family_of(other) == key and status[other] is not Status.FROZEN:
-                r = self.rec.get(other)
-                if r is None:
-                    used += self._judged(None)
-                elif not r[5]:
-                    u = self._used(r)
-                    used, missed = used + u, missed + r[1] + r[2]
-        return [(missed, used)] if used else []
+    def _families(self, keys: set, status: dict) -> dict:
+        """Each family's pooled (misses, uses) over its members that are not frozen (one pass over
+        the judged names, only at a check where a never-used unit has reached its patience). A
+        family is an expert's siblings (a router picks among them) or the same parameter of the
+        other blocks of a numbered stack (``blocks.3.1.weight``: ``blocks.<i>.1.weight``, the units
+        LayerDrop / stochastic depth skip): a unit never used while its siblings skip at random is
+        judged by how often they go without, not taken for an unused layer at once (blocks that
+        never skip say nothing of the kind: an error at ``grad_patience``); a head beside them has
+        no siblings and is an error at ``grad_patience``, whatever the blocks do."""
+        out: dict = {}
+        if not keys:
+            return out
+        judged, rec, faint = self._judged(None), self.rec, self.faint
+        for other, state in status.items():
+            key = family_of(other) or siblings_of(other)
+            if key not in keys or state is Status.FROZEN or other in faint:  # (faint: underflow, not skipping)
+                continue
+            missed, used = out.get(key, (0, 0))
+            r = rec.get(other)
+            if r is None:
+                used += judged
+            elif not r[5]:
+                used, missed = used + self._used(r), missed + r[1] + r[2]
+            out[key] = (missed, used)
+        return out
 
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
@@ -294,6 +305,17 @@ def family_of(name: str) -> tuple[str, str] | None:
     return m.group(1), m.group(3) or ""
 
 
+@lru_cache(maxsize=65536)
+def siblings_of(name: str) -> tuple[str, str] | None:
+    """``("blocks", ".1.weight")`` for ``blocks.3.1.weight`` (the outermost numbered container:
+    the stack LayerDrop and stochastic depth skip blocks of); None for a name outside one."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i]), "".join("." + p for p in parts[i + 1:])
+    return None
+
+
 def _module(unit: str) -> str:
     """The module of a parameter, or the experts module of a stacked expert ``m.experts[3]``."""
     return unit[:unit.rindex("[")] if unit.endswith("]") else module_of(unit)
@@ -305,20 +327,29 @@ def _count(v) -> int:
     return v
 
 
-def persist(report, persistence: Persistence, patience: int, names: list[str], params: list) -> list:
+def persist(report, persistence: Persistence, patience: int, names: list[str], params: list, sync: bool = True) -> list:
     """The stage of a check: update ``persistence`` from ``report`` (its parameters, and its
     stacked experts as units of their own) and set its ``grad_streak``, ``grad_history`` and
-    ``tolerated``; returns the TRANSIENT_GRAD / DEAD_EXPERT findings."""
+    ``tolerated``; returns the TRANSIENT_GRAD / DEAD_EXPERT / TARGET_COPY findings. ``sync``: a
+    device read is allowed now (not in the deferred mode)."""
     status, not_ok, units, frozen = report.status, report.not_ok or [], report.expert_status, report.frozen_names
     if units:
         status = {**status, **units}
         not_ok = list(not_ok) + [u for u, s in units.items() if s is not Status.OK]
         frozen = None if frozen is None else frozen + [u for u, s in units.items() if s is Status.FROZEN]
+    # in no optimizer and without a gradient (a target network, an EMA copy): nothing should move
+    # them by gradient; set aside from the rule, tolerated, said at info with what was seen
+    copies = persistence.copies.pick(report)
+    if copies:
+        not_ok = list(filterfalse(copies.__contains__, not_ok))
     faint = persistence.faint_reader.read(report.grad_norm, names, params)
-    gaps = persistence.update(status, not_ok, report.optimizer_index, faint, frozen)
+    gaps = persistence.update(status, not_ok, report.optimizer_index, faint, frozen, len(copies))
     report.grad_streak = gaps
+    aside = persistence.copies.see(copies, report.status, names, params, report.step, sync)
     if not gaps:
-        return []
+        if aside is not None:
+            report.tolerated = report.tolerated | copies
+        return [aside] if aside is not None else []
     from .judges import idle_experts, transient_grads  # (judges import the report module, which this one need not)
 
     verdict = persistence.judge(gaps, patience, status)
@@ -340,6 +371,8 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
     mine = Verdict({n: g for n, g in gaps.items() if n not in units} if units else gaps,
                    (verdict.errors - set(units) - partners) | stuck, verdict.history)
     report.tolerated, found = transient_grads(report.status, mine, patience, partners, report.step)
+    if aside is not None:
+        report.tolerated, found = report.tolerated | copies, found + [aside]
     if mine.errors:
         found += underflow(report.status, mine.errors - stuck, report.grad_norm, gaps, report.step, faint)
     if stuck:
@@ -348,78 +381,3 @@ def persist(report, persistence: Persistence, patience: int, names: list[str], p
         found += idle_experts({n: g for n, g in gaps.items() if n in units}, verdict.errors & set(units),
                               verdict.history, report.step, report.expert_tokens)
     return found
-
-
-def _ancestors(name: str, levels: int = 2) -> list[str]:
-    """The parameter's module and up to ``levels`` modules above it."""
-    out, mod = [], module_of(name)
-    for _ in range(levels + 1):
-        out.append(mod)
-        if mod == ROOT:
-            break
-        mod = mod.rpartition(".")[0] or ROOT
-    return out
-
-
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_WEIGHTS: dict[int, tuple] = {}
-
-
-def _weights(names: list[str]) -> tuple[list[int], dict[str, int]]:
-    """The indices of ``names`` that are not biases, and each name's index (kept per list of names)."""
-    kept = _WEIGHTS.get(id(names))
-    if kept is None or kept[0] is not names:
-        from .report import evict
-
-        evict(_WEIGHTS, 8)
-        kept = _WEIGHTS[id(names)] = (names, [i for i, n in enumerate(names) if not n.endswith("bias")],
-                                      {n: i for i, n in enumerate(names)})
-    return kept[1], kept[2]
-
-
-def zero_partners(candidates: list[str], names: list[str], params: list, frozen: bool = False) -> set[str]:
-    """The candidates (ZERO_GRAD parameters) that sit next to a trainable weight that is exactly
-    zero: within two modules above their own (``q.lora_A.default.weight`` and
-    ``q.lora_B.default.weight`` under ``q``). Biases do not count as partners (many start at zero).
-    ``frozen``: next to a frozen weight that is exactly zero instead. One fused max-abs reduction
-    per (device, dtype) and one transfer."""
-    if not candidates:
-        return set()
-    prefixes = {a for n in candidates for a in _ancestors(n)}
-    cand = set(candidates)
-    under = lambda n, a: a == ROOT or n.startswith(a + ".")  # noqa: E731
-    # (picked in C, parameter by parameter: the model's non-bias weights, trainable or frozen as
-    # asked, not candidates, under a prefix, not empty)
-    base, index = _weights(names)
-    near = filterfalse(cand.__contains__, compress(map(names.__getitem__, base), map(
-        operator.is_not, map(_REQUIRES_GRAD, map(params.__getitem__, base)), repeat(frozen))))
-    if ROOT not in prefixes:
-        near = filter(operator.methodcaller("startswith", tuple(a + "." for a in prefixes)), near)
-    near = list(near)
-    held = list(map(params.__getitem__, map(index.__getitem__, near)))
-    sizes = list(map(torch.Tensor.numel, held))
-    siblings, tensors = list(zip(compress(near, sizes), repeat(None))), list(compress(held, sizes))
-    if not siblings:
-        return set()
-    maxima: list = [None] * len(tensors)
-    with torch.no_grad():  # (the parameters themselves: no detached view of each)
-        for _, _, idx in plan_groups(tensors):
-            for i, m in zip(idx, torch._foreach_norm([tensors[i] for i in idx], math.inf)):
-                maxima[i] = m
-    zero = {n for (n, _), v in zip(siblings, fetch(maxima)) if v == 0.0}
-    if not zero:
-        return set()
-    return {c for c in candidates if any(under(z, a) for a in _ancestors(c) for z in zero)}
-
-
-def frozen_partner(status: Mapping[str, Status], names: Collection[str], step: int) -> list[Finding]:
-    """FROZEN_PARTNER: exactly zero gradients beside a frozen weight that is exactly zero (a LoRA
-    B frozen at its zero init while A trains): nothing can move that weight, so they stay zero."""
-    from .report import describe_names  # (as in persist: imported where used)
-
-    return [Finding(FindingKind.FROZEN_PARTNER, f"{describe_names(status, names)} got {agree(names, 'exactly zero gradients', 'an exactly zero gradient')} "
-                    f"at step {step}: {agree(names, 'their', 'its')} zero-initialised partner is frozen: nothing can move it "
-                    f"off zero, so {agree(names, 'they', 'it')} will never get a gradient (a LoRA B frozen at its zero init "
-                    "while A trains; LoRA-FA freezes A, the random one, and trains B). Unfreeze the zero one, or "
-                    f"freeze {agree(names, 'these', 'this')} instead", params=tuple(n for n in status if n in names), step=step,
-                    data={"cause": "frozen_zero_partner"})]

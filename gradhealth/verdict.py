@@ -10,10 +10,10 @@ import dataclasses
 import logging
 import math
 import operator
-from itertools import compress, repeat
+from itertools import compress, filterfalse, repeat
 
 from . import crossrank, experts, judges
-from .guards import output_maxima, uses_checkpointing
+from .guards import checkpoint_cut, output_maxima
 from .naming import module_of
 from .replay import traced
 from .report import frozen_summary
@@ -82,10 +82,11 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
         found += judges.nonfinite_experts(report.expert_status, step)
     no_grad = _named(report.errors, Status.NO_GRAD) if not quiet else []
     if m._watch is not None:  # NO_GRAD now: the next forwards look for a reentrant checkpoint
-        m._watch.probe = set() if quiet else set(map(module_of, _named(report.problems, Status.NO_GRAD)))
-    if no_grad:  # only then: is the model checkpointing its layers?
-        found += judges.checkpoint_no_grad(no_grad, uses_checkpointing(unwrap(m.model)), report.status, step,
-                                           carry.reentrant)
+        m._watch.probe = set() if quiet else set(map(module_of, filterfalse(  # (a copy's NO_GRAD is by design)
+            m.carry.streaks.copies.names.__contains__, _named(report.problems, Status.NO_GRAD))))
+    if no_grad:  # only then: did a reentrant checkpoint run their modules with grad disabled?
+        cut, configured = checkpoint_cut(no_grad, m._watch, report.grad_streak, unwrap(m.model))
+        found += judges.checkpoint_no_grad(cut, configured, report.status, step, carry.reentrant)
     # said once, at the first check after they ran (not beside an eval() mistake)
     if obs.eval_record is None and (carry.frozen_norms or carry.norm_eval):
         found += judges.norm_idioms(carry, step)

@@ -559,3 +559,93 @@ def test_persistence_survives_state_dict_mid_run():
         opt.step()
         assert r.ok == (step < first), step
     assert resumed is not None and set(r.errors) == set(reports[first].errors)
+
+
+# ------------------------------------------- never used, beside a block LayerDrop skips (issue 65)
+class OneBlockDropped(nn.Module):
+    """Four residual blocks, ``blocks.1`` dropped at random with probability ``drop`` (LayerDrop on
+    one block), a head, and an auxiliary head the forward never uses (the bug)."""
+
+    def __init__(self, drop: float, seed: int = 1):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head, self.aux = nn.Linear(16, 1), nn.Linear(16, 1)
+        self.drop, self.g = drop, torch.Generator().manual_seed(seed)
+        self.dropped: list[bool] = []
+
+    def forward(self, x):
+        h = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if i == 1:
+                self.dropped.append(bool(torch.rand((), generator=self.g) < self.drop))
+                if self.dropped[-1]:
+                    continue
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def one_block_dropped_run(drop, steps=40, **kw):
+    torch.manual_seed(0)
+    model = OneBlockDropped(drop)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)  # the optimizer holds the unused head
+    mon = gh.GradHealth(model, opt, **kw)
+    reports = []
+    for _ in range(steps):
+        x = torch.randn(16, 8)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+        reports.append(mon.check())
+        opt.step()
+    return model, reports
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.3])
+def test_a_head_never_used_is_named_at_grad_patience_also_beside_a_dropped_block(drop):
+    """Issue 65, case 11: the unused head was named at check 2 in the plain model but at check 30
+    with LayerDrop on one block (judged against the most-skipping unit of the model). It has never
+    had a gradient: no transient past, an error at ``grad_patience`` whatever the block does."""
+    model, reports = one_block_dropped_run(drop, on_problem="ignore")
+    aux = {"aux.weight", "aux.bias"}
+    assert all(r.status[n] is S.NO_GRAD for r in reports for n in aux)  # the premise: never a gradient
+    if drop:  # the premise: the block really skips (dropped at check 1, back at check 2) and comes back
+        assert model.dropped[:3] == [False, True, False] and 5 <= sum(model.dropped) <= 20
+    first = next(k for k, r in enumerate(reports) if not r.ok)
+    assert first == 2 and set(reports[first].errors) == aux  # grad_patience: 3 checks
+    assert all(set(r.errors) == aux for r in reports[2:])  # the dropped block, judged by its own rate, never
+    text = gh.GradHealth.explain(reports[first])
+    assert "aux.* (2 params) for 3 checks in a row" in text
+    with pytest.raises(gh.GradHealthError, match=r"aux\.\*") as err:
+        one_block_dropped_run(drop, steps=3, on_problem="raise")
+    assert err.value.report.step == 2
+
+
+class UnusedLastBlock(nn.Module):
+    """Blocks of a numbered stack where the forward leaves the last one out (``blocks[:-1]``):
+    its siblings never skip, so they are no sign of a stochastic model."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks[:-1]:
+            x = x + torch.tanh(block(x))
+        return x.sum(1, keepdim=True)
+
+
+def test_a_block_never_used_beside_siblings_that_never_skip_is_named_at_grad_patience():
+    """Siblings in a numbered stack are the reference only when they skip (stochastic depth):
+    ``blocks.3`` beside three blocks used at every check is an unused layer, named at check 2."""
+    torch.manual_seed(0)
+    model = UnusedLastBlock()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    mon = gh.GradHealth(model, opt, on_problem="ignore")
+    reports = []
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        reports.append(mon.check())
+        opt.step()
+    assert [r.ok for r in reports] == [True, True, False, False]
+    assert set(reports[2].errors) == {"blocks.3.weight", "blocks.3.bias"}

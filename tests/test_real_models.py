@@ -142,3 +142,97 @@ def test_lora_under_a_reentrant_checkpoint_of_one_layer_is_named_within_patience
     [hint] = reports[first].findings_of("CHECKPOINT_NO_GRAD")
     assert "enable_input_require_grads" in hint.message and "use_reentrant=False" in hint.message
     assert a1 not in reports[0].errors  # LoRA's start stays tolerated
+
+
+class MeanPooledBert(torch.nn.Module):
+    """A tiny BERT (random weights) under Hugging Face gradient checkpointing, mean-pooled into a
+    regression head: its pooler runs but the loss never uses it (NO_GRAD, rightly)."""
+
+    def __init__(self, reentrant: bool, cut: bool = False):
+        super().__init__()
+        from transformers import BertConfig, BertModel
+
+        self.bert = BertModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=32, max_position_embeddings=32))
+        self.head = torch.nn.Linear(16, 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # (transformers 5 renames it; the issue's words)
+            self.bert.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        if cut:  # the classic: frozen embeddings, nothing into the checkpointed layers requires grad
+            self.bert.embeddings.requires_grad_(False)
+            self.bert.disable_input_require_grads()
+
+    def forward(self, ids):
+        return self.head(self.bert(input_ids=ids).last_hidden_state.mean(1)).squeeze(-1)
+
+
+def pooled_bert_run(reentrant, cut=False, steps=4, **kw):
+    torch.manual_seed(0)
+    model = MeanPooledBert(reentrant, cut).train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    mon = gh.GradHealth(model, opt, **kw)
+    g, reports, calls = torch.Generator().manual_seed(0), [], []
+    import torch.utils.checkpoint as tuc
+
+    real = tuc.checkpoint
+
+    def counted(*args, **kwargs):  # (the premise: checkpointing really runs, with the setting asked for)
+        calls.append(kwargs.get("use_reentrant"))
+        return real(*args, **kwargs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's "None of the inputs have requires_grad=True" when cut)
+        for layer in model.bert.encoder.layer:  # (transformers binds the function at enable time)
+            layer._gradient_checkpointing_func.func is real or pytest.fail("checkpointing is not torch's")
+            layer._gradient_checkpointing_func = __import__("functools").partial(counted, use_reentrant=reentrant)
+        for _ in range(steps):
+            loss = (model(torch.randint(0, 64, (4, 8), generator=g)) - 1).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            reports.append(mon.check(loss))
+            opt.step()
+    mon.close()
+    assert calls and set(calls) == {reentrant}
+    return reports
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_is_not_blamed_for_a_pooler_the_loss_does_not_use(reentrant):
+    """Issue 65, case 5: BERT under gradient_checkpointing_enable(gradient_checkpointing_kwargs=
+    {"use_reentrant": False}), mean-pooled: NO_GRAD on bert.pooler.* is right, but
+    CHECKPOINT_NO_GRAD blamed reentrant checkpointing and advised use_reentrant=False, which the
+    user has. The pooler runs outside every checkpoint: reentrant or not, no checkpoint cut it."""
+    reports = pooled_bert_run(reentrant)
+    pooler = {"bert.pooler.dense.weight", "bert.pooler.dense.bias"}
+    assert all(r.status[n] is gh.Status.NO_GRAD for r in reports for n in pooler)  # the premise
+    assert [r.ok for r in reports] == [True, True, False, False]
+    for r in reports[2:]:
+        assert set(r.errors) == pooler
+        assert not r.findings_of("CHECKPOINT_NO_GRAD"), r.findings_of("CHECKPOINT_NO_GRAD")[0].message
+    text = gh.GradHealth.explain(reports[2])
+    assert "an unused layer or head" in text and "use_reentrant" not in text
+
+
+@pytest.mark.parametrize("patience", [3, 1])
+def test_reentrant_checkpointing_that_cuts_the_graph_is_still_blamed(patience):
+    """The counterpart: frozen embeddings, use_reentrant=True, no input that requires grad: the
+    checkpointed layers get no gradient and CHECKPOINT_NO_GRAD names them (not the pooler, which
+    runs outside the checkpoints); with grad_patience=1, before the forwards were looked at, the
+    model's setting stands in for them."""
+    reports = pooled_bert_run(True, cut=True, grad_patience=patience)
+    first = reports[patience - 1]
+    assert not first.ok and all(n in first.errors for n in first.status if n.startswith("bert.encoder."))
+    [hint] = first.findings_of("CHECKPOINT_NO_GRAD")
+    assert "use_reentrant=True" in hint.message and "enable_input_require_grads" in hint.message
+    assert {n for n in hint.params if n.startswith("bert.encoder.")} == {
+        n for n in first.status if n.startswith("bert.encoder.")}
+    [later] = reports[-1].findings_of("CHECKPOINT_NO_GRAD")  # once the forwards were looked at: exactly these
+    assert set(later.params) == {n for n in first.status if n.startswith("bert.encoder.")}
+
+
+def test_non_reentrant_checkpointing_is_not_blamed_before_the_forwards_are_looked_at():
+    """grad_patience=1: the pooler's NO_GRAD is an error at check 0, before any probe; the model
+    is set to checkpoint with use_reentrant=False, which cannot cut: not blamed."""
+    reports = pooled_bert_run(False, grad_patience=1, steps=2)
+    assert not reports[0].ok and set(reports[0].errors) == {"bert.pooler.dense.weight", "bert.pooler.dense.bias"}
+    assert not any(r.findings_of("CHECKPOINT_NO_GRAD") for r in reports)
