@@ -133,7 +133,7 @@ def test_a_lightning_module_that_stores_self_module_under_the_real_trainer(tmp_p
     under raise, and it learns; left out, it is named and stops the fit."""
     import lightning.pytorch as pl
 
-    from demos.lightning_parts import SyntheticData
+    from gradhealth.demos.lightning_parts import SyntheticData
     from gradhealth.integrations.lightning import GradHealthCallback
 
     class Held(pl.LightningModule):
