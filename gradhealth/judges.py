@@ -152,10 +152,8 @@ def stale_grad(status: Mapping[str, Status], stale: Collection[str], step: int, 
                     params=_ordered(status, chosen), step=step)]
 
 
-def expect_frozen(status: Mapping[str, Status], patterns: tuple[str, ...] | None, step: int,
-                  spelled: tuple[str, ...] | None = None) -> list[Finding]:
-    """UNEXPECTED_FROZEN / UNEXPECTED_TRAINABLE against the ``expect_frozen`` name patterns
-    (``spelled``: the same patterns in every spelling of the names, :func:`.wrappers.respell`)."""
+def expect_frozen(status: Mapping[str, Status], patterns: tuple[str, ...] | None, step: int, spelled=None) -> list[Finding]:
+    """UNEXPECTED_FROZEN / UNEXPECTED_TRAINABLE against the ``expect_frozen`` name patterns (``spelled``: :func:`.wrappers.respell`)."""
     if patterns is None:
         return []
     out, match = [], spelled if spelled is not None else patterns
