@@ -128,9 +128,9 @@ def test_a_holder_of_self_module_keeps_its_names_and_either_spelling_of_expect_f
 
 
 def test_a_lightning_module_that_stores_self_module_under_the_real_trainer(tmp_path, one_thread):
-    """A LightningModule holding ``self.module``: the callback's reports, its logged keys and
-    ``expect_frozen`` use the module's own names; a frozen first layer listed either way is silent
-    under raise, and it learns; left out, it is named and stops the fit."""
+    """A LightningModule holding ``self.module``: the callback's reports and ``expect_frozen`` use
+    the module's own names; a frozen first layer listed either way is silent under raise, and it
+    learns; left out, it is named and stops the fit."""
     import lightning.pytorch as pl
 
     from gradhealth.demos.lightning_parts import SyntheticData
