@@ -165,13 +165,13 @@ def stale_grad(status: Mapping[str, Status], stale: Collection[str], step: int, 
                     params=_ordered(status, chosen), step=step)]
 
 
-def expect_frozen(status: Mapping[str, Status], patterns: tuple[str, ...] | None, step: int) -> list[Finding]:
-    """UNEXPECTED_FROZEN / UNEXPECTED_TRAINABLE against the ``expect_frozen`` name patterns."""
+def expect_frozen(status: Mapping[str, Status], patterns: tuple[str, ...] | None, step: int, spelled=None) -> list[Finding]:
+    """UNEXPECTED_FROZEN / UNEXPECTED_TRAINABLE against the ``expect_frozen`` name patterns (``spelled``: :func:`.wrappers.respell`)."""
     if patterns is None:
         return []
-    out = []
-    wrong_frozen = tuple(n for n, s in status.items() if s is Status.FROZEN and not matches(n, patterns))
-    wrong_trainable = tuple(n for n, s in status.items() if s is not Status.FROZEN and matches(n, patterns))
+    out, match = [], spelled if spelled is not None else patterns
+    wrong_frozen = tuple(n for n, s in status.items() if s is Status.FROZEN and not matches(n, match))
+    wrong_trainable = tuple(n for n, s in status.items() if s is not Status.FROZEN and matches(n, match))
     if wrong_frozen:
         out.append(Finding(K.UNEXPECTED_FROZEN, f"{describe_names(status, wrong_frozen)} {agree(wrong_frozen, 'are', 'is')} frozen but not matched by "
                            f"expect_frozen={list(patterns)}: unfreeze {agree(wrong_frozen, 'them', 'it')} (requires_grad_(True)) or add "

@@ -19,7 +19,7 @@ from .hooks import guarded
 from .naming import agree, module_of
 from .report import ParamMeta
 from .status import Status
-from .wrappers import unwrap
+from .wrappers import respell, unwrap
 
 __all__ = ["ParamView", "Selection", "ModelChanges", "LiveMeta"]
 
@@ -83,13 +83,26 @@ class ParamView:
         self._ids_key: tuple | None = None
         self._ids: set[int] | None = None
         self.all_inside = True  # (with optimizer_ids) every parameter is in some optimizer
-        #: stacked-expert tensors by entry index (:mod:`.experts`)
-        self.stacks = find_stacks(unwrap(model), self.entries, experts)
+        #: stacked-expert tensors by entry index (:mod:`.experts`); declared patterns in either spelling
+        self.stacks = find_stacks(unwrap(model), self.entries, respell(model, experts) if isinstance(experts, dict) else experts)
+        self._model = weakref.ref(model)
+        self._spelled: dict = {}
         #: names of the parameters that can never train (:func:`cannot_train`): never FROZEN trouble
         self.cannot_train = cannot_train(model, self.entries)  # (the model as given: a framework's layer API is on it)
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def spelled(self, patterns: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        """The user's name ``patterns`` as they match this view's names, written with a wrapper's or
+        holder's prefix or without it (:func:`.wrappers.respell`); worked out once per view."""
+        if not patterns:
+            return patterns
+        got = self._spelled.get(patterns)
+        if got is None:
+            model = self._model()
+            got = self._spelled[patterns] = respell(model, patterns) if model is not None else patterns
+        return got
 
     def optimizer_index(self, optimizer) -> int:
         for i, o in enumerate(self.optimizers):

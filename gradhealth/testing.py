@@ -14,6 +14,7 @@ from .naming import matches
 from .options import check_patterns
 from .snapshot import ModuleState, rng_state, set_rng_state
 from .status import Status, hint
+from .wrappers import respell
 
 __all__ = ["assert_trains"]
 
@@ -47,6 +48,7 @@ def assert_trains(
         raise TypeError(f"loss_fn must be callable as loss_fn(model, batch) or loss_fn(output, target); got "
                         f"{type(loss_fn).__name__}")
     pats = check_patterns(expect_frozen)
+    spelled = respell(model, pats)  # (written with a wrapper's prefix or without it)
 
     saved_model = ModuleState(model)
     saved_opt = [copy.deepcopy(o.state_dict()) for o in optimizers]
@@ -68,7 +70,7 @@ def assert_trains(
                 o.step()
             for (name, p), b in zip(entries, before):
                 state = status[name]
-                expected_frozen = matches(name, pats)
+                expected_frozen = matches(name, spelled)
                 if state is Status.FROZEN:
                     if pats is not None and not expected_frozen:
                         failures.append(f"{name}: FROZEN (requires_grad=False) but not in expect_frozen")

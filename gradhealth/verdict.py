@@ -97,7 +97,7 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
     if o.expect_frozen is not None:
         untrainable = m.view.cannot_train  # (an integer tensor, a framework's state: never frozen trouble)
         status = {n: s for n, s in report.status.items() if n not in untrainable} if untrainable else report.status
-        found += judges.expect_frozen(status, o.expect_frozen, step)
+        found += judges.expect_frozen(status, o.expect_frozen, step, m.view.spelled(o.expect_frozen))
     if m.view.meta_names:
         found += judges.meta_params(m.view.meta_names, step)
     if m._changes.lazy:

@@ -134,6 +134,7 @@ class TensorBoardSink:
         self._states: list[str] = []
         self._module_of: dict[str, str] = {}
         self._row: dict[str, int] = {}
+        self._frozen: tuple[list[str], list[int]] = ([], [])  # (frozen names, the column they make)
         self._expert_columns: list[tuple[dict, set]] = []  # recent checks: (expert norms, dead experts)
         self._expert_layers: dict[str, list[str]] = {}
         self._expert_step = 0
@@ -250,42 +251,76 @@ class TensorBoardSink:
 
     def _remember(self, report: Report) -> None:
         """One heatmap column: each module's gradient norm and its worst parameter state, as lists
-        aligned with ``self._modules`` (modules are only ever appended)."""
+        aligned with ``self._modules`` (modules are only ever appended). A parameter first judged at
+        a later check (another optimizer's turn under ``toggle_optimizer``, a layer added or
+        unfrozen) gets its module's row then: every judged name is looked up below (it has a
+        gradient norm, or a state other than OK), and a name not seen before is learnt at its miss."""
         self._checks += 1
+        if not self._module_of:
+            self._learn(report.status)  # (the rows in the model's order)
+        try:
+            column = self._column(report)
+        except KeyError:
+            self._learn(report.status)
+            column = self._column(report)
+        self._columns.append(column)
+        self._steps.append(report.step)
+        if len(self._columns) > self.heatmap_window:
+            self._columns.pop(0)
+            self._steps.pop(0)
+
+    def _column(self, report: Report) -> tuple[list[float], list[int]]:
         module_norms = report.module_grad_norm or None
         modules = self._module_of
-        if len(modules) != len(report.status):
-            for name in report.status:
-                if name not in modules:
-                    modules[name] = module_of(name)
-                    if modules[name] not in self._row:
-                        self._row[modules[name]] = len(self._row)
-                        self._modules.setdefault(modules[name])
         if module_norms is None:  # per-parameter tags: sum the squares here
             sq: dict[str, list[float]] = {}
             for name, v in report.grad_norm.items():
                 sq.setdefault(modules[name], []).append(v)
             module_norms = {m: combine_norms(vs) for m, vs in sq.items()}
         row = self._row
-        states = [CODES[Status.OK]] * len(row)
         if len(module_norms) == len(row) and list(module_norms) == list(row):  # every module, in row order:
             values = list(module_norms.values())                                 # no Python loop per module
         else:
+            for m in module_norms:  # (a module the checks before did not judge: its row now)
+                if m not in row:
+                    self._modules.setdefault(m)
+                    row[m] = len(row)
             values = [0.0] * len(row)
             for m, v in module_norms.items():
-                i = row.get(m)
-                if i is not None:
-                    values[i] = v
-        worst = WORST
-        for name, state in report._odd():  # only the parameters that are not OK
+                values[row[m]] = v
+        worst, code = WORST, list(Status)
+        if report.not_ok is not None:  # the frozen rows once per set of frozen names, not a walk at each check
+            states = self._frozen_rows(report.frozen_names or [])
+            odd = zip(report.not_ok, map(report.status.__getitem__, report.not_ok))
+        else:
+            states, odd = [CODES[Status.OK]] * len(row), report._odd()
+        for name, state in odd:  # only the parameters that are neither OK nor FROZEN (or all not OK)
             i = row[modules[name]]
-            if worst[state] > worst[list(Status)[states[i]]]:
+            if worst[state] > worst[code[states[i]]]:
                 states[i] = CODES[state]
-        self._columns.append((values, states))
-        self._steps.append(report.step)
-        if len(self._columns) > self.heatmap_window:
-            self._columns.pop(0)
-            self._steps.pop(0)
+        return values, states
+
+    def _learn(self, names) -> None:
+        """Each of ``names`` not seen before: its module, and the module's row when it is new."""
+        modules = self._module_of
+        for name in names:
+            if name not in modules:
+                modules[name] = module_of(name)
+                if modules[name] not in self._row:
+                    self._row[modules[name]] = len(self._row)
+                    self._modules.setdefault(modules[name])
+
+    def _frozen_rows(self, frozen: list[str]) -> list[int]:
+        """A column's states with the rows of ``frozen`` FROZEN and the others OK (a copy): worked
+        out again only when the frozen names or the rows change (one C-level comparison a check)."""
+        key, base = self._frozen
+        if len(base) != len(self._row) or key != frozen:
+            ok, cold, row, modules = CODES[Status.OK], CODES[Status.FROZEN], self._row, self._module_of
+            base = [ok] * len(row)
+            for name in frozen:
+                base[row[modules[name]]] = cold
+            self._frozen = (list(frozen), base)
+        return base.copy()
 
     def write_heatmap(self, step: int | None = None) -> None:
         """Write the gradient-flow image of the recent checks now."""

@@ -287,3 +287,101 @@ def test_a_state_in_the_text_tab_says_what_is_wrong_and_what_to_do(tmp_path):
 
     [item] = [i for i in summarize_run(read_run(tmp_path, text=True)) if i["kind"] == "NOT_IN_OPTIMIZER"]
     assert item["names"] == ["2.weight", "2.bias"]  # the report still reads the names apart from the words
+
+
+class TakingTurns(pl.LightningModule):
+    """Lightning's two-optimizer recipe (manual optimization, ``toggle_optimizer``) with a frozen
+    feature layer: each check judges the frozen layer and one optimizer's parameters, as many at
+    the generator's turn as at the discriminator's, under other names. ``unused``: a layer in the
+    generator's optimizer that its forward never calls (NO_GRAD at the generator's checks only)."""
+
+    def __init__(self, unused=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.unused = unused
+        self.features = nn.Linear(16, 4).requires_grad_(False)
+        self.layer_1 = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))  # the generator
+        self.layer_2 = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))  # the discriminator
+        self.spare = nn.Linear(4, 4)  # in the generator's optimizer; called unless ``unused``
+        self.d_losses = []
+
+    def generate(self, z):
+        out = self.layer_1(z)
+        return out if self.unused else out + 0.1 * self.spare(z)
+
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        x = self.features(batch[0])
+        z = torch.randn_like(x)
+        self.toggle_optimizer(opt_d)
+        d_loss = (nn.functional.softplus(-self.layer_2(x)).mean()
+                  + nn.functional.softplus(self.layer_2(self.generate(z).detach())).mean())
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+        self.toggle_optimizer(opt_g)
+        g_loss = nn.functional.softplus(-self.layer_2(self.generate(z))).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+        self.d_losses.append(d_loss.item())
+
+    def configure_optimizers(self):
+        return (torch.optim.Adam([*self.layer_1.parameters(), *self.spare.parameters()], 1e-3),
+                torch.optim.Adam(self.layer_2.parameters(), 1e-3))
+
+
+def _fit_taking_turns(tmp_path, unused, on_problem):
+    import glob
+    import warnings
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    keep, module = Keep(), TakingTurns(unused)
+    trainer = pl.Trainer(max_steps=12, accelerator="cpu", default_root_dir=str(tmp_path), log_every_n_steps=1,
+                         callbacks=[GradHealthCallback(on_problem=on_problem, sinks=[keep])], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, SyntheticData(n_batches=8))
+    internal = [str(w.message) for w in caught if issubclass(w.category, gh.GradHealthInternalWarning)]
+    [run] = {os.path.dirname(p) for p in glob.glob(os.path.join(tmp_path, "**", "events.out.*"), recursive=True)}
+    ea = EventAccumulator(run, size_guidance={"images": 0})  # (the logger's own run: lightning_logs/version_0)
+    ea.Reload()
+    return module, keep.reports, internal, read_run(tmp_path, text=True), ea
+
+
+def test_two_optimizers_taking_turns_under_the_default_logger_lose_no_report(tmp_path):
+    """Lightning's default TensorBoard logger, two optimizers taking turns with a frozen layer: the
+    checks of one optimizer judge as many parameters as the other's, under other names. No sink
+    error (under raise one stopped the fit); the gradient-flow picture is written; a problem seen
+    only at the generator's turn reaches the TEXT tab, in the event files read back."""
+    module, reports, internal, frame, ea = _fit_taking_turns(tmp_path / "healthy", unused=False, on_problem="raise")
+    turns = [set(r.status) for r in reports[:2]]
+    # the premise: each optimizer's check judges as many parameters as the other's, other names among them
+    assert len(turns[0]) == len(turns[1]) and turns[0] != turns[1]
+    assert {r.optimizer_index for r in reports} == {0, 1} and len(reports) == 12
+    assert all(r.ok for r in reports) and not internal
+    # the picture has a row for each module judged, the generator's too (its height says how many rows)
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from gradhealth.integrations.gradient_flow import flow_picture
+
+    [shot] = ea.Images("gradhealth/gradient_flow")
+    rows = ["features", "layer_1.0", "layer_1.2", "spare", "layer_2.0", "layer_2.2", "layer_2.4"]
+    expected = flow_picture(np.ones((len(rows), 12)), np.zeros((len(rows), 12), dtype=np.int64), rows, list(range(12)))
+    assert Image.open(io.BytesIO(shot.encoded_image_string)).size == (expected.shape[1], expected.shape[0])
+    assert {"gradhealth/grad_norm_preclip/layer_1.0", "gradhealth/grad_norm_preclip/layer_2.0"} <= set(frame["tag"])
+
+    module, reports, internal, frame, ea = _fit_taking_turns(tmp_path / "unused", unused=True, on_problem="warn")
+    assert all(r.status["spare.weight"] is gh.Status.NO_GRAD for r in reports if r.optimizer_index == 0)  # the premise
+    assert not internal, internal
+    texts = frame[frame["tag"] == "gradhealth/findings_text"]
+    assert any("spare.weight" in t and "NO_GRAD" in t for t in texts["text"]), list(texts["text"])
+    assert "gradhealth/gradient_flow" in ea.Tags()["images"]
