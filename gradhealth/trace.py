@@ -94,7 +94,18 @@ def _flags(tensors: list[Tensor]) -> list[bool]:
 
 
 class NonFiniteTracer:
-    """Hooks for one traced step; see the module docstring. Results are final after ``resolve()``."""
+    """Hooks for one traced step; see the module docstring. Results are final after ``resolve()``.
+
+    Attributes:
+        forward_origin: the qualified name of the first module whose output was non-finite, or None.
+        backward_origin: the deepest module inside which backward turned finite gradients
+            non-finite, or None.
+        backward_op: the autograd operation there (``DivBackward0``, ...), or None.
+        op_source: the forward source line of that operation (``file.py:12``), or None.
+        outside: (phase, operation, source line) of a NaN/inf born outside any module, or None.
+        input_nonfinite: the model's own input (the batch) held NaN/inf.
+        nonfinite_weights: the forward origin's own parameters that were already NaN/inf.
+    """
 
     def __init__(self, model: nn.Module):
         self.root = check_model(model)
@@ -130,7 +141,7 @@ class NonFiniteTracer:
 
     # ----------------------------------------------------------------- arming
     def arm(self, ops: bool = False) -> NonFiniteTracer:
-        """Install the hooks. ``ops=True`` also watches every operation (:mod:`.opwatch`) to name
+        """Install the hooks. ``ops=True`` also watches every operation (`gradhealth.opwatch`) to name
         the one where a NaN was born outside any module: only for a bounded block (it makes every
         operation pay a Python call until ``resolve`` or ``disarm``)."""
         if self._armed:
@@ -179,7 +190,7 @@ class NonFiniteTracer:
                 t._paused -= 1
 
     def pause(self) -> None:
-        """Stop recording until :meth:`resolve`, keeping what was recorded (its one step seen)."""
+        """Stop recording until [resolve][gradhealth.NonFiniteTracer.resolve], keeping what was recorded (its one step seen)."""
         self._paused += 1
         if self._ops is not None:
             self._ops._paused += 1
@@ -391,7 +402,7 @@ class NonFiniteTracer:
 
 @contextlib.contextmanager
 def trace_nonfinite(model: nn.Module):
-    """Arm a :class:`NonFiniteTracer` for the forward and backward run inside the block."""
+    """Arm a [NonFiniteTracer][gradhealth.NonFiniteTracer] for the forward and backward run inside the block."""
     tracer = NonFiniteTracer(model).arm(ops=True)
     try:
         yield tracer
