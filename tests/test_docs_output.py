@@ -102,3 +102,69 @@ def test_said_once_examples_are_what_a_head_left_out_for_200_steps_prints():
     assert len([s for s in said if "resolved" not in s]) == 3  # "warns 3 times in 300 steps, not 300"
     for q in quoted:
         assert any(shows(q, s) for s in said), f"shown: {q}\nsaid:\n" + "\n".join(s[:160] for s in said)
+
+
+# ------------------------------------------------- a block copied alone runs alone
+def unbound(code: str) -> set[str]:
+    """Names a block reads that it neither imports, defines nor assigns, and Python does not have."""
+    import ast
+    import builtins
+
+    tree = ast.parse(code)
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            bound.add(node.id)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound
+
+
+def test_each_readme_block_stands_alone():
+    """The README's blocks are copied one at a time (the fastai one failed alone: NameError: torch)."""
+    from test_docs import blocks
+
+    found = blocks("README.md")
+    assert len(found) >= 4 and any("fastai" in code for _, code, _ in found)  # the premise
+    assert unbound("x = torch.ones(1)\nimport os\nos.getcwd(y)") == {"torch", "y"}  # the check itself
+    wrong = {line: sorted(unbound(code)) for line, code, _ in found if unbound(code)}
+    assert not wrong, f"README blocks (by line) that use names they do not import or define: {wrong}"
+
+
+# ---------------------------------------------------------- the dashboards' tags
+def test_every_tag_a_run_writes_is_in_the_dashboards_table(tmp_path):
+    """dashboards.md said "tags follow the keys above" with no keys above: its table now, against
+    the tags a run with problems, update norms, valid counts, the step guard and a clip writes."""
+    from gradhealth.integrations.tensorboard import TensorBoardSink, read_run
+
+    text = read("docs/dashboards.md")
+    keys = {k for row in re.findall(r"^\| (`gradhealth/.*?) \|", text, re.M) for k in re.findall(r"`(gradhealth/[^`]+)`", row)}
+    pattern = re.compile("|".join(re.sub(r"<[^>]+>", ".+", re.escape(k)) for k in sorted(keys)))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)  # a head left out: findings and states
+    sink = TensorBoardSink(tmp_path, every_n=1)
+    with gh.GradHealth(model, optimizer, sinks=[sink], on_problem="ignore", update_every=1, skip_nonfinite=True) as monitor:
+        for step in range(4):
+            x = torch.randn(8, 4)
+            if step == 2:
+                x[0, 0] = float("nan")
+            monitor.track_valid(x[:, 0] > 0, "positive")
+            optimizer.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            monitor.check(loss=loss)
+            monitor.clip_grad_norm_(1.0)
+            optimizer.step()
+    tags = set(read_run(tmp_path, text=True).tag)
+    for expected in ("gradhealth/update_norm/total", "gradhealth/valid/positive", "gradhealth/skipped",
+                     "gradhealth/clip_coef", "gradhealth/findings_text", "gradhealth/status/NOT_IN_OPTIMIZER"):
+        assert expected in tags, (expected, sorted(tags))  # the premise: the run wrote each kind
+    missing = sorted(t for t in tags if not pattern.fullmatch(t))
+    assert not missing, f"tags the run wrote that dashboards.md does not list: {missing}"
