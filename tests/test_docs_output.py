@@ -195,3 +195,18 @@ def test_the_counted_costs_shown_are_what_the_bench_counts(shape):
             assert int(ops) == now["check"], (page, shape, variant, ops, now)
             assert float(reads) == round(now["reads"], 1), (page, shape, variant, reads, now)
             assert abs(float(kilo) * 1000 - now["py_mean"]) <= 0.15 * now["py_mean"], (page, shape, variant, kilo, now)
+
+
+def test_no_two_field_guide_entries_say_the_same():
+    """UNEXPECTED_FROZEN's and UNEXPECTED_TRAINABLE's entries were word for word the same."""
+    guide = read("docs/field-guide.md")
+    entries = {}
+    for part in re.split(r"^### ", guide, flags=re.M)[1:]:
+        heading, _, body = part.partition("\n")
+        if "**What it means**" in body:
+            entries[heading.strip()] = " ".join(body.split("\n### ")[0].split())
+    assert len(entries) >= 30  # the premise: the entries were found
+    seen = {}
+    for heading, body in entries.items():
+        assert body not in seen, f"{heading} and {seen.get(body)} say the same"
+        seen[body] = heading
