@@ -69,17 +69,6 @@ class GradHealth:
         scaler: a ``torch.amp.GradScaler``: norms unscaled, a step the scaler skips AMP_SKIPPED.
         ddp_model: the DistributedDataParallel wrapper, when it cannot be found from ``model``.
         options: an [Options][gradhealth.Options]; keyword options (``on_problem="raise"``, ...) on top.
-
-    Attributes:
-        last_report: the [Report][gradhealth.Report] of the latest check (None before the first):
-            what a loop, a callback or a test reads after training (``monitor.last_report.ok``).
-        parameter_names: the names it judges, the model's own (``named_parameters()`` of the
-            module you wrote, under any wrapper; tied parameters once).
-        history: the [NormHistory][gradhealth.NormHistory] behind EXPLODING_GRAD /
-            VANISHING_GRAD, or None with ``history=False``.
-        options: the [Options][gradhealth.Options] in force.
-        forward_record: what the monitor saw when the model's forward last ran (grad mode,
-            inference mode, training mode), or None.
     """
 
     def __init__(self, model: nn.Module, optimizer=None, *, scaler=None, ddp_model=None,

@@ -94,18 +94,7 @@ def _flags(tensors: list[Tensor]) -> list[bool]:
 
 
 class NonFiniteTracer:
-    """Hooks for one traced step; see the module docstring. Results are final after ``resolve()``.
-
-    Attributes:
-        forward_origin: the qualified name of the first module whose output was non-finite, or None.
-        backward_origin: the deepest module inside which backward turned finite gradients
-            non-finite, or None.
-        backward_op: the autograd operation there (``DivBackward0``, ...), or None.
-        op_source: the forward source line of that operation (``file.py:12``), or None.
-        outside: (phase, operation, source line) of a NaN/inf born outside any module, or None.
-        input_nonfinite: the model's own input (the batch) held NaN/inf.
-        nonfinite_weights: the forward origin's own parameters that were already NaN/inf.
-    """
+    """Hooks for one traced step; see the module docstring. Results are final after ``resolve()``."""
 
     def __init__(self, model: nn.Module):
         self.root = check_model(model)
