@@ -1,13 +1,15 @@
-# The two commands of the README, and the manual. Each installs what it needs first (scripts/ensure-deps).
+# The two commands of the README, and the manual. Each installs what it needs first, and only that
+# (scripts/ensure-deps demo|test|docs).
 PYTHON ?= python3
 export PYTHON
 
 .PHONY: demo test bench deps docs
 
 deps:
-	@./scripts/ensure-deps
+	@./scripts/ensure-deps test
 
-demo: deps
+demo:
+	@./scripts/ensure-deps demo
 	$(PYTHON) -m gradhealth demo
 
 test: deps
@@ -17,6 +19,7 @@ bench: deps
 	$(PYTHON) -m gradhealth bench
 
 # The manual (docs/, mkdocs.yml) built into site/; --strict: a broken link or a missing API reference fails.
-docs: deps
+docs:
+	@./scripts/ensure-deps docs
 	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
 	@echo "gradhealth: the manual is in site/index.html (or: $(PYTHON) -m mkdocs serve)"

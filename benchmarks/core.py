@@ -435,6 +435,11 @@ def bench_distributed(rounds: int) -> None:
     print(f"  DDP forward+backward {a * 1e3:.2f} ms; with the rank-origin comm hook {b * 1e3:.2f} ms ({100 * (b / a - 1):+.1f}%)")
 
 
+#: the sections of ``gradhealth bench --sections`` (all by default)
+SECTIONS = ("step", "small", "counts", "checks", "budget", "deltas", "experts", "many", "tracer", "distributed",
+            "lightning", "transformers", "tensorboard")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gradhealth bench", description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds per shape (median)")
@@ -448,16 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count-steps", type=int, default=9, help="the counts section: steps per variant (default 9, "
                                                                   "the first apart; 9 and up count the change test)")
     ap.add_argument("--sections", default="all",
-                    help="comma-separated: step,small,counts,checks,budget,deltas,experts,many,tracer,distributed,"
-                         "lightning,transformers,tensorboard (default: all)")
+                    help="comma-separated, from: " + ", ".join(SECTIONS) + " (default: all)")
     args = ap.parse_args(argv)
     print(f"gradhealth bench: torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}")
     chosen = list(SHAPES.items())
     if args.shapes != "all":
         chosen = [chosen[int(i)] for i in args.shapes.split(",")]
-    sections = ({"step", "small", "counts", "checks", "budget", "deltas", "experts", "many", "tracer", "distributed", "lightning", "transformers", "tensorboard"}
-                if args.sections == "all"
-                else set(args.sections.split(",")))
+    sections = set(SECTIONS) if args.sections == "all" else set(args.sections.split(","))
     if "step" in sections and args.device == "cpu":
         from gradhealth.benchmarks.whole_step import bench_whole_step
 

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: gradhealth COMMAND [options]
+USAGE = """usage: gradhealth COMMAND [options]      (gradhealth COMMAND --help: every option of one)
 
 commands:
   demo    Trainer.fit runs with planted bugs on synthetic data, and what gradhealth says
-          (--plain: the same in a plain PyTorch loop, without Lightning;
-          --transformers: a tiny BERT through Hugging Face Trainer)
-  bench   time a check against the naive per-parameter loop and a single fused norm pass
-  report  LOGDIR [--format text|csv|json]: what gradhealth saw in a run, from its TensorBoard logs
+            --plain          the same scenarios in a plain PyTorch loop, without Lightning
+            --transformers   a tiny BERT through Hugging Face Trainer
+            --only NAMES     comma-separated scenario names (default: all 12)
+            --steps N        optimizer steps per scenario
+            --logdir DIR     where the TensorBoard logs go (default: gradhealth_runs/demo)
+            --progress       show Lightning's progress bar (default: one line per scenario)
+  bench   the cost of a check against the naive per-parameter loop and a single fused norm pass
+            --sections NAMES comma-separated (default: all; counts: what a check costs in torch
+                             ops and Python instructions)
+  report  LOGDIR [--format text|csv|json] [--verbose]: what gradhealth saw in a run, from its
+          TensorBoard logs
 
 options:
   --version  print the version

@@ -13,7 +13,7 @@ LEVELS = ("info", "warning", "error")
 
 
 class FindingKind(str, enum.Enum):
-    """Every kind of finding (value == name, like :class:`gradhealth.Status`)."""
+    """Every kind of finding (value == name, like [Status][gradhealth.Status])."""
 
     NOT_UPDATED = "NOT_UPDATED"
     FROZEN_BUT_CHANGED = "FROZEN_BUT_CHANGED"
@@ -67,9 +67,17 @@ class Finding:
     """A problem that is not a parameter state (a stale gradient, a grad-mode mistake, ...).
 
     ``level`` is "info", "warning" (expected now and then) or "error" (``report.ok`` is False).
-    ``kind`` is a :class:`FindingKind` (a str: ``finding.kind == "STALE_GRAD"`` holds).
+    ``kind`` is a [FindingKind][gradhealth.FindingKind] (a str: ``finding.kind == "STALE_GRAD"`` holds).
     ``against``: what this run showed against the finding's usual cause; an error with it is said
-    as a warning that names what was seen (:func:`earned`).
+    as a warning that names what was seen (`gradhealth.findings.earned`).
+
+    Attributes:
+        kind: the [FindingKind][gradhealth.FindingKind] (its entry in the field guide).
+        message: what was seen and what to do, in the model's own parameter names.
+        params: the parameters (or experts, modules) it is about.
+        level: "info", "warning" or "error".
+        step: the step it is about.
+        data: numbers behind the message, by name (kind-specific).
     """
 
     kind: FindingKind

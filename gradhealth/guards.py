@@ -9,6 +9,7 @@ import operator
 import os
 import sys
 import types
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -113,13 +114,25 @@ def diagnose_loss(loss, model: nn.Module | None = None, forward: ForwardRecord |
         return "the loss does not require grad although the forward ran with grad enabled: " + _CUT_HINT + "."
     return (
         "the loss does not require grad. Either the forward ran under torch.no_grad() (an "
-        "evaluation helper or a no_grad block around the forward), or " + _CUT_HINT + "."
+        "evaluation helper or a no_grad block around the forward), or " + _CUT_HINT + ". (With a "
+        "gh.GradHealth monitor on the model, gh.check_loss(loss, model) tells which.)"
     )
 
 
+#: model -> the carry of the monitor that watches its forward (its ``forward`` record): what lets
+#: ``check_loss(loss, model)`` tell a no_grad forward from a cut graph
+_WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def check_loss(loss, model: nn.Module | None = None) -> None:
-    """Raise :class:`GradModeError` naming why ``loss`` cannot train ``model``; else return None."""
-    cause = diagnose_loss(loss, model)
+    """Raise `GradModeError` naming why `loss` cannot train `model`; else return None.
+
+    A loss that does not require grad after a `torch.no_grad()` forward looks like one whose graph
+    was cut (a `.detach()`): when a `gradhealth.GradHealth` monitor watches `model`, what it saw of
+    the forward names which; without one, both are named.
+    """
+    carry = _WATCHED.get(model) if model is not None else None
+    cause = diagnose_loss(loss, model, getattr(carry, "forward", None))
     if cause is not None:
         raise GradModeError(f"gradhealth: loss cannot produce gradients: {cause}")
 
@@ -261,6 +274,9 @@ class ForwardWatch:
     def __init__(self, model: nn.Module, module: nn.Module, carry, experts: bool = False):
         self.carry = carry
         self.root = module
+        self._models = (model, module)
+        for m in self._models:
+            _WATCHED[m] = carry  # (gh.check_loss(loss, model) reads the forward's record)
         self.experts = experts  # stacked experts were found: count the tokens the router sends them
         cfg = getattr(module, "config", None)
         self.top_k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "moe_topk", None)
@@ -392,6 +408,9 @@ class ForwardWatch:
     def remove(self) -> None:
         for h in [*self.handles, *(h for hooked in self._hooked for h in hooked.values())]:
             h.remove()
+        for m in self._models:
+            if _WATCHED.get(m) is self.carry:
+                del _WATCHED[m]
         self._hooked = [{} for _ in self._hooked]
 
 

@@ -41,7 +41,7 @@ def masked_mean(values: Tensor, mask: Tensor, *, dim=None, empty: str = "zero") 
     Args:
         dim: reduce over these dims (None: all).
         empty: what an empty selection gives: ``"zero"`` (0, zero gradient), ``"nan"`` (NaN in the
-            result, still zero gradient), or ``"raise"`` (:class:`EmptyValidSetError`; this one
+            result, still zero gradient), or ``"raise"`` ([EmptyValidSetError][gradhealth.EmptyValidSetError]; this one
             costs a host synchronisation to know).
     """
     if empty not in EMPTY_POLICIES:

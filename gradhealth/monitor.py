@@ -63,12 +63,12 @@ class GradHealth:
     """Classify every parameter after each backward pass and report what is wrong.
 
     Args:
-        model: the module being trained, under any wrappers (names are its own: :mod:`.wrappers`).
+        model: the module being trained, under any wrappers (names are its own: `gradhealth.wrappers`).
         optimizer: one optimizer, a list of them, or None (then NOT_IN_OPTIMIZER, deltas and
             STALE_GRAD are not available).
         scaler: a ``torch.amp.GradScaler``: norms unscaled, a step the scaler skips AMP_SKIPPED.
         ddp_model: the DistributedDataParallel wrapper, when it cannot be found from ``model``.
-        options: a :class:`gradhealth.Options`; keyword options (``on_problem="raise"``, ...) on top.
+        options: an [Options][gradhealth.Options]; keyword options (``on_problem="raise"``, ...) on top.
     """
 
     def __init__(self, model: nn.Module, optimizer=None, *, scaler=None, ddp_model=None,
@@ -112,8 +112,8 @@ class GradHealth:
     def check(self, loss: Tensor | None = None, *, step: int | None = None, optimizer=None) -> Report | None:
         """Classify every parameter now (call after ``loss.backward()``).
 
-        Returns the :class:`Report`, or None on a call that ``every_n_steps`` skips, inside DDP's
-        ``no_sync()`` or between an engine's accumulation boundaries (:mod:`.accumulation`). ``loss``, when
+        Returns the [Report][gradhealth.Report], or None on a call that ``every_n_steps`` skips, inside DDP's
+        ``no_sync()`` or between an engine's accumulation boundaries (`gradhealth.accumulation`). ``loss``, when
         given, is judged too (can it produce gradients? is it finite?) in the same transfer.
         ``step`` overrides the monitor's own count of calls (e.g. a trainer's global step).
         ``optimizer`` (one of the monitor's) judges only that optimizer's parameters: the check
@@ -125,8 +125,8 @@ class GradHealth:
         return report
 
     def measure(self, loss: Tensor | None = None, *, step: int | None = None, optimizer=None) -> Report | None:
-        """The first half of :meth:`check`: build the report, send it nowhere yet (for adapters
-        that add to it first); :meth:`publish` then sends it to the sinks and the policy."""
+        """The first half of [check][gradhealth.GradHealth.check]: build the report, send it nowhere yet (for adapters
+        that add to it first); [publish][gradhealth.GradHealth.publish] then sends it to the sinks and the policy."""
         if self._closed:
             warnings.warn("gradhealth: check() on a closed monitor does nothing", GradHealthInternalWarning, stacklevel=3)
             return None
@@ -170,11 +170,11 @@ class GradHealth:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None, *, parameters=None, unscale: bool = True) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` right after ``check()`` (of ``parameters``, default: every
-        parameter with a gradient) with the check's norms: the gradients are read once (:mod:`.clip`)."""
+        parameter with a gradient) with the check's norms: the gradients are read once (`gradhealth.clip`)."""
         return clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach, parameters, unscale)
 
     def publish(self, report: Report, stacklevel: int = 2) -> None:
-        """The second half of :meth:`check`: every sink gets the report, then the policy acts."""
+        """The second half of [check][gradhealth.GradHealth.check]: every sink gets the report, then the policy acts."""
         self.publisher.publish(report, stacklevel)
 
     def track_valid(self, mask: Tensor, name: str = "valid") -> None:
@@ -243,12 +243,12 @@ class GradHealth:
         return checked.save(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """All or nothing, every key checked (:mod:`.state`); a state from another model is refused;
+        """All or nothing, every key checked (`gradhealth.state`); a state from another model is refused;
         one from an older version loads what it has, and a warning names what starts fresh."""
         checked.load(self, state)
 
     def rearm_tracer(self, step: int) -> None:
-        """The NaN tracer a check armed before the checkpoint, for the step that follows (:func:`.replay.traced`)."""
+        """The NaN tracer a check armed before the checkpoint, for the step that follows (`gradhealth.replay.traced`)."""
         if self.options.trace_on_nonfinite and self.scaler is None and self.carry.tracer is None:
             from .trace import NonFiniteTracer
 

@@ -121,11 +121,11 @@ class Options:
     """How a monitor judges and reports; the keywords of ``GradHealth`` and of every callback.
 
     Args:
-        on_problem: "warn" (one :class:`GradHealthWarning` per check with problems), "raise"
-            (:class:`GradHealthError` after every sink got the report), or "ignore".
+        on_problem: "warn" (one [GradHealthWarning][gradhealth.GradHealthWarning] per check with problems), "raise"
+            ([GradHealthError][gradhealth.GradHealthError] after every sink got the report), or "ignore".
         every_n_steps: check only every n-th call of ``check()`` (others return None at once,
             and the optimizer step after them is not measured).
-        sinks: objects with ``write(report)`` (e.g. :class:`LoggingSink`, ``TensorBoardSink``);
+        sinks: objects with ``write(report)`` (e.g. [LoggingSink][gradhealth.LoggingSink], ``TensorBoardSink``);
             an optional ``write_update(report)`` receives a report again once its step's update
             norms are known.
         expect_frozen: name patterns (``fnmatch``, e.g. ``"encoder.*"``) of the parameters meant
@@ -142,7 +142,7 @@ class Options:
         change_every: with ``deltas="auto"``, test whether each parameter changed (exactly) on the
             step after every this many checks (and at every update measurement); a learning rate
             of 0 is seen at every step. 1: every step.
-        history: True (default baseline), False, or a :class:`NormHistory` to tune
+        history: True (default baseline), False, or a [NormHistory][gradhealth.NormHistory] to tune
             EXPLODING_GRAD / VANISHING_GRAD.
         amp_skip_alarm: with a grad scaler, AMP_SKIPPED is an error after this many skips in a row.
         amp_scale_floor: with a grad scaler, a scale below this is an error.
@@ -157,21 +157,29 @@ class Options:
         grad_patience: a NO_GRAD or ZERO_GRAD unit that has never had a usable gradient is an
             error once it has gone this many consecutive checks without one; a unit that had
             gradients before is judged against its own past rate (an error once its gap is below
-            1e-8 likely at that rate, and at least this long): see :mod:`gradhealth.patience`.
+            1e-8 likely at that rate, and at least this long): see `gradhealth.patience`.
             Tolerated gaps are reported at info level (LoRA's first step, LayerDrop, an expert
             that got no tokens, a branch used every other step).
         grad_sync: under ``torch.distributed``, where the replicated gradients are reduced:
             "auto" (default; a DDP wrapper, else inferred at the first check where every
             replicated gradient differs), "before_check" (DDP, or an all-reduce before check()),
             or "in_optimizer" (inside optimizer.step(), ZeRO-style: the replicas are compared on
-            their parameters after each step): see :mod:`gradhealth.replicas`.
+            their parameters after each step): see `gradhealth.replicas`.
         experts: stacked experts (one tensor holding a layer's experts, as transformers 5 MoE layers
             and grouped-GEMM codebases store them) are judged per expert. None (default): found
             from the model (a parameter of a module named ``experts`` whose leading dimension is
             its ``num_experts`` or the config's expert count); a name pattern, a list of them
             (stacked along dimension 0), or ``{pattern: dimension}`` declares others; False: off.
+        skip_nonfinite: the step guard: after a check with NaN/inf gradients, the next
+            ``optimizer.step()`` changes nothing (parameters, moments and step counts stay exactly
+            as they were), on every rank; each dropped step is a STEP_SKIPPED warning. Off by
+            default: dropping a step changes the training asked for.
+        skip_spikes: with a number k, the step guard also drops a step whose total gradient norm
+            is more than k robust deviations (1.4826 MAD) above the median of the run's norm
+            history (not with ``lag=1``); None: off.
+        skip_alarm: this many dropped steps in a row make STEP_SKIPPED an error.
         lag: 0 (default): ``check()`` reads its numbers at once (one device-to-host transfer) and
-            returns its own report. 1: deferred (:mod:`gradhealth.deferred`): ``check()`` never makes
+            returns its own report. 1: deferred (`gradhealth.deferred`): ``check()`` never makes
             the host wait for the device; it returns the previous check's report (None at the
             first), ``flush()``/``close()`` deliver the last, and ``on_problem="raise"`` raises one
             check later.

@@ -188,7 +188,27 @@ def _fmt(x: float | None) -> str:
 
 @dataclass
 class Report:
-    """What one check saw. Dicts are keyed by parameter name (``named_parameters()`` order)."""
+    """What one check saw. Dicts are keyed by parameter name (``named_parameters()`` order).
+
+    Attributes:
+        step: the check's step (counted by the monitor from 0, or the ``step=`` given to ``check``).
+        status: name -> [Status][gradhealth.Status], every parameter.
+        grad_norm: name -> L2 norm of its gradient, every parameter that has one (nan/inf when
+            non-finite; exact at the under- and overflow edges).
+        total_grad_norm: the L2 norm of every gradient together (pre-clip).
+        findings: the [Finding][gradhealth.Finding]s of this check (and, once its optimizer step
+            has run, of that step).
+        update_norm: name -> ||Δθ|| of this step's ``optimizer.step()``, once the step has run, at
+            the checks where update norms are measured (``update_every``); else empty.
+        update_ratio: name -> ||Δθ|| / ||θ||, with ``update_norm``.
+        module_grad_norm: module -> L2 norm of its own parameters' gradients.
+        valid_counts: name -> the count ``track_valid`` recorded for this step.
+        loss: the loss given to ``check(loss=...)``, as a float, or None.
+        tolerated: the NO_GRAD / ZERO_GRAD names the policy tolerates at this check as transient
+            (still in ``problems``, not in ``errors``).
+        skipped: "nonfinite" or "spike" when the step guard dropped this check's step, else None.
+        clip_coef: after ``monitor.clip_grad_norm_``, the factor it scaled the gradients by.
+    """
 
     step: int
     status: dict[str, Status]

@@ -22,7 +22,7 @@ class LoggingSink:
     """Logs each report to a ``logging`` logger: one summary line, then each finding.
 
     Healthy reports are logged at ``level`` (INFO by default), reports with problems at WARNING,
-    said once (:mod:`gradhealth.once`: when a problem starts or changes, as a reminder at its
+    said once (`gradhealth.once`: when a problem starts or changes, as a reminder at its
     10th, 100th, ... check in a row, and once at ``level`` when it is resolved); ``every_n`` keeps
     only every n-th healthy report.
     """

@@ -130,7 +130,7 @@ class NonFiniteTracer:
 
     # ----------------------------------------------------------------- arming
     def arm(self, ops: bool = False) -> NonFiniteTracer:
-        """Install the hooks. ``ops=True`` also watches every operation (:mod:`.opwatch`) to name
+        """Install the hooks. ``ops=True`` also watches every operation (`gradhealth.opwatch`) to name
         the one where a NaN was born outside any module: only for a bounded block (it makes every
         operation pay a Python call until ``resolve`` or ``disarm``)."""
         if self._armed:
@@ -179,7 +179,7 @@ class NonFiniteTracer:
                 t._paused -= 1
 
     def pause(self) -> None:
-        """Stop recording until :meth:`resolve`, keeping what was recorded (its one step seen)."""
+        """Stop recording until [resolve][gradhealth.NonFiniteTracer.resolve], keeping what was recorded (its one step seen)."""
         self._paused += 1
         if self._ops is not None:
             self._ops._paused += 1
@@ -391,7 +391,7 @@ class NonFiniteTracer:
 
 @contextlib.contextmanager
 def trace_nonfinite(model: nn.Module):
-    """Arm a :class:`NonFiniteTracer` for the forward and backward run inside the block."""
+    """Arm a [NonFiniteTracer][gradhealth.NonFiniteTracer] for the forward and backward run inside the block."""
     tracer = NonFiniteTracer(model).arm(ops=True)
     try:
         yield tracer

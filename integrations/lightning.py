@@ -137,15 +137,15 @@ def _share_clip(trainer: pl.Trainer, monitor: GradHealth):
 
 
 class GradHealthCallback(Callback):
-    """Runs a :class:`gradhealth.GradHealth` monitor inside ``Trainer.fit``.
+    """Runs a [GradHealth][gradhealth.GradHealth] monitor inside ``Trainer.fit``.
 
-    Takes the options of :class:`gradhealth.Options` as keywords (``on_problem``,
+    Takes the options of [Options][gradhealth.Options] as keywords (``on_problem``,
     ``every_n_steps``, ``sinks``, ``expect_frozen``, ``deltas``, ``history``, ...), plus:
 
     Args:
         log: log the metrics in the module docstring through the Trainer's loggers.
         replay_on_nonfinite: when a check finds NaN/inf gradients (automatic optimization), run
-            that batch again once with the NaN tracer armed (:func:`gradhealth.replay_nonfinite`),
+            that batch again once with the NaN tracer armed ([replay_nonfinite][gradhealth.replay_nonfinite]),
             so training goes on exactly as without the replay; the report gets a NONFINITE_ORIGIN
             finding saying where the NaN was born and whether it reproduced. Under
             ``accumulate_grad_batches=k`` the k batches of the step are replayed one by one until
@@ -157,6 +157,12 @@ class GradHealthCallback(Callback):
         check_loss: run the loss-side check before every backward.
         granularity: "module" (default) or "param": one metric key per module or per parameter.
         tensorboard: with a TensorBoardLogger, also write the dashboards into its run.
+
+    Attributes:
+        last_report: the [Report][gradhealth.Report] of the latest check (None before the first):
+            ``callback.last_report.ok`` after ``trainer.fit``.
+        monitor: the [GradHealth][gradhealth.GradHealth] monitor of the current fit (made at
+            ``on_train_start``), or None before.
     """
 
     def __init__(self, *, log: bool = True, replay_on_nonfinite: bool = True, check_loss: bool = True,

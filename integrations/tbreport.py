@@ -11,7 +11,7 @@ import textwrap
 
 from gradhealth.metrics import PREFIX
 from gradhealth.naming import plural
-from gradhealth.report import describe_groups, group_by_module
+from gradhealth.report import describe_groups, describe_names, group_by_module
 from gradhealth.status import Status
 
 from .tbread import NAMES, Run, events, read_run, safe, scan
@@ -27,6 +27,7 @@ _DETAIL = 300  # characters of a finding's text in the report (cut at a word)
 _TOTAL = re.compile(rf"{PREFIX}/grad_norm(_preclip)?/total(_opt\d+)?$")
 _NORM = re.compile(rf"{PREFIX}/grad_norm(_preclip)?/(.+)$")
 _STATUS = re.compile(rf"{PREFIX}/status/(NO_GRAD|NOT_IN_OPTIMIZER|ZERO_GRAD)(_opt\d+)?$")
+_WITH_GRAD = re.compile(rf"{PREFIX}/status/(OK|ZERO_GRAD|NON_FINITE_GRAD|NOT_IN_OPTIMIZER)(_opt\d+)?$")
 _TOLERATED = re.compile(rf"{PREFIX}/tolerated(_opt\d+)?$")
 _FINDING = re.compile(rf"{PREFIX}/findings/([A-Z_]+)$")
 _UPDATE = re.compile(rf"{PREFIX}/update_norm/(.+)$")
@@ -59,6 +60,9 @@ class Summary:
         self.stopped: tuple[int, str] | None = None
         self.dead: dict[str, list[int]] = {}  # dead expert -> [first step, steps]
         self.modules: set[str] = set()  # every module (or parameter) a norm was logged for
+        #: the norms are per parameter (the sink's granularity): as many norm tags at a step as
+        #: parameters with a gradient (its status counts); None until a step shows both
+        self.per_param: bool | None = None
         self.full = False  # csv, json: every text whole (the text view wraps instead)
 
     def add(self, step: int, tag: str, value: float, text: str | None) -> None:
@@ -101,7 +105,11 @@ class Summary:
         if bad_total and (self.nonfinite is None or step < self.nonfinite[0]):
             self.nonfinite = (step, self.first_nonfinite[1] if self.first_nonfinite[0] == step else sorted(
                 m.group(2) for t, v in values.items() if (m := _NORM.match(t)) and not _TOTAL.match(t) and not math.isfinite(v)))
-        self.modules.update(m.group(2) for t in values if (m := _NORM.match(t)) and not _TOTAL.match(t))
+        named = {m.group(2) for t in values if (m := _NORM.match(t)) and not _TOTAL.match(t)}
+        self.modules.update(named)
+        with_grad = sum(v for t, v in values.items() if _WITH_GRAD.match(t))
+        if named and with_grad:
+            self.per_param = (self.per_param is not False) and len(named) == with_grad
         for t, v in values.items():
             if (m := _STATUS.match(t)) and v > 0:
                 state = m.group(1)
@@ -142,7 +150,7 @@ class Summary:
             guarded = (f" (the step guard skipped that step; NaN/inf it no longer tolerated from step "
                        f"{self.nonfinite[0]})" if step < self.nonfinite[0] else "")
             detail = (f"first non-finite gradients at step {step} in "
-                      f"{_modules(where, verbose, universe=sorted(self.modules)) or 'the total norm'}{guarded}")
+                      f"{self._names_of(where, verbose, sorted(self.modules)) or 'the total norm'}{guarded}")
             out.append(self._item("NON_FINITE_GRAD", step, detail + (f"; origin: {clip(origin, _DETAIL)}" if origin else ""),
                                   where))
         for state in ("NO_GRAD", "NOT_IN_OPTIMIZER", "ZERO_GRAD"):
@@ -174,8 +182,14 @@ class Summary:
         never = sorted(m for m, (n, zero) in self.updates.items() if n >= 2 and zero)
         if never:
             out.append(self._item("NEVER_UPDATED", None, "never updated in any measured step: "
-                                  + _modules(never, verbose, universe=list(self.updates)), never))
+                                  + self._names_of(never, verbose, list(self.updates)), never))
         return out
+
+    def _names_of(self, names: list[str], verbose: bool, universe: list[str]) -> str:
+        """Names as the tags carry them, grouped: parameters (``0.* (2 params)``) or modules."""
+        if self.per_param:
+            return ", ".join(names) if verbose else describe_names({n: Status.OK for n in universe}, names)
+        return _modules(names, verbose, universe)
 
     def _names(self, state: str) -> tuple[str, list[str]] | None:
         """(``head.* (2 params)``, every name) from the problem text the sink wrote, if any."""

@@ -157,9 +157,9 @@ def _headline(metrics: dict[str, float]) -> dict[str, float]:
 
 
 class GradHealthCallback(TrainerCallback, ExportableState):
-    """Runs a :class:`gradhealth.GradHealth` monitor inside ``Trainer.train``.
+    """Runs a [GradHealth][gradhealth.GradHealth] monitor inside ``Trainer.train``.
 
-    Takes the options of :class:`gradhealth.Options` as keywords (``on_problem``,
+    Takes the options of [Options][gradhealth.Options] as keywords (``on_problem``,
     ``every_n_steps``, ``sinks``, ``expect_frozen``, ``deltas``, ``history``, ...); ``on_problem``
     also accepts "stop" (warn, then end training cleanly). Plus:
 
@@ -170,16 +170,22 @@ class GradHealthCallback(TrainerCallback, ExportableState):
             logged line stays short whatever the depth of the model; "module" or "param": one
             metric key per module or per parameter too.
         check_loss: when the model returns a loss that cannot produce gradients, raise
-            :class:`gradhealth.GradModeError` naming the cause instead of autograd's bare error.
+            [GradModeError][gradhealth.GradModeError] naming the cause instead of autograd's bare error.
         tensorboard: with ``report_to`` TensorBoard, also write the full detail into Trainer's
-            TensorBoard run (a :class:`gradhealth.integrations.tensorboard.TensorBoardSink` on its
+            TensorBoard run (a [TensorBoardSink][gradhealth.integrations.tensorboard.TensorBoardSink] on its
             writer: every per-module scalar, the dashboards, the findings as text, which name the
             parameters for ``gradhealth report``), on the main process.
         replay_on_nonfinite: replay the failing step's micro-batches under the NaN tracer (the
             module docstring). The callback keeps references to the inputs of the current step's
             ``gradient_accumulation_steps`` micro-batches (no copies; released at the next step)
             and their random states (a few KiB each). Each is replayed through Trainer's own
-            ``compute_loss`` (TRL's and custom ones too: :mod:`.hf_replay`).
+            ``compute_loss`` (TRL's and custom ones too: `gradhealth.integrations.hf_replay`).
+
+    Attributes:
+        last_report: the [Report][gradhealth.Report] of the latest check (None before the first):
+            ``callback.last_report.ok`` after ``trainer.train()``.
+        monitor: the [GradHealth][gradhealth.GradHealth] monitor of the current training run, or
+            None before it starts.
     """
 
     def __init__(self, *, log: bool = True, granularity: str = "total", check_loss: bool = True,

@@ -22,6 +22,18 @@ from conftest import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FENCE = re.compile(r"^( *)```python[^\n]*\n(.*?)^\1```", re.S | re.M)
 NOT_RUN = re.compile(r"<!-- not-run: (.+?) -->\s*$")
+#: ``print(e)   # gradhealth step 0: ... 2.* (2 params)``: what a page shows that line prints, checked
+#: as the page runs (``...`` stands for what the comment leaves out)
+SHOWN = re.compile(r"^(\s*)print\((\w+)\)\s+# (gradhealth step .*)$", re.M)
+_SHOWS = """
+def _shows(value, shown):
+    printed, at = " ".join(str(value).split()), 0
+    for part in (" ".join(p.split()) for p in shown.split("...")):
+        found = printed.find(part, at) if part else at
+        assert found >= 0, f"the page shows {shown!r}; the code prints {printed[:600]!r}"
+        at = found + len(part)
+    print(value)
+"""
 
 
 def pages() -> list[str]:
@@ -42,9 +54,10 @@ def blocks(page: str) -> list[tuple[int, str, str | None]]:
 
 
 def script(page: str) -> str:
-    parts = ["import torch\ntorch.set_num_threads(1)\n"]
+    parts = ["import torch\ntorch.set_num_threads(1)\n" + _SHOWS]
     for line, code, skip in blocks(page):
         if skip is None:
+            code = SHOWN.sub(lambda m: f"{m.group(1)}_shows({m.group(2)}, {m.group(3)!r})", code)
             parts.append(f"# ---- {page}, the block at line {line}\n{code}")
     return "\n".join(parts)
 

@@ -1,5 +1,7 @@
 """gh.check_loss: each cause named, in the order a person would look."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -39,9 +41,40 @@ def test_no_grad_named():
         loss = m(x).mean()
         with pytest.raises(gh.GradModeError, match=r"grad mode is disabled.*torch\.no_grad"):
             gh.check_loss(loss, m)
-    # after the block the cause cannot be told from a detach: both candidates are named
-    with pytest.raises(gh.GradModeError, match=r"torch\.no_grad\(\).*or the graph was cut"):
+    # after the block the loss alone cannot tell it from a detach: both candidates are named, and
+    # how to tell them apart
+    with pytest.raises(gh.GradModeError, match=r"torch\.no_grad\(\).*or the graph was cut.*monitor on the model"):
         gh.check_loss(loss, m)
+
+
+def _forward(m, x, how):
+    if how == "no_grad":
+        with torch.no_grad():
+            return m(x).mean()
+    return m(x).detach().mean()
+
+
+@pytest.mark.parametrize("how", ["no_grad", "detach"])
+def test_with_a_monitor_on_the_model_the_cause_is_named_not_both(how):
+    """A no_grad forward and a .detach() give the same loss (no grad, no grad_fn); what the
+    monitor saw of the forward tells them apart, after the no_grad block too."""
+    m, x = model_and_input()
+    named = {"no_grad": r"forward ran with grad mode disabled \(torch\.no_grad\(\)",
+             "detach": r"although the forward ran with grad enabled: the graph was cut.*\.detach\(\)"}
+    loss = _forward(m, x, how)
+    assert not loss.requires_grad and loss.grad_fn is None  # the premise: the two look alike
+    with pytest.raises(gh.GradModeError, match="Either"):  # (no monitor: both named)
+        gh.check_loss(loss, m)
+    with gh.GradHealth(m, torch.optim.SGD(m.parameters(), lr=0.1), on_problem="ignore"):
+        loss = _forward(m, x, how)
+        with pytest.raises(gh.GradModeError) as caught:
+            gh.check_loss(loss, m)
+        assert "Either" not in str(caught.value) and re.search(named[how], str(caught.value)), str(caught.value)
+        other = named["detach" if how == "no_grad" else "no_grad"]
+        assert not re.search(other, str(caught.value))
+        assert gh.check_loss(m(x).mean(), m) is None  # a healthy loss stays healthy
+    with pytest.raises(gh.GradModeError, match="Either"):  # closed: its record no longer stands for the model
+        gh.check_loss(_forward(m, x, how), m)
 
 
 def test_inference_mode_named():

@@ -385,3 +385,31 @@ def test_two_optimizers_taking_turns_under_the_default_logger_lose_no_report(tmp
     texts = frame[frame["tag"] == "gradhealth/findings_text"]
     assert any("spare.weight" in t and "NO_GRAD" in t for t in texts["text"]), list(texts["text"])
     assert "gradhealth/gradient_flow" in ea.Tags()["images"]
+
+
+@pytest.mark.parametrize("granularity", ["param", "module"])
+def test_the_report_counts_parameters_or_modules_as_the_tags_hold_them(tmp_path, granularity):
+    """6 parameters in 3 modules, every gradient NaN from step 2: per-parameter tags are counted as
+    parameters (the report said "in all 6 modules"), per-module tags as modules."""
+    from gradhealth.integrations.tbreport import summarize_run
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sink = TensorBoardSink(tmp_path, every_n=1, granularity=granularity)
+    with gh.GradHealth(model, opt, sinks=[sink], on_problem="ignore") as mon:
+        for step in range(4):
+            x = torch.randn(8, 4)
+            if step == 2:
+                x[0, 0] = math.nan
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            mon.check(loss=loss)
+            opt.step()
+    frame = read_run(tmp_path, text=True)
+    norms = {t.rsplit("/", 1)[1] for t in frame.tag if t.startswith("gradhealth/grad_norm/") and not t.endswith("/total")}
+    assert norms == ({n for n, _ in model.named_parameters()} if granularity == "param" else {"0", "2", "4"})  # the premise
+    [item] = [i for i in summarize_run(frame) if i["kind"] == "NON_FINITE_GRAD"]
+    words = "in all 6 parameters" if granularity == "param" else "in all 3 modules"
+    assert item["step"] == 2 and f"first non-finite gradients at step 2 {words}" in item["detail"], item["detail"]
