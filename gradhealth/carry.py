@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from . import judges
-from . import state as checked
 from .steps import StepStats
 from .stale import discarded, witnesses
 from .findings import Finding, FindingKind
@@ -32,6 +31,7 @@ from .history import NormHistory
 from .patience import Persistence
 from .report import Report
 from .status import Status
+from . import saved as checked
 
 __all__ = ["Carry", "Delivery"]
 

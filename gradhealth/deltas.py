@@ -50,6 +50,7 @@ from .stale import WITNESSES, StaleWatch
 from .host import host_to
 from .stats import joined, plan_groups
 from .steps import StepStats, found_inf, unarmed_skip, with_found_inf
+from . import saved as checked
 
 __all__ = ["UpdateTracker", "StepStats", "WITNESSES", "SAMPLE", "UPDATE_EVERY", "CHANGE_EVERY"]
 
@@ -423,8 +424,6 @@ class UpdateTracker:
 
     def load_state_dict(self, state: dict) -> dict:
         """Checked (:mod:`.state`) into what :meth:`restore` assigns, nothing assigned yet."""
-        from . import state as checked
-
         checked.exact(state, ("stepped", "total", "arms", "tests", "turn", "watched"), "state['steps']")
         opts = self.lrs.optimizers
         out = {"total": checked.count(state["total"], "state['steps']['total']")}

@@ -37,6 +37,7 @@ from collections import deque
 from .findings import Finding, FindingKind as K
 from .report import describe_names
 from .status import Status
+from . import saved as checked
 
 __all__ = ["LossFit", "WINDOW"]
 
@@ -83,8 +84,6 @@ class LossFit:
 
     def load_state_dict(self, state: dict) -> None:
         """Every key checked (:mod:`.state`), then loaded."""
-        from . import state as checked
-
         checked.exact(state, ("losses", "nothing", "first", "notes", "tied", "warned", "clip"), "state['fit']")
         losses = state["losses"]
         if not isinstance(losses, list) or len(losses) > WINDOW:

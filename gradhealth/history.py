@@ -212,7 +212,7 @@ class NormHistory:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """``state`` checked already (:func:`gradhealth.state.check_history`)."""
+        """``state`` checked already (`gradhealth.saved.check_history`)."""
         self.seen = int(state["seen"])
         self.total = deque((float(v) for v in state["total"]), maxlen=self.window)
         self._sorted = sorted(self.total)

@@ -31,6 +31,8 @@ import math
 
 from torch import Tensor
 
+from . import saved as checked
+
 __all__ = ["LrStory", "lr_of", "all_positive", "WARMUP"]
 
 #: steps at lr 0 from the first one that a warm-up may take before it rises (DeepSpeed's log
@@ -160,8 +162,6 @@ class LrStory:
 
     def load_state_dict(self, state: dict) -> None:
         """Every key checked (:mod:`.state`), then loaded."""
-        from . import state as checked
-
         checked.exact(state, ("groups", "zero", "rose"), "state['lrs']")
         n, ids = len(self.optimizers), [id(o) for o in self.optimizers]
         for key in state:

@@ -237,7 +237,7 @@ class GradHealth:
 
     def state_dict(self) -> dict:
         """Everything a later verdict rests on: the progress, the norm histories and every story the
-        checks keep (plain Python, for checkpoints; versioned: :mod:`.state`). The optimizer step
+        checks keep (plain Python, for checkpoints; versioned: `gradhealth.state`). The optimizer step
         taken since the last check is measured now (one transfer): its findings reach that check's
         report, and the next report, as they would have."""
         return checked.save(self)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import saved as checked
+
 __all__ = ["Once", "Said", "problems_of"]
 
 
@@ -100,8 +102,6 @@ class Once:
 
     def load_state_dict(self, state: dict, optimizers: int) -> None:
         """Every key checked (:mod:`.state`), then loaded."""
-        from . import state as checked
-
         checked.exact(state, ("open", "steps"), "state['once']")
         for name in state:
             if not isinstance(state[name], dict):

@@ -132,7 +132,7 @@ class Options:
             to be frozen. With it, a frozen parameter outside them, or a trainable one inside them,
             is an error finding (UNEXPECTED_FROZEN / UNEXPECTED_TRAINABLE). A pattern may be written
             with the prefix of a wrapper or holder of the model (``module.encoder.*``) or without it
-            (:func:`gradhealth.wrappers.respell`); so may those of ``experts``.
+            (`gradhealth.wrappers.respell`); so may those of ``experts``.
         deltas: "auto" (default): every step, whether each parameter changed (exact, from version
             counters and an exact comparison on the device), and every ``update_every`` checks the
             update norms ||Δθ|| from the optimizer's own rule (SGD, Adam, AdamW; others: exact

@@ -46,6 +46,7 @@ from .naming import module_of
 from .partners import frozen_partner, zero_partners
 from .status import Status
 from .underflow import Faint, underflow
+from . import saved as checked
 
 __all__ = ["Persistence", "Verdict", "persist", "predictive", "gap_limit", "family_of", "siblings_of", "zero_partners", "frozen_partner", "ALPHA", "CAP"]
 
@@ -259,8 +260,6 @@ class Persistence:
 
     def load_state_dict(self, state: dict, units: set[str] | None = None) -> None:
         """Every key checked (:mod:`.state`: exactly the keys :meth:`state_dict` writes), then loaded."""
-        from . import state as checked
-
         checked.exact(state, ("n", "units", "blank", "faint", "frozen", "thawed", "skipping", "partnered", "stuck",
                               "dropped", "reader"), "state['streaks']")
         for key in ("n", "units", "thawed"):  # (None is no mapping: refused, not read as an empty one)

@@ -31,6 +31,7 @@ from .naming import agree
 from .report import describe_names
 from .compare import versions_tell
 from .status import Status
+from . import saved as checked
 
 __all__ = ["PileUp", "PILE", "IDLE"]
 
@@ -165,8 +166,6 @@ class PileUp:
 
     def load_state_dict(self, state: dict, optimizers, names) -> None:
         """Every key checked (:mod:`.state`), then loaded."""
-        from . import state as checked
-
         checked.exact(state, ("streaks",), "state['pileup']")
         streaks = state["streaks"]
         if not isinstance(streaks, dict):

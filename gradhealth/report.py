@@ -208,6 +208,12 @@ class Report:
             (still in ``problems``, not in ``errors``).
         skipped: "nonfinite" or "spike" when the step guard dropped this check's step, else None.
         clip_coef: after ``monitor.clip_grad_norm_``, the factor it scaled the gradients by.
+        backward: False where an adapter saw that no backward ran since the last check (a Lightning
+            ``training_step`` that returned None), True where one did, None where nobody looked.
+
+    Methods besides the properties ``problems``, ``errors``, ``ok`` and ``grads_finite``:
+    ``findings_of(kind)`` (this check's findings of one kind), ``headline()``, ``summary_line()``,
+    ``counts()`` and ``to_frame()``.
     """
 
     step: int

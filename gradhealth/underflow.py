@@ -23,6 +23,7 @@ import torch
 from .findings import Finding, FindingKind
 from .naming import agree
 from .status import Status
+from . import saved as checked
 
 __all__ = ["underflow", "Faint", "FAINT", "tiny_of"]
 
@@ -92,8 +93,6 @@ class Faint:
                 "streak": self.streak}
 
     def load_state_dict(self, state: dict, units=None) -> None:
-        from . import state as checked
-
         checked.exact(state, ("last", "lead", "streak"), "state['streaks']['reader']")
         last = state["last"]
         if not isinstance(last, dict):

@@ -19,6 +19,7 @@ from .findings import Finding, FindingKind
 from .naming import agree, plural
 from .report import describe_names
 from .stale import WITNESSES, discarded, ends, witnesses
+from . import saved as checked
 
 __all__ = ["Unstepped"]
 
@@ -89,8 +90,6 @@ class Unstepped:
         """Every key checked (:mod:`.state`), then loaded. The gradients the last check saw are gone
         with the checkpoint: taken as thrown away where the optimizer's streak says the loop threw
         them away before, else as unknown (the streak neither grows nor ends at the next check)."""
-        from . import state as checked
-
         checked.exact(state, ("streak", "seen"), "state['unstepped']")
         for key in state:
             if not isinstance(state[key], dict):
