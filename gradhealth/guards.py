@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import operator
-import os
-import sys
-import types
 import weakref
 from dataclasses import dataclass
 
@@ -17,7 +13,9 @@ from torch import Tensor, nn
 
 from .errors import GradModeError
 from .hooks import guarded
-from .naming import ROOT, module_of
+from .checkpointing import _in_reentrant_checkpoint, checkpoint_cut, reentrant_checkpointing, uses_checkpointing
+from .modes import mode_matters, reads_training
+from .naming import ROOT
 
 __all__ = ["ForwardRecord", "ForwardWatch", "diagnose_loss", "check_loss", "uses_checkpointing", "reads_training",
            "mode_matters", "reentrant_checkpointing", "checkpoint_cut"]
@@ -139,64 +137,6 @@ def check_loss(loss, model: nn.Module | None = None) -> None:
 
 _NORMS = (nn.modules.batchnorm._BatchNorm,)
 _DROPOUT_OR_NORM = (nn.modules.dropout._DropoutNd, nn.AlphaDropout, *_NORMS)
-_MODULE_NAMES = frozenset(dir(nn.Module))
-
-
-def _code_reads(code: types.CodeType, cls: type, depth: int) -> bool:
-    if "training" in code.co_names:  # (self.training, read or written)
-        return True
-    if any(isinstance(c, types.CodeType) and _code_reads(c, cls, depth) for c in code.co_consts):
-        return True  # (a closure, a comprehension)
-    for name in code.co_names if depth else ():  # a method of its own class it calls (self._apply_instance_norm)
-        if name in _MODULE_NAMES:
-            continue
-        f = inspect.getattr_static(cls, name, None)
-        f = getattr(f, "__func__", f)
-        inner = getattr(inspect.unwrap(f), "__code__", None) if callable(f) else None
-        if inner is not None and inner is not code and _code_reads(inner, cls, depth - 1):
-            return True
-    return False
-
-
-@functools.lru_cache(maxsize=None)
-def reads_training(cls: type) -> bool:
-    """Does the forward of module class ``cls`` read ``training``: in its own code, a closure or
-    comprehension in it, or a method of its class it calls (two calls deep)? Decided from the code,
-    once per class: dropout, batch and instance norm, RNNs, attention and any user module that
-    branches on ``self.training`` do; Linear, convolutions, GroupNorm, LayerNorm, activations and
-    containers do not."""
-    try:
-        code = getattr(inspect.unwrap(cls.forward), "__code__", None)
-        return code is not None and _code_reads(code, cls, 2)
-    except Exception:  # (a forward we cannot read: taken as reading it)
-        return True
-
-
-def _rates(module: nn.Module) -> list[float]:
-    """The dropout rates ``module`` holds: a float attribute ``p`` or named ``*drop*`` (nn.Dropout's
-    ``p``, an RNN's or attention's ``dropout``), a child named ``*drop*``'s ``p``."""
-    rates = [v for k, v in vars(module).items() if isinstance(v, float) and (k == "p" or "drop" in k)]
-    for k, child in module._modules.items():
-        if child is not None and "drop" in k and isinstance(getattr(child, "p", None), float):
-            rates.append(child.p)
-    return rates
-
-
-def mode_matters(module: nn.Module) -> bool:
-    """Does ``module`` compute differently in eval() than in train()? Its forward reads ``training``
-    (:func:`reads_training`) and what the flag switches is on: running statistics it would use in
-    place of the batch's (a norm that tracks them), or a dropout rate above 0. A module that reads
-    the flag and holds neither statistics nor a rate (its own branch on ``self.training``) does."""
-    if not reads_training(type(module)):
-        return False
-    if getattr(module, "running_mean", None) is not None or getattr(module, "running_var", None) is not None:
-        return True
-    rates = _rates(module)
-    if hasattr(module, "track_running_stats"):  # a norm without running statistics: the batch's either way
-        return any(r > 0 for r in rates)
-    return any(r > 0 for r in rates) if rates else True
-
-
 def _first_grad_tensor(output) -> list[Tensor]:
     if isinstance(output, Tensor):
         return [output] if output.requires_grad else []
@@ -412,72 +352,3 @@ class ForwardWatch:
             if _WATCHED.get(m) is self.carry:
                 del _WATCHED[m]
         self._hooked = [{} for _ in self._hooked]
-
-
-_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
-
-
-def _in_reentrant_checkpoint() -> bool:
-    """Is a reentrant ``torch.utils.checkpoint`` forward (which runs its function under no_grad)
-    on the Python stack? Looked at only for a grad-disabled module inside a training model."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILE) and frame.f_code.co_name == "forward":
-            return True
-        frame = frame.f_back
-    return False
-
-
-def uses_checkpointing(module: nn.Module) -> bool:
-    """Does the model checkpoint its layers (Hugging Face's ``gradient_checkpointing`` flag, or
-    torch's checkpoint wrappers)?"""
-    return any(getattr(m, "gradient_checkpointing", False) is True or type(m).__name__ == "CheckpointWrapper"
-               for m in module.modules())
-
-
-def reentrant_checkpointing(module: nn.Module) -> bool:
-    """Is the model set to checkpoint its layers *reentrantly*: a Hugging Face
-    ``gradient_checkpointing`` flag whose checkpoint function says ``use_reentrant=True`` (or
-    leaves torch's default), or a torch checkpoint wrapper with the reentrant implementation? Only
-    that kind cuts a segment whose inputs do not require grad; ``use_reentrant=False`` cannot. A flag
-    whose function cannot be read is not taken for reentrant: the forwards say it then
-    (``carry.reentrant``, :class:`ForwardWatch`)."""
-    for m in module.modules():
-        impl = getattr(m, "checkpoint_impl", None)  # (torch's checkpoint_wrapper: REENTRANT / NO_REENTRANT)
-        if impl is not None and getattr(impl, "name", None) == "REENTRANT":
-            return True
-        if getattr(m, "gradient_checkpointing", False) is True and _reentrant(getattr(m, "_gradient_checkpointing_func", None)):
-            return True
-    return False
-
-
-def _reentrant(fn) -> bool:
-    """Does this checkpoint function (``functools.partial(checkpoint, use_reentrant=...)``, as
-    Hugging Face builds it) run reentrant checkpoints?"""
-    keywords: dict = {}
-    while isinstance(fn, functools.partial):
-        keywords = {**fn.keywords, **keywords}
-        fn = fn.func
-    if "use_reentrant" in keywords:
-        return bool(keywords["use_reentrant"])
-    from torch.utils.checkpoint import checkpoint
-
-    return fn is checkpoint  # (torch's default when it is not said: reentrant)
-
-
-def checkpoint_cut(no_grad: list[str], watch: ForwardWatch | None, gaps: dict, model: nn.Module) -> tuple[list[str], bool]:
-    """The NO_GRAD parameters a reentrant checkpoint may have cut, and whether the model is set to
-    checkpoint reentrantly. Seen, not assumed: those whose module (or a module above it) ran with
-    grad disabled inside a reentrant ``torch.utils.checkpoint`` during the forwards the watch
-    probed; a module that ran outside one, or not at all, was not cut (a pooler the loss does not
-    use, under any checkpointing). Only where the forwards were not looked at (a gap of one check,
-    no watch) does the model's setting (:func:`reentrant_checkpointing`) stand in for them."""
-    cut = watch.cut if watch is not None else ()
-    unseen = set(no_grad) if watch is None else {n for n in no_grad if gaps.get(n, 1) <= 1}
-    configured = bool(unseen) and reentrant_checkpointing(model)
-
-    def inside(name: str) -> bool:
-        mod = module_of(name)
-        return any(not o or o == ROOT or mod == o or mod.startswith(o + ".") for o in cut)
-
-    return [n for n in no_grad if (configured and n in unseen) or (cut and inside(n))], configured

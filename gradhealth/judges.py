@@ -16,6 +16,7 @@ from itertools import compress, repeat
 from . import stats
 from .findings import Finding, FindingKind
 from .guards import ForwardRecord
+from .modes import frozen_norms, norm_eval, norm_idioms  # noqa: F401 (judges of the eval-mode idioms)
 from .naming import on_ranks, agree, matches
 from .report import describe_names
 from .status import Status
@@ -96,43 +97,6 @@ def eval_mode(record: ForwardRecord | None, step: int, where: str = "") -> list[
     return [Finding(K.GRAD_MODE, f"{what}{where}: {shown}dropout is off and batch norm uses (and no longer updates) its "
                     "running statistics. Call model.train() after validation, before training resumes", step=step,
                     params=record.eval_modules, data={"readers": readers})]
-
-
-def frozen_norms(names: Collection[str], step: int) -> list[Finding]:
-    """FROZEN_NORM (info): normalisation layers run in eval() mode with frozen or no affine
-    parameters during training: the frozen-BatchNorm fine-tuning idiom, intended."""
-    if not names:
-        return []
-    shown = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return [Finding(K.FROZEN_NORM, f"{len(names)} normalisation layer{'s' if len(names) != 1 else ''} ({shown}) ran in "
-                    "eval() mode with frozen affine parameters during training: the frozen-BatchNorm idiom of "
-                    "fine-tuning, taken as intended (their running statistics stay fixed); not an eval-mode mistake",
-                    params=tuple(sorted(names)), level="info", step=step)]
-
-
-def norm_eval(names: Collection[str], step: int) -> list[Finding]:
-    """FROZEN_NORM (info): normalisation layers alone in eval() mode while the rest of the model
-    trains, their affine parameters still training: ``norm_eval`` (detection backbones) and QAT's
-    ``freeze_bn_stats``, intended."""
-    if not names:
-        return []
-    shown = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return [Finding(K.FROZEN_NORM, f"{len(names)} normalisation layer{'s' if len(names) != 1 else ''} ({shown}) ran in "
-                    "eval() mode while the rest of the model trained: the norm_eval / freeze_bn_stats idiom (running "
-                    "statistics kept fixed on purpose, the affine parameters still training), taken as intended; not "
-                    "an eval-mode mistake", params=tuple(sorted(names)), level="info", step=step)]
-
-
-def norm_idioms(carry, step: int) -> list[Finding]:
-    """FROZEN_NORM / the norm_eval info, each once, at the first check after such layers ran."""
-    found = []
-    if carry.frozen_norms and not carry.frozen_norms_said:
-        found += frozen_norms(carry.frozen_norms, step)
-        carry.frozen_norms_said = True
-    if carry.norm_eval and not carry.norm_eval_said:
-        found += norm_eval(carry.norm_eval, step)
-        carry.norm_eval_said = True
-    return found
 
 
 def checkpoint_no_grad(no_grad: Collection[str], checkpointing: bool, status: Mapping[str, Status],

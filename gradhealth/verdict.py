@@ -13,7 +13,8 @@ import operator
 from itertools import compress, filterfalse, repeat
 
 from . import crossrank, experts, judges
-from .guards import checkpoint_cut, output_maxima
+from .checkpointing import checkpoint_cut
+from .guards import output_maxima
 from .naming import module_of
 from .replay import traced
 from .report import frozen_summary
