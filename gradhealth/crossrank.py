@@ -337,9 +337,9 @@ def disagree_findings(across: Across, obs: Observation, names: list[str], status
     ranks = sorted({r for rs in differ.values() for r in rs})
     return [Finding(FindingKind.GRAD_DISAGREE, f"the replicas' gradients of {describe_names(status, differ)} differ between "
                     f"rank 0 and {on_ranks(ranks)} after the gradient reduction: the ranks are no longer training one "
-                    "model (DDP's hooks lost after the parameters were replaced or moved, a forward that bypassed the "
-                    "DDP wrapper, a communication hook or link that delivers part of a bucket wrong); the parameters "
-                    "will drift apart", params=tuple(differ), step=step,
+                    "model (a gradient left out of an all-reduce by hand, DDP's hooks lost after the parameters were "
+                    "replaced or moved, a forward around the DDP wrapper, a communication hook or link that delivers "
+                    "part of a bucket wrong); the parameters will drift apart", params=tuple(differ), step=step,
                     data={"ranks": differ, "norms": {names[i]: [row[k] for row in rows] for k, i in enumerate(idx)}})]
 
 
