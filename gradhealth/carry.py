@@ -31,6 +31,7 @@ from .history import NormHistory
 from .patience import Persistence
 from .report import Report
 from .status import Status
+from .window import Window
 from . import saved as checked
 
 __all__ = ["Carry", "Delivery"]
@@ -67,6 +68,7 @@ class Carry:
         self.norm_eval_said = False
         self.reentrant = False  # a module ran under a reentrant torch.utils.checkpoint
         self.valid: dict[str, Tensor] = {}
+        self.window = Window()  # the deferred checks of the accumulation window under way (:mod:`.window`)
         self.router: list[Tensor] | None = None  # tokens per expert of each MoE layer since the last check
         #: the model's outputs since the last check and the gradients that reached them, read only at a
         #: check with NaN/inf gradients (:func:`gradhealth.guards.output_maxima`)

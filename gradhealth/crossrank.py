@@ -32,7 +32,7 @@ __all__ = ["rank_layout", "pack_rank", "combine", "Across", "rank_findings", "di
 
 _PER_PARAM = ("sq", "has", "bad", "nz", "n1", "pre_bad", "pre_zero")
 _FLAGS = ("has_pre", "loss_sum", "loss_bad", "loss_n", "cause", "eval", "stale", "failed", "unsynced", "nosync_step",
-          "missed")
+          "missed", "local", "window")
 _COUNTS = ("checks1", "checks2", "steps1", "steps2")
 #: the lockstep counts in the collective (off only to time what they cost, like AGREEMENT)
 COUNTS = True
@@ -104,6 +104,7 @@ def pack_rank(obs: Observation, rank: int, world: int, pre=None, failed: bool = 
         cause=[b if obs.loss_cause else 0.0], eval=[b if obs.eval_record is not None else 0.0],
         stale=[b if obs.stale else 0.0], failed=[b if failed else 0.0], unsynced=[b if unsynced else 0.0],
         nosync_step=[b if nosync_step else 0.0], missed=[b if missed else 0.0],
+        local=[b if obs.local else 0.0], window=[b if getattr(obs.window, "notable", False) else 0.0],
     )
     if COUNTS:
         parts.update(checks1=[counts[0] * inv], checks2=[counts[0] ** 2 * inv], steps1=[counts[1] * inv],
@@ -166,6 +167,7 @@ class Across:
     comparable: int = 0  # replicated gradients held by every rank, finite everywhere, non-zero somewhere: the
     # evidence of whether a reduction ran (what ``disagree`` is out of)
     nosync_step_mask: float = 0.0  # ranks that stepped on gradients DDP did not reduce
+    window_mask: float = 0.0  # ranks with something to say about the accumulation window this check ends
     missed_mask: float = 0.0  # ranks whose check was joined from their optimizer step (no check() call)
     lockstep: bool = True  # every rank at the same check and optimizer step counts
     fp_disagree: list[int] | None = None  # positions whose replicated parameters differ across ranks
@@ -181,11 +183,11 @@ def combine(reduced: Tensor, lay: Layout, obs: Observation, world: int) -> Acros
     if across.failed > 0:
         return across
     sq, has, bad, nz = t["sq"], t["has"].tolist(), t["bad"], t["nz"]
-    across.nosync_step_mask, across.missed_mask = got["nosync_step"][0], got["missed"][0]
+    across.nosync_step_mask, across.missed_mask, across.window_mask = (got[k][0] for k in ("nosync_step", "missed", "window"))
     for c in ("checks", "steps") if COUNTS else ():  # the spread of the counts over the ranks: 0 when all agree
         across.lockstep = across.lockstep and got[f"{c}2"][0] - got[f"{c}1"][0] ** 2 <= 1e-9 * max(1.0, got[f"{c}2"][0])
     replicated = torch.tensor([i not in obs.sharded for i in obs.idx], dtype=torch.bool)
-    if "n1" in t and "pf2" not in t:  # replicated gradients held by every rank, finite everywhere: do they agree?
+    if "n1" in t and "pf2" not in t and not got["local"][0]:  # replicated, everywhere, finite: agree? (not in no_sync())
         spread = sq - t["n1"] * t["n1"]
         comparable = replicated & (bad == 0) & (t["has"] == world)
         across.disagree = (comparable & (spread > AGREE_TOL * sq)).nonzero().reshape(-1).tolist()
@@ -337,9 +339,9 @@ def disagree_findings(across: Across, obs: Observation, names: list[str], status
     ranks = sorted({r for rs in differ.values() for r in rs})
     return [Finding(FindingKind.GRAD_DISAGREE, f"the replicas' gradients of {describe_names(status, differ)} differ between "
                     f"rank 0 and {on_ranks(ranks)} after the gradient reduction: the ranks are no longer training one "
-                    "model (DDP's hooks lost after the parameters were replaced or moved, a forward that bypassed the "
-                    "DDP wrapper, a communication hook or link that delivers part of a bucket wrong); the parameters "
-                    "will drift apart", params=tuple(differ), step=step,
+                    "model (a gradient left out of an all-reduce by hand, DDP's hooks lost after the parameters were "
+                    "replaced or moved, a forward around the DDP wrapper, a communication hook or link that delivers "
+                    "part of a bucket wrong); the parameters will drift apart", params=tuple(differ), step=step,
                     data={"ranks": differ, "norms": {names[i]: [row[k] for row in rows] for k, i in enumerate(idx)}})]
 
 
@@ -357,10 +359,11 @@ def replica_findings(across: Across, obs: Observation, names: list[str], status,
     if across.nosync_step_mask > 0:
         ranks = dist.ranks_of(across.nosync_step_mask, across.world)
         found.append(Finding(FindingKind.DDP_NOT_SYNCED, f"optimizer.step() ran on {on_ranks(ranks) if ranks else 'some ranks'} "
-                             "on gradients DistributedDataParallel did not reduce (require_backward_grad_sync was False, or "
-                             "the step ran inside no_sync()): that rank stepped on its own gradients and its replica drifts. "
-                             "Set require_backward_grad_sync = True for the last micro-step (nanoGPT: micro_step == "
-                             "gradient_accumulation_steps - 1) on every rank", step=step, data={"ranks": ranks}))
+                             "on gradients DistributedDataParallel did not reduce: the last training forward before it ran "
+                             "inside no_sync() (or with require_backward_grad_sync False). Run the last micro-step of each "
+                             "window outside no_sync() (nanoGPT: require_backward_grad_sync = micro_step == "
+                             "gradient_accumulation_steps - 1) on every rank", step=step,
+                             data={"ranks": ranks, "cause": "step_on_local_gradients"}))
     pending = replicas.take_pending()  # (a guess verified inside the step it concerns)
     if replicas.compare_grads and across.disagree:
         across.disagree, said = replicas.judge_disagreement(across.disagree, across.comparable, step,

@@ -147,6 +147,19 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _first_grad_tensor(output, depth: int = 3):
+    """The first tensor that requires grad in a module's output (a tensor, or one in a tuple, list or
+    mapping, a few levels deep), else None."""
+    if isinstance(output, Tensor):
+        return output if output.requires_grad else None
+    if depth and isinstance(output, (tuple, list, dict)):
+        for item in output.values() if isinstance(output, dict) else output:
+            got = _first_grad_tensor(item, depth - 1)
+            if got is not None:
+                return got
+    return None
+
+
 class RankOrigin:
     """A DDP communication hook that notes each parameter's local gradient norm before the
     all-reduce (one fused norm per bucket, no sync), then runs DDP's default all-reduce.
@@ -163,16 +176,28 @@ class RankOrigin:
         self.said: set = set()
         ddp_model.register_comm_hook(self, RankOrigin._hook)
         self.ran = False  # the hook ran since the last check
-        self.forwards = 0  # training forwards of the wrapped module since the last check
+        #: backwards since the last check through a training forward of the wrapped module that DDP
+        #: was to reduce (a forward whose output holds no tensor to hook: counted at the forward)
+        self.forwards = 0
+        self._ddp = ddp_model
         self._handle = ddp_model.module.register_forward_hook(guarded(self._forward, "DDP forward hook"))
+        self._backward = guarded(self._backward_ran, "DDP output hook")
 
     def _forward(self, module, args, output) -> None:
-        if torch.is_grad_enabled() and module.training:
-            self.forwards += 1
+        if torch.is_grad_enabled() and module.training and self._ddp.require_backward_grad_sync:
+            out = _first_grad_tensor(output)
+            if out is None:
+                self.forwards += 1
+            else:  # (counted when a backward goes through it: a forward without one reduces nothing, e.g.
+                out.register_hook(self._backward)  # Lightning's SWA recomputing batch-norm statistics)
+
+    def _backward_ran(self, grad) -> None:
+        self.forwards += 1
 
     def unsynced(self) -> bool:
-        """A training forward ran since the last check and no backward went through DDP's
-        communication (its hooks lost, or the forward bypassed the wrapper); counts restart."""
+        """A backward went through a training forward DDP was to reduce since the last check, and
+        DDP's communication never ran (its hooks lost, or the forward bypassed the wrapper); counts
+        restart."""
         out = self.forwards > 0 and not self.ran
         self.forwards, self.ran = 0, False
         return out
@@ -233,8 +258,15 @@ class Ranks:
     The DDP wrapper is the one passed, one in the chain of wrappers the monitor was given, or one
     that refers to the user's module (:func:`.wrappers.ddp_of`); a monitor made before the wrapper
     exists (``fabric.setup`` after it) looks again at the model's first training forward, which runs
-    inside the wrapper. That forward hook also notes whether DDP reduces the coming backward: a
-    check after ``no_sync()`` (Fabric's ``no_backward_sync``) has ended still sees local gradients."""
+    inside the wrapper. That forward hook also notes whether DDP reduces the coming backward (DDP
+    decides it there, from ``require_backward_grad_sync``): a check after ``no_sync()`` (Fabric's
+    ``no_backward_sync``) has ended still sees local gradients.
+
+    Whether an optimizer step ran on gradients DDP did not reduce is read after the step, from the
+    last training forward before it: a step that takes a closure (Lightning's, LBFGS) runs its
+    forward and backward inside ``step()``, after the step's pre-hooks, so only then is it known
+    what the step consumed (Lightning runs the first micro-batches of a window under ``no_sync()``
+    and the last one, inside ``step()``, reduced)."""
 
     def __init__(self, model, ddp_model=None, rank_origin: bool = True, optimizers=()):
         from torch import nn
@@ -250,6 +282,7 @@ class Ranks:
         if ddp_model is not None and not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
             raise TypeError(f"ddp_model must be a torch.nn.parallel.DistributedDataParallel; got {type(ddp_model).__name__}")
         self.nosync_step = False  # an optimizer step ran on gradients DDP did not reduce
+        self.synced_step = False  # an optimizer step ran on gradients DDP reduced (the loop synchronises)
         self.forward_synced = True  # DDP reduces the backward of the last training forward
         self._optimizers, self._rank_origin = list(optimizers), rank_origin
         self._step_hooks: list = []
@@ -292,27 +325,44 @@ class Ranks:
                               GradHealthInternalWarning, stacklevel=4)
 
     def watch_steps(self, optimizers) -> None:
-        """Note an optimizer step taken on gradients DDP did not reduce (inside no_sync, with
-        require_backward_grad_sync False, or after a backward that ran so)."""
+        """Note an optimizer step taken on gradients DDP did not reduce: the backward of the last
+        training forward before the step's end ran without DDP's reduction (that forward ran inside
+        ``no_sync()`` or with ``require_backward_grad_sync`` False). Read after the step, so a
+        closure's forward counts; whether ``no_sync()`` is still open around the step itself does
+        not matter (the gradients were reduced at their backward, or not)."""
         if self.ddp is None or not self.active:
             return
-        ddp = self.ddp
 
-        def before(opt, args, kwargs) -> None:
-            if not ddp.require_backward_grad_sync or not self.forward_synced:
+        def after(opt, args, kwargs) -> None:
+            if self.forward_synced:
+                self.synced_step = True
+            else:
                 self.nosync_step = True
 
-        self._step_hooks = [opt.register_step_pre_hook(guarded(before, "DDP step pre-hook")) for opt in optimizers]
+        self._step_hooks = [opt.register_step_post_hook(guarded(after, "DDP step post-hook")) for opt in optimizers]
 
     def take_nosync_step(self) -> bool:
         out, self.nosync_step = self.nosync_step, False
         return out
+
+    def never_synced(self) -> bool:
+        """The loop stepped on gradients DDP did not reduce, and no step so far on reduced ones: a
+        check inside ``no_sync()`` now waits for a synchronising micro-step the loop does not have
+        (its last micro-step is under ``no_sync()`` too), so it is made at once. Every rank running
+        that loop decides so at the same call (a loop that synchronises on some ranks only already
+        stalls DDP's own all-reduce on the others)."""
+        return self.nosync_step and not self.synced_step
 
     def in_no_sync(self) -> bool:
         """The gradients are local and partial: inside DDP's ``no_sync()``, or after a backward that
         ran so (the check after Fabric's ``no_backward_sync`` block); the synchronising step is
         checked."""
         return self.ddp is not None and not (self.ddp.require_backward_grad_sync and self.forward_synced)
+
+    def defers(self) -> bool:
+        """A check now waits for the one that ends the window: inside ``no_sync()`` (unless the loop
+        never synchronises: :meth:`never_synced`), or between an engine's accumulation boundaries."""
+        return (self.in_no_sync() and not self.never_synced()) or self.between_boundaries()
 
     def between_boundaries(self) -> bool:
         """The last backward is a part of an engine's accumulation window (:mod:`.accumulation`)."""

@@ -130,8 +130,8 @@ class GradHealth:
         if self._closed:
             warnings.warn("gradhealth: check() on a closed monitor does nothing", GradHealthInternalWarning, stacklevel=3)
             return None
-        if self.ranks.in_no_sync() or self.ranks.between_boundaries():  # (partial gradients: the boundary judges them)
-            return None
+        if self.ranks.defers():  # (partial gradients: the window's end judges them, with what this call saw; None)
+            return self.carry.window.add(loss, self.carry.take_valid())
         if self._changes.stale(self.last_report, self.view):  # (a deferred check in flight is judged with the parameters it was launched with)
             self._deferred is None or self._deferred.settle()
             self._refresh()
@@ -295,6 +295,7 @@ class GradHealth:
         s = self.carry.calls if step is None else step
         self.carry.calls += 1
         if s % self.options.every_n_steps:
+            self.carry.window.take()  # (a window ends here, unjudged: the next starts afresh)
             if self.tracker is not None:
                 self.tracker.disarm()  # the step after a skipped call is not measured
             return None
@@ -375,10 +376,10 @@ class GradHealth:
                 self.masters.checked(self._after_step)
             obs, self._plan = observe(self.view, sel, loss, valid, updates, self.scaler, self._plan, self.ranks.active,
                                       self.ranks.all_sharded, carry.take_router(), judged if self._after_step else (),
-                                      captured, deferred)
+                                      captured, deferred, carry.window.take())  # (the window's deferred checks)
             obs.loss_cause = diagnose_loss(loss, self.model, carry.forward) if loss is not None else None
             obs.eval_record = carry.take_eval_backward()
-            obs.stale = stale
+            obs.stale, obs.local = stale, self.ranks.in_no_sync()  # (local: a check inside no_sync() made at once)
             self._failed = None
         except Exception as exc:
             if not self.ranks.active:

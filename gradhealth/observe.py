@@ -25,6 +25,7 @@ from .gradients import grad_of, grads_of, is_fragment
 from .guards import ForwardRecord
 from .layout import Layout
 from .params import ParamView, Selection
+from .window import Seen, Window
 
 __all__ = ["Observation", "Pending", "observe", "unscaled_params"]
 
@@ -56,6 +57,10 @@ class Observation:
     ex_parts: dict[int, list[float]] = field(default_factory=dict)
     slices: dict[int, list[float]] = field(default_factory=dict)  # stacked experts: entry -> slice norms
     router: list[list[float]] | None = None  # tokens routed to each expert, per MoE layer
+    #: the accumulation window this check ends, as its deferred checks saw it (:mod:`.window`); None
+    #: when no check was deferred before it
+    window: Seen | None = None
+    local: bool = False  # the gradients are known to be this rank's own (a check made inside DDP's no_sync())
 
     with_grad: list[int] = field(default_factory=list)  # judged entries with a gradient, in order
     norms: list[float] = field(default_factory=list)  # their norms, aligned with ``with_grad``
@@ -84,10 +89,11 @@ def unscaled_params(scaler, optimizers, consumed=()) -> set[int]:
 
 def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], updates: list[StepStats], scaler,
             plan, distributed: bool = False, all_sharded: bool = False, router=None,
-            consumed=(), captured=None, deferred: bool = False) -> tuple[Observation, object]:
+            consumed=(), captured=None, deferred: bool = False, window: Window | None = None) -> tuple[Observation, object]:
     """Norms of the selection's gradients and the extras, read back in one transfer (``consumed``:
     :func:`unscaled_params`; ``captured``: norms of gradients a step inside backward freed, by
-    parameter id, judged as this backward's).
+    parameter id, judged as this backward's; ``window``: the deferred checks' losses and counts of
+    the accumulation window this check ends, read in the same transfer).
 
     Returns the observation and the grouping plan to pass back next time; ``deferred``: a
     :class:`Pending` in its place, whose numbers are read later.
@@ -131,6 +137,11 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         lay.put("loss", loss_t, 1)
     for j, name in enumerate(valid):
         lay.put(f"valid{j}", valid[name], 1)
+    if window is not None:  # (the window's micro-batches: their losses and counts as they are, no op)
+        w_losses, w_counts = window.parts(valid)
+        lay.put("wloss", w_losses, len(w_losses))
+        for j, name in enumerate(w_counts):
+            lay.put(f"wcount{j}", w_counts[name], len(w_counts[name]))
     for j, u in enumerate(updates):
         lay.put(f"update{j}", u.packed, u.size)  # (a tensor, or several)
     if scale_t is not None:
@@ -204,6 +215,10 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
                           valid={name: int(got[f"valid{j}"][0]) for j, name in enumerate(valid)},
                           updates=updates, scale=scale, sharded=sharded, with_grad=with_grad, norms=norms, slices=slices,
                           holders=holders, pieces=pieces, ex_parts=ex_parts)
+        if window is not None:  # the window's counts are its micro-batches' sums
+            obs.window = window.seen(list(got["wloss"]), {name: list(got[f"wcount{j}"]) for j, name in enumerate(w_counts)},
+                                     valid)
+            obs.valid = dict(obs.window.sums)
         if router:
             flat_r, obs.router, pos = got["router"], [], 0
             for c in router:
@@ -220,17 +235,17 @@ class Pending:
     """An observation whose numbers are on their way to the host (:mod:`.deferred`). (A plain
     class: made at every deferred check, it costs the host no more than it holds.)"""
 
-    __slots__ = ("launched", "finish", "with_grad", "asked", "loss_cause", "eval_record", "stale")
+    __slots__ = ("launched", "finish", "with_grad", "asked", "loss_cause", "eval_record", "stale", "local")
 
     def __init__(self, launched: stats.Launched, finish, with_grad: list[int], asked: tuple):
         self.launched, self.finish = launched, finish  # (finish: (norms, extras) -> Observation)
         self.with_grad = with_grad  # the judged entries with a gradient
         self.asked = asked  # (valid masks, measured steps): what a failed completion still joins the ranks with
-        # (``loss_cause``, ``eval_record``, ``stale``: what the rank saw besides numbers, set at launch)
+        # (``loss_cause``, ``eval_record``, ``stale``, ``local``: what the rank saw besides numbers, set at launch)
 
     def complete(self, values: list[float]) -> Observation:
         obs = self.finish(*self.launched.resolve(values))
-        obs.loss_cause, obs.eval_record, obs.stale = self.loss_cause, self.eval_record, self.stale
+        obs.loss_cause, obs.eval_record, obs.stale, obs.local = self.loss_cause, self.eval_record, self.stale, self.local
         return obs
 
 

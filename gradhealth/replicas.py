@@ -19,6 +19,11 @@ ranks at the same check.
   (zero gradients, e.g. behind nanochat's zero-initialised projections, are no evidence). A loop
   that reduced most gradients by hand and missed some keeps ``GRAD_DISAGREE`` naming exactly
   those; a wrong guess is a replica that steps on its own gradients: ``DESYNC`` at the next check.
+  No guess is made for an optimizer whose step cannot reduce: torch's own (``torch.optim``: their
+  ``step()`` calls no collective), so gradients of its groups that differ at the check are a
+  reduction that missed them, ``GRAD_DISAGREE`` at that check (modded-nanogpt's Adam, whose
+  gradients the loop all-reduces by hand: one left out differs at check 0, where its other groups'
+  gradients may all be zero and say nothing).
 
 Whether the ranks are at the same check (the lockstep counts, a rank that skipped ``check()``) is
 :mod:`gradhealth.lockstep`.
@@ -31,7 +36,7 @@ import torch
 from .distributed import to_local
 from .findings import Finding, FindingKind
 
-__all__ = ["Replicas", "GRAD_SYNC", "SAMPLE", "BLOCK", "WHOLE", "group_members", "verify_step"]
+__all__ = ["Replicas", "GRAD_SYNC", "SAMPLE", "BLOCK", "WHOLE", "group_members", "verify_step", "may_reduce"]
 
 GRAD_SYNC = ("auto", "before_check", "in_optimizer")
 #: elements per parameter in its fingerprint: the whole of a tensor up to WHOLE elements, else a
@@ -49,8 +54,8 @@ class Replicas:
         self._views: list | None = None
         self._key: tuple | None = None
         self._n = 0
-        #: () -> [(id of an optimizer, the entry indices of one of its param groups)] (set by the
-        #: monitor): the reduction is inferred per param group
+        #: () -> [(id of an optimizer, the entry indices of one of its param groups, whether its step
+        #: may reduce)] (set by the monitor): the reduction is inferred per param group
         self.members = None
         #: optimizers whose step is to be verified once, right after it runs (the guess it concerns)
         self.verify: set[int] = set()
@@ -127,11 +132,11 @@ class Replicas:
         inside its step, positions left to a reduction before the check that missed them)."""
         groups = self.members() if self.members is not None else []
         inside, fault, seen = [], [], set()
-        for _, members in groups:
+        for _, members, reduces in groups:
             d = [j for j in disagree if idx[j] in members]
             e = sum(1 for j in comparable_at if idx[j] in members)
             seen.update(d)
-            (inside if d and 2 * len(d) > e else fault).append(d)
+            (inside if d and reduces and 2 * len(d) > e else fault).append(d)
         fault = [j for d in fault for j in d] + [j for j in disagree if j not in seen]
         return [j for d in inside for j in d], sorted(fault), sum(1 for d in inside if d)
 
@@ -147,7 +152,10 @@ class Replicas:
         and the parameters are compared after every step from then on (``DESYNC``)."""
         if self.mode != "auto" or self.ddp_known or not disagree:
             return disagree, []
-        several = self.members is not None and comparable_at is not None and len(self.members()) > 1
+        groups = self.members() if self.members is not None else None
+        if groups and not any(reduces for *_, reduces in groups):  # (torch's own optimizers: no reduction to come)
+            return disagree, []
+        several = groups is not None and comparable_at is not None and len(groups) > 1
         if several:
             inside, fault, count = self._per_optimizer(disagree, comparable_at, idx)
             if not inside:
@@ -157,7 +165,7 @@ class Replicas:
         else:
             fault, count = [], 1
         self.in_optimizer = True
-        self.verify = {key for key, _ in self.members()} if self.members is not None else set()
+        self.verify = {key for key, _, reduces in groups if reduces} if groups is not None else set()
         if self._said:
             return fault, []
         self._said = True
@@ -170,18 +178,31 @@ class Replicas:
             data={"differ": len(disagree), "evidence": evidence})]
 
 
-def group_members(pids: list[int], optimizers) -> list[tuple[int, set[int]]]:
-    """(id of an optimizer, the entries of one of its param groups), a pair per param group: where
-    the replicas are reduced is inferred per group (one optimizer may reduce a group inside its
-    step and leave another to a reduction by hand before it)."""
+def may_reduce(opt) -> bool:
+    """Can ``opt.step()`` reduce the gradients across the ranks? Not where its step is torch's own
+    (a function of ``torch.optim``, under any wrapping of it, a subclass that keeps it included): those
+    read the gradients they are given and call no collective. Any other step may (DistAdam, Muon's
+    distributed versions, ZeRO's)."""
+    step = getattr(type(opt), "step", None)
+    while hasattr(step, "__wrapped__"):
+        step = step.__wrapped__
+    module = getattr(step, "__module__", None) or ""
+    return not (module == "torch.optim" or module.startswith("torch.optim."))
+
+
+def group_members(pids: list[int], optimizers) -> list[tuple[int, set[int], bool]]:
+    """(id of an optimizer, the entries of one of its param groups, whether its step may reduce:
+    :func:`may_reduce`), per param group: where the replicas are reduced is inferred per group (one
+    optimizer may reduce a group inside its step and leave another to a reduction by hand before it)."""
     at = {p: i for i, p in enumerate(pids)}
-    return [(id(o), {at[id(q)] for q in g["params"] if id(q) in at}) for o in optimizers for g in o.param_groups]
+    return [(id(o), {at[id(q)] for q in g["params"] if id(q) in at}, may_reduce(o)) for o in optimizers
+            for g in o.param_groups]
 
 
 def verify_step(monitor, opt) -> None:
     """(after ``opt``'s step) Verify where its replicas are reduced, over its param groups' entries."""
     if monitor.replicas.verify:
         v = monitor.view
-        idx = sorted(i for key, members in group_members(v.pids, monitor.optimizers) if key == id(opt) for i in members)
+        idx = sorted(i for key, members, _ in group_members(v.pids, monitor.optimizers) if key == id(opt) for i in members)
         monitor.replicas.verified(opt, [v.params[i] for i in idx], [v.names[i] for i in idx],
                                   monitor.tracker.armed_step, monitor.ranks.device)

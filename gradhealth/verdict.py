@@ -10,9 +10,11 @@ import dataclasses
 import logging
 import math
 import operator
+from dataclasses import replace
 from itertools import compress, filterfalse, repeat
 
-from . import crossrank, experts, judges
+from . import crossrank, experts, judges, window
+from . import distributed as dist
 from .checkpointing import checkpoint_cut
 from .guards import output_maxima
 from .naming import module_of
@@ -32,7 +34,7 @@ def _nothing_seen(obs, carry, m, o) -> bool:
     return (not obs.stale and obs.loss_cause is None and obs.eval_record is None and not obs.valid
             and (obs.loss is None or math.isfinite(obs.loss)) and not carry.frozen_norms and not carry.norm_eval
             and carry.checks > 0 and o.expect_frozen is None and not m.view.meta_names
-            and not m._changes.lazy)
+            and not m._changes.lazy and (obs.window is None or not obs.window.notable))
 
 
 def _named(states: dict, state) -> list[str]:
@@ -79,6 +81,13 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
                                             m.replicas, m._counts, m._fp, m._missed)
     if obs.valid or obs.loss is not None and not math.isfinite(obs.loss):
         found += judges.empty_valid_set(obs.valid, obs.loss, obs.norms, step, obs.loss_ranks)
+    if across is not None and across.window_mask > 0:  # (inside the window this check ends: every rank's, gathered)
+        names_v = sorted(obs.valid)
+        row = obs.window.row(names_v) if obs.window is not None else window.quiet_row(names_v)
+        found += window.findings(dist.all_gather(row, m.ranks.device), names_v, step, report.grads_finite, True)
+    elif across is None and obs.window is not None and obs.window.notable:
+        names_v = sorted(obs.valid)
+        found += window.findings([obs.window.row(names_v)], names_v, step, report.grads_finite, False)
     if nonfinite and report.expert_status:
         found += judges.nonfinite_experts(report.expert_status, step)
     no_grad = _named(report.errors, Status.NO_GRAD) if not quiet else []
@@ -110,9 +119,14 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
         origin = any(f.kind == "NONFINITE_ORIGIN" and f.level == "error" for f in found)
         found += judges.nan_from_loss(None if origin else output_maxima(seen), step, origin)
     checks, every = carry.checks, o.desync_every
-    if across is not None and (checks == 0 or nonfinite or (every > 0 and checks % every == 0)):
+    stepped_apart = across is not None and across.nosync_step_mask > 0  # (did that step move the replicas apart?)
+    if across is not None and (checks == 0 or nonfinite or stepped_apart or (every > 0 and checks % every == 0)):
         keep = [k for k, i in enumerate(sel.idx) if not experts.per_rank(m.view.stacks.get(i), m.ranks.world)]
         found += crossrank.desync_findings([m.view.params[sel.idx[k]] for k in keep], [sel.names[k] for k in keep],
                                            report.status, step, m.ranks.device)
+        if stepped_apart and not any(f.kind == "DESYNC" for f in found):
+            found = [replace(f, against="the replicas' parameters still agree after that step (its gradients were "
+                             "reduced another way, e.g. by hand, or were the same on every rank)")
+                     if f.data.get("cause") == "step_on_local_gradients" else f for f in found]
     return found
 

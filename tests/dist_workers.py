@@ -47,11 +47,13 @@ def run(rank, world, port, out, scenario):
         if scenario in SCENARIOS:
             payload = SCENARIOS[scenario](rank, world)
         else:  # the distributed idioms' and the 2-D meshes' workers
+            import accum_workers
             import clip_workers
             import mesh_workers
             import replica_workers
 
-            payload = {**replica_workers.SCENARIOS, **mesh_workers.SCENARIOS, **clip_workers.SCENARIOS}[scenario](rank, world)
+            payload = {**replica_workers.SCENARIOS, **mesh_workers.SCENARIOS, **clip_workers.SCENARIOS,
+                       **accum_workers.SCENARIOS}[scenario](rank, world)
         _dump(out, rank, payload)
     except BaseException:
         _dump(out, rank, {"error": traceback.format_exc()})

@@ -142,7 +142,50 @@ class HandAndInside(torch.optim.Optimizer):
                     p.grad /= world
                 p.add_(p.grad, alpha=-group["lr"])
 
+def modded_nanogpt(rank, world, case="ok"):
+    """modded-nanogpt's loop on its GPT (tests/moddednanogpt_port.py): backward, Adam's gradients
+    all-reduced by hand, the check, Adam's and Muon's steps (Muon reduces inside its own), zero_grad.
+    ``head``: lm_head left out of the hand all-reduce. At check 0 the zero-initialised lm_head and
+    projections leave every gradient but lm_head's exactly zero: Adam's only evidence is lm_head."""
+    import moddednanogpt_port as port
+
+    torch.manual_seed(0)
+    model = port.GPT()
+    adam, muon = port.optimizers(model)
+    hand = [p for g in adam.param_groups for p in g["params"] if not (case == "head" and p is model.lm_head.weight)]
+    mon = gh.GradHealth(model, [adam, muon], on_problem="raise" if case == "ok" else "ignore")
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+    reports, losses, premise = [], [], {}
+    for step in range(6 if case == "ok" else 3):
+        idx = (torch.randint(0, port.VOCAB, (4, 1), generator=g) + 3 * torch.arange(port.SEQ + 1)) % port.VOCAB
+        loss = model(idx[:, :-1], idx[:, 1:])  # (a sequence the model can learn: every token 3 after the last)
+        loss.backward()
+        if step == 0:  # the premise: only lm_head's gradient is non-zero, and it differs between the ranks
+            premise["nonzero_at_0"] = sorted(n for n, p in model.named_parameters() if p.grad is not None and p.grad.any())
+            premise["head_norm_at_0"] = float(model.lm_head.weight.grad.norm())
+        for p in hand:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad /= world
+        if step == 0:
+            norms = [torch.zeros(1) for _ in range(world)]
+            dist.all_gather(norms, model.lm_head.weight.grad.norm().reshape(1))
+            premise["head_differs_at_0"] = bool(norms[0] != norms[1])
+        try:
+            reports.append(_report(mon.check(loss)))
+        except gh.GradHealthError as exc:
+            reports.append({"raised_at": step, **_report(exc.report)})
+            break
+        adam.step()
+        muon.step()
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    mon.close()
+    return {"reports": reports, "losses": losses, "same": _gather_params(model), **premise}
+
+
 SCENARIOS = {
+    "modded_nanogpt_ok": modded_nanogpt,
+    "modded_nanogpt_head": lambda r, w: modded_nanogpt(r, w, "head"),
     "nanogpt_two_places_ok": nanogpt,
     "nanogpt_two_places_head": lambda r, w: nanogpt(r, w, "head"),
     "jxmnop_alternating_ddp": jxmnop,

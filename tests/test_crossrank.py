@@ -100,5 +100,5 @@ def test_the_vector_grows_by_one_number_per_parameter_and_one_flag():
     vec, lay = crossrank.pack_rank(o, 0, 2)
     assert lay.slots["n1"][1] == 3 and "unsynced" in lay
     # the former layout: 6 numbers per parameter, 8 flags, the update triples
-    # (+ nosync_step, missed, the lockstep counts; the update grid over the entries)
-    assert vec.numel() == 7 * 3 + 15 + 4 * 3
+    # (+ nosync_step, missed, the lockstep counts; the update grid over the entries; local, window)
+    assert vec.numel() == 7 * 3 + 17 + 4 * 3

@@ -366,3 +366,63 @@ def test_an_expert_that_gets_no_tokens_on_rank_1_is_named_by_its_global_index(ac
 
 def test_deepspeeds_experts_on_one_process_are_judged_per_expert(accum):
     _one_dead_expert([accum], "experts-1")
+
+
+# ---------------------------------------------------------------- inside a window, on two ranks
+# (tests/deepspeed_window.py: ZeRO-3, "gradient_accumulation_steps": 2, the check after every engine.backward;
+# rank 1's first micro-batch of window 1 is the planted one)
+WINDOW = ["healthy", "nan", "empty", "empty-tracked", "nan-boundary"]
+
+
+@pytest.fixture(scope="module")
+def window_two(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dswin") / "window.json"
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                 str(HERE / "deepspeed_window.py"), str(out), *WINDOW], out, 2)
+
+
+def _window_said(ranks: list[dict], case: str) -> dict:
+    """The report of the planted window (window 1), the same on both ranks; the premise asserted."""
+    for r in ranks:
+        v = r[case]
+        assert v["error"] is None and v["boundaries"] == [1, 3]  # the engine's boundaries
+        assert v["returned"] == [False, True, False, True]  # the checks inside a window wait for its end
+        planted = 3 if case == "nan-boundary" else 2  # (rank 1's micro-batch that is NaN, and nothing else)
+        assert [math.isnan(x) for x in v["losses"]] == [v["rank"] == 1 and k == planted for k in range(4)]
+        assert v["reports"][0]["findings"] == [] and v["reports"][0]["problems"] == []  # window 0 healthy
+        assert v["reports"][1]["problems"] == ["NON_FINITE_GRAD"] and v["reports"][1]["n_problems"] == 6
+    assert ranks[0][case]["reports"] == ranks[1][case]["reports"]
+    return ranks[0][case]["reports"][1]
+
+
+def test_zero3_windows_healthy_under_raise(window_two):
+    for r in window_two:
+        v = r["healthy"]
+        assert v["error"] is None and v["eval_after"] < 0.85 * v["eval_before"]  # the premise: it trains
+        assert v["returned"] == [False, True] * 4 and all(not x["findings"] and not x["problems"] for x in v["reports"])
+
+
+@pytest.mark.parametrize("case", ["nan", "empty"])
+def test_a_nan_loss_inside_a_zero3_window_is_named_with_its_rank_and_micro_batch(window_two, case):
+    """Before: the window's report said NON_FINITE_GRAD and nothing else. Now it carries the NaN loss of
+    rank 1's first micro-batch, checked (and deferred) there and read with the window's check."""
+    said = _window_said(window_two, case)
+    [f] = [f for f in said["findings"] if f[0] == "NON_FINITE_LOSS"]
+    kind, level, message, ranks, micro = f
+    assert level == "error" and ranks == [1] and micro == {"1": 0}
+    assert "micro-batch 1 of 2 on rank 1" in message and "accumulation window that ends at step 1" in message
+
+
+def test_an_empty_batch_inside_a_zero3_window_is_named_as_such_when_tracked(window_two):
+    said = _window_said(window_two, "empty-tracked")
+    [f] = [f for f in said["findings"] if f[0] == "EMPTY_VALID_SET"]
+    kind, level, message, ranks, micro = f
+    assert level == "error" and ranks == [1] and micro == {"1": 0} and "'tokens'" in message
+    assert "NON_FINITE_LOSS" not in [x[0] for x in said["findings"]]  # (the NaN loss is the emptiness's)
+    assert said["valid"] == {"tokens": 48}  # the window's count: 16 + 16 on rank 0, 0 + 16 on rank 1
+
+
+def test_a_nan_loss_at_a_windows_end_is_named_with_its_rank(window_two):
+    said = _window_said(window_two, "nan-boundary")
+    [f] = [f for f in said["findings"] if f[0] == "NON_FINITE_LOSS"]
+    assert f[1] == "error" and f[3] == [1] and f[4] is None and "on rank 1" in f[2]

@@ -100,3 +100,58 @@ def test_a_relaunch_leaves_one_run_behind(tmp_path):
 
     run_spawned(fit, fresh=[logs])
     assert len(tries) == 2 and [p.name for p in logs.iterdir()] == ["version_0"]
+
+
+# ---------------------------------------------------------------- strategy="ddp", launched as users launch it
+# (tests/lightning_ddp_script.py: Lightning's BoringModel with SGD, the callback under on_problem="raise")
+_LAUNCHED: dict = {}
+
+
+def launched(tmp_path_factory) -> dict:
+    """Both ranks' results of each case, from one launch per test session."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    if not _LAUNCHED:
+        out = tmp_path_factory.mktemp("lddp")
+        here = os.path.dirname(__file__)
+        env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, os.path.join(here, "lightning_ddp_script.py"), str(out), "accum", "swa"],
+                              env=env, capture_output=True, text=True, timeout=280)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for case in ("accum", "swa"):
+            _LAUNCHED[case] = [json.load(open(out / f"{case}-{r}.json")) for r in (0, 1)]
+    for ranks in _LAUNCHED.values():
+        for r in ranks:
+            assert "error" not in r, r.get("error")
+    return _LAUNCHED
+
+
+def test_ddp_with_accumulation_is_silent_under_raise(tmp_path_factory):
+    """``accumulate_grad_batches=2``: Lightning runs the window's first micro-batch under ``no_sync()``
+    and the last one inside ``optimizer.step(closure)``, reduced: every step consumed reduced gradients.
+    (Before: DDP_NOT_SYNCED at every step, on both ranks: the step's pre-hook ran before its closure.)"""
+    ranks = launched(tmp_path_factory)["accum"]
+    for r in ranks:
+        assert r["raised"] is None and r["global_step"] == 12  # 3 epochs of 8 batches, 2 a step
+        assert r["same"] is True  # the premise: the replicas are identical after the fit
+        assert sum(r["losses"][-4:]) < 0.5 * sum(r["losses"][:4])  # and it learns
+        assert len(r["reports"]) == 12 and all(rep["ok"] and not rep["findings"] for rep in r["reports"])
+    assert ranks[0]["reports"] == ranks[1]["reports"]
+
+
+def test_ddp_with_stochastic_weight_averaging_is_silent_under_raise(tmp_path_factory):
+    """Lightning's SWA on a model with batch norm: its added last epoch runs every batch's forward with no
+    backward (one accumulation window under ``no_sync()``, the last forward synchronised); the step at
+    its end still holds the previous epoch's reduced gradients. (Before: DDP_NOT_SYNCED at that step.)"""
+    ranks = launched(tmp_path_factory)["swa"]
+    for r in ranks:
+        assert r["raised"] is None and r["global_step"] == 25  # 3 epochs of 8 steps, and SWA's batch-norm epoch
+        assert r["same"] is True
+        assert sum(r["losses"][16:24]) < 0.7 * sum(r["losses"][:8])  # epoch 2 against epoch 0
+        assert len(r["reports"]) == 25 and all(rep["ok"] and not rep["findings"] for rep in r["reports"])
+    assert ranks[0]["reports"] == ranks[1]["reports"]
