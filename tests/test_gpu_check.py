@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _checkout(tmp_path):
     root = tmp_path / "checkout"
-    for folder in ("gradhealth", "integrations", "demos", "benchmarks", "scripts"):
+    for folder in ("gradhealth", "integrations", "demos", "benchmarks", "scripts", "configs"):
         shutil.copytree(os.path.join(HERE, folder), root / folder, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(os.path.join(HERE, "pyproject.toml"), root / "pyproject.toml")
     return root
