@@ -25,6 +25,25 @@ def _no_stale_build_lock():
     deepspeed_ops.clear_stale_locks(say=lambda message: warnings.warn(message, stacklevel=1))
 
 
+def pytest_sessionstart(session):
+    """DeepSpeed's ops, built before any test when `make deps` has not built them (a plain `pytest`
+    on a fresh checkout), so no test's timeout lands in a build; not in xdist's workers (their
+    controller built them) nor when slow tests (every DeepSpeed case) are deselected."""
+    config = session.config
+    if hasattr(config, "workerinput") or "not slow" in (config.option.markexpr or ""):
+        return
+    from importlib.util import find_spec
+
+    if find_spec("deepspeed") is None or deepspeed_ops.is_built():
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    say = reporter.write_line if reporter is not None else print
+    try:
+        deepspeed_ops.build(say=say)
+    except (TimeoutError, RuntimeError) as exc:  # (the DeepSpeed cases then fail with it; the rest runs)
+        say(f"gradhealth tests: {exc}")
+
+
 def pytest_configure(config):
     """SIGTERM (a CI job cancelled, `timeout`) ends the run as Ctrl-C does, so its cleanup runs: the
     default action would end pytest at once and leave every process group a test started running."""

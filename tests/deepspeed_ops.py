@@ -38,6 +38,10 @@ BUILD_TIMEOUT_S = 1800  # all three on 2 busy cores take a few minutes; this is 
 PROGRESS_EVERY_S = 30
 
 
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
 def stamp() -> str:
     """What the built ops are valid for (read without importing DeepSpeed or torch)."""
     from importlib.metadata import version
@@ -88,7 +92,7 @@ def stale_locks(cache: Path = CACHE) -> list[tuple[Path, str]]:
     return out
 
 
-def clear_stale_locks(cache: Path = CACHE, say=print) -> list[Path]:
+def clear_stale_locks(cache: Path = CACHE, say=_say) -> list[Path]:
     """Remove the stale locks under ``cache``, saying which and why; returns them."""
     cleared = []
     for lock, why in stale_locks(cache):
@@ -116,7 +120,7 @@ def _load(builder: str) -> None:
     get_accelerator().create_op_builder(builder).load(verbose=False)
 
 
-def build(cache: Path = CACHE, timeout: float = BUILD_TIMEOUT_S, say=print) -> None:
+def build(cache: Path = CACHE, timeout: float = BUILD_TIMEOUT_S, say=_say) -> None:
     """Build every op in OPS into ``cache``, one process each (its own process group, killed on
     timeout or Ctrl-C), with a progress line; nothing to do when they are built already."""
     cache = Path(cache)
