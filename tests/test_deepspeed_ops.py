@@ -53,6 +53,7 @@ def test_deepspeed_loads_its_op_from_the_checkouts_cache_not_the_users():
     assert not Path(loaded).resolve().is_relative_to(Path(users).resolve())  # (~/.cache/torch_extensions)
 
 
+@pytest.mark.slow  # (cheap, but it needs the ops `make test` builds and `make test-fast` does not)
 def test_a_second_build_with_the_ops_built_does_nothing():
     _ops_built()
     libraries = {op: (deepspeed_ops.CACHE / op / f"{op}.so").stat().st_mtime_ns for op in deepspeed_ops.OPS.values()}

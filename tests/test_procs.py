@@ -86,3 +86,15 @@ def test_ctrl_c_on_a_sleeping_multi_process_test_leaves_no_process(tmp_path, cas
         log = run.communicate(timeout=120)[0]
     assert run.returncode == 2 and "KeyboardInterrupt" in log, log[-3000:]
     assert procs.wait_gone(pids) == [], log[-3000:]
+
+
+def test_children_killed_ends_the_children_started_inside_it_only():
+    """What run_spawned wraps a Lightning ddp_spawn fit in: its ranks are this process's children."""
+    before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        with procs.children_killed():
+            inside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        assert procs.wait_gone([inside.pid]) == [] and procs.alive(before.pid)
+    finally:
+        before.kill()
+        before.wait()
