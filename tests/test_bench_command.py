@@ -2,7 +2,14 @@
 ratios. Apart from test_demo.py so that the two slowest of them can run beside the demo's tests."""
 
 import sys
+
+import pytest
+
 import procs
+
+# each runs the bench in a process of its own for tens of seconds (the distributed section on two
+# processes): in `make test`, not in the quick `make test-fast`
+pytestmark = pytest.mark.slow
 
 
 def test_bench_command_runs_and_prints_ratios():
