@@ -63,6 +63,7 @@ def _lines_ok(text: str, width: int = 100, path: str = "\0") -> None:
     assert max(len(line) for line in lines) <= width, max(lines, key=len)
 
 
+@pytest.mark.slow  # (the 12 scenarios in a process of their own: 53 s on busy cores)
 def test_demo_command_runs_the_lightning_scenarios(tmp_path):
     res = procs.run([sys.executable, "-m", "gradhealth", "demo", "--steps", "4", "--logdir", str(tmp_path)],
                     capture_output=True, text=True, timeout=300)
@@ -109,6 +110,7 @@ def test_unknown_only_names_are_an_error_listing_the_valid_ones():
         assert "[1/" not in res.stdout  # nothing ran
 
 
+@pytest.mark.slow  # (four processes of their own: 47 s on busy cores)
 def test_demo_help_lists_every_form():
     res = procs.run([sys.executable, "-m", "gradhealth", "demo", "--help"], capture_output=True, text=True,
                     timeout=300)

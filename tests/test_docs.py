@@ -78,6 +78,7 @@ def run_page(page: str, tmp_path) -> None:
     assert proc.returncode == 0, f"{page} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
+@pytest.mark.slow  # (a page's runs in a fresh interpreter: the README's took 47 s on busy cores)
 @pytest.mark.parametrize("page", [p for p in RUNNABLE if p not in FRAMEWORKS])
 def test_the_page_runs_as_written(page, tmp_path):
     run_page(page, tmp_path)
