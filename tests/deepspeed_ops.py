@@ -19,7 +19,6 @@ A build killed half-way (a test's timeout, Ctrl-C) leaves the lock behind. So:
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -158,10 +157,10 @@ def build(cache: Path = CACHE, timeout: float = BUILD_TIMEOUT_S, say=_say) -> No
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """The build's whole session: its process group, and ninja's compilers (each in a group of its own)."""
+    from procs import kill_session  # (tests/procs.py: this file's folder is on sys.path, run or imported)
+
+    kill_session(proc.pid)
     proc.wait()
 
 

@@ -1,12 +1,13 @@
-"""Every process a test starts, in a process group of its own that is killed with everything in it
-when the test is done with it: on a timeout, a failure, Ctrl-C, and after a normal exit too (a
-launcher that exits early leaves no rank behind). ``run`` is ``subprocess.run``, ``popen`` is
+"""Every process a test starts, in a session (and process group) of its own that is killed with
+everything in it when the test is done with it: on a timeout, a failure, Ctrl-C, and after a normal
+exit too (a launcher that exits early leaves no rank behind). ``run`` is ``subprocess.run``, ``popen`` is
 ``subprocess.Popen`` as a context manager, ``spawn`` is ``torch.multiprocessing.start_processes``;
 ``sweep`` (the suite's end and interpreter exit: tests/conftest.py) kills the groups still alive.
 
-A torchrun launcher killed alone leaves its ranks running; killing its group (the launcher, its
-ranks, their compilers) leaves nothing. The group is a new session (``start_new_session``), so a
-terminal's Ctrl-C reaches pytest only, and pytest's own handling kills the groups.
+A torchrun launcher killed alone leaves its ranks running; killing its session (the launcher, its
+ranks, and the compilers ninja starts in process groups of their own) leaves nothing. Being a new
+session (``start_new_session``), a terminal's Ctrl-C reaches pytest only, and pytest's own handling
+(a KeyboardInterrupt through the ``finally`` here) kills the sessions.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import subprocess
 import time
 from contextlib import contextmanager
 
-_groups: dict[int, subprocess.Popen] = {}  # process group id -> its leader, while it may be alive
+_groups: dict[int, subprocess.Popen] = {}  # session (and process group) id -> its leader, while it may be alive
 _spawned: list = []  # multiprocessing children (spawn): not groups of their own, killed by pid
 
 
@@ -31,8 +32,41 @@ def _kill_group(pgid: int) -> bool:
         return False
 
 
+def kill_session(sid: int) -> bool:
+    """SIGKILL every process of the session ``sid`` leads: its process group, and the groups of its
+    own that a tool puts its children in (ninja runs each compiler in one, so a build killed by its
+    group alone leaves its compilers running). Whether any was there."""
+    found = _kill_group(sid)
+    for _ in range(2):  # (twice: a process forked while the first pass ran)
+        for pid in _members(sid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                found = True
+            except (ProcessLookupError, PermissionError):
+                pass
+    return found
+
+
+def _members(sid: int) -> list[int]:
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+                out.append(int(entry))
+    return out
+
+
 def _finish(proc: subprocess.Popen) -> None:
-    _kill_group(proc.pid)
+    kill_session(proc.pid)
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
@@ -66,7 +100,7 @@ def run(cmd, *, input=None, capture_output=False, timeout=None, check=False, **k
         try:
             out, err = proc.communicate(input, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
-            _kill_group(proc.pid)
+            kill_session(proc.pid)
             out, err = proc.communicate()
             raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from exc
         code = proc.poll()
@@ -154,7 +188,7 @@ def alive(pid: int) -> bool:
 def sweep() -> list[int]:
     """Kill every group still alive that a test started here, and every recorded spawned process;
     returns the group ids that were still there."""
-    left = [pgid for pgid in list(_groups) if _kill_group(pgid)]
+    left = [sid for sid in list(_groups) if kill_session(sid)]
     for pgid in list(_groups):
         _finish(_groups[pgid])
     for p in list(_spawned):

@@ -13,7 +13,9 @@ import procs
 # a launcher that starts two ranks, as torchrun does (the ranks are its children), and exits
 STARTS_RANKS = """
 import os, subprocess, sys, time
-ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(2)]
+# (the second in a process group of its own, as ninja runs each compiler: only its session holds it)
+ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], process_group=group)
+         for group in (None, 0)]
 with open(sys.argv[1] + ".tmp", "w") as f:
     f.write(" ".join(str(pid) for pid in [os.getpid()] + [r.pid for r in ranks]))
 os.replace(sys.argv[1] + ".tmp", sys.argv[1])

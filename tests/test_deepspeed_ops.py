@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -100,8 +99,9 @@ def test_a_deepspeed_case_runs_after_a_build_killed_half_way(tmp_path):
             assert build.poll() is None, "the build ended before its lock was seen"
             assert time.monotonic() < deadline, "the build took no lock in 240 s"
             time.sleep(0.002)
-        os.killpg(build.pid, signal.SIGKILL)  # mid-way: the lock is there, the library is not
+        procs.kill_session(build.pid)  # mid-way: the lock is there, the library is not (ninja's linker too)
         build.wait()
+    assert procs.wait_gone(procs._members(build.pid)) == []
     # the premise: the lock is left behind, and torch's own baton (what every loader calls) finds it taken
     from torch.utils.file_baton import FileBaton
 
