@@ -14,7 +14,7 @@ import procs
 STARTS_RANKS = """
 import os, subprocess, sys, time
 # (the second in a process group of its own, as ninja runs each compiler: only its session holds it)
-ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], process_group=group)
+ranks = [subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(600)"], process_group=group)
          for group in (None, 0)]
 with open(sys.argv[1] + ".tmp", "w") as f:
     f.write(" ".join(str(pid) for pid in [os.getpid()] + [r.pid for r in ranks]))
@@ -31,7 +31,7 @@ def write_pid_and_sleep(rank: int, path: str) -> None:
 
 
 def test_a_launcher_hangs():
-    procs.run([sys.executable, "-c", LAUNCHER, os.environ["GH_PIDS"]])  # (no timeout of its own)
+    procs.run([sys.executable, "-S", "-c", LAUNCHER, os.environ["GH_PIDS"]])  # (no timeout of its own)
 
 
 def test_spawned_ranks_hang():

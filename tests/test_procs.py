@@ -18,6 +18,7 @@ from procs_cases import LAUNCHER, STARTS_RANKS
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKS_STARTED_S = 3  # long enough for a launcher to start its ranks and write their pids, on a busy machine
+# (python -S: no site-packages to scan, a start in milliseconds)
 
 
 def _pids(path: Path, timeout: float = 120.0) -> list[int]:
@@ -32,7 +33,7 @@ def test_a_timed_out_launcher_leaves_none_of_its_ranks(tmp_path):
     # the premise: subprocess.run's own timeout kills the launcher and leaves its ranks running
     plain = tmp_path / "plain"
     with pytest.raises(subprocess.TimeoutExpired):
-        subprocess.run([sys.executable, "-c", LAUNCHER, str(plain)], timeout=RANKS_STARTED_S)
+        subprocess.run([sys.executable, "-S", "-c", LAUNCHER, str(plain)], timeout=RANKS_STARTED_S)
     launcher, *ranks = _pids(plain, timeout=0)
     try:
         assert procs.wait_gone([launcher]) == [] and all(procs.alive(r) for r in ranks)
@@ -41,7 +42,7 @@ def test_a_timed_out_launcher_leaves_none_of_its_ranks(tmp_path):
             os.kill(r, signal.SIGKILL)
     ours = tmp_path / "ours"
     with pytest.raises(subprocess.TimeoutExpired):
-        procs.run([sys.executable, "-c", LAUNCHER, str(ours)], timeout=RANKS_STARTED_S)
+        procs.run([sys.executable, "-S", "-c", LAUNCHER, str(ours)], timeout=RANKS_STARTED_S)
     pids = _pids(ours, timeout=0)
     assert len(pids) == 3 and procs.wait_gone(pids) == []
 
@@ -49,7 +50,7 @@ def test_a_timed_out_launcher_leaves_none_of_its_ranks(tmp_path):
 def test_a_launcher_that_exits_leaves_none_of_its_ranks(tmp_path):
     """A launcher that exits while its ranks still run (a launcher that crashed alone): they go too."""
     # (output not captured: a pipe the ranks inherit would keep run() waiting for them, as subprocess.run does)
-    res = procs.run([sys.executable, "-c", STARTS_RANKS, str(tmp_path / "pids")], timeout=120)
+    res = procs.run([sys.executable, "-S", "-c", STARTS_RANKS, str(tmp_path / "pids")], timeout=120)
     assert res.returncode == 0
     launcher, *ranks = _pids(tmp_path / "pids", timeout=0)
     assert len(ranks) == 2 and procs.wait_gone([launcher, *ranks]) == []
