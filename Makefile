@@ -3,7 +3,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: demo test bench deps docs
+.PHONY: demo test test-fast bench deps docs
 
 deps:
 	@./scripts/ensure-deps test
@@ -14,6 +14,11 @@ demo:
 
 test: deps
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=30
+
+# The quick subset: no multi-process or long test (-m "not slow"), so no DeepSpeed op to build either.
+test-fast:
+	@./scripts/ensure-deps test-fast
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=20
 
 bench: deps
 	$(PYTHON) -m gradhealth bench

@@ -1,13 +1,66 @@
 import math
+import os
+import signal
 import socket
 import warnings
 
-import pytest
-import torch
+import deepspeed_ops
+import procs
 
-import gradhealth as gh
+# DeepSpeed's ops come from the checkout's own cache (built by scripts/ensure-deps test), for this
+# process and every process the suite starts: the user's ~/.cache/torch_extensions is never touched.
+os.environ["TORCH_EXTENSIONS_DIR"] = str(deepspeed_ops.CACHE)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import gradhealth as gh  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_stale_build_lock():
+    """A build lock no build will release (one killed half-way) would make DeepSpeed wait on it forever."""
+    deepspeed_ops.clear_stale_locks(say=lambda message: warnings.warn(message, stacklevel=1))
+
+
+def pytest_sessionstart(session):
+    """DeepSpeed's ops, built before any test when `make deps` has not built them (a plain `pytest`
+    on a fresh checkout), so no test's timeout lands in a build; not in xdist's workers (their
+    controller built them) nor when slow tests (every DeepSpeed case) are deselected."""
+    config = session.config
+    if hasattr(config, "workerinput") or "not slow" in (config.option.markexpr or ""):
+        return
+    from importlib.util import find_spec
+
+    if find_spec("deepspeed") is None or deepspeed_ops.is_built():
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    say = reporter.write_line if reporter is not None else print
+    try:
+        deepspeed_ops.build(say=say)
+    except (TimeoutError, RuntimeError) as exc:  # (the DeepSpeed cases then fail with it; the rest runs)
+        say(f"gradhealth tests: {exc}")
+
+
+def pytest_configure(config):
+    """SIGTERM (a CI job cancelled, `timeout`) ends the run as Ctrl-C does, so its cleanup runs: the
+    default action would end pytest at once and leave every process group a test started running."""
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_sessionfinish(session):
+    """The process groups a test started and left alive (tests/procs.py), killed, and said."""
+    left = procs.sweep()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if left and reporter is not None:
+        reporter.write_line(f"gradhealth tests: killed {len(left)} process group(s) a test left alive: {left}")
 
 
 def naive_classify(model, optimizer=None):
@@ -87,7 +140,8 @@ def run_spawned(fn, attempts=2, fresh=()):
         for folder in fresh:
             shutil.rmtree(folder, ignore_errors=True)
         try:
-            return fn()
+            with procs.children_killed():  # (its ranks, on a failure, a timeout or Ctrl-C)
+                return fn()
         except ProcessExitedException as exc:
             if "SIGABRT" not in str(exc) or attempt == attempts - 1:
                 raise

@@ -3,7 +3,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 from conftest import free_port  # noqa: E402
+import procs
 
 HERE = os.path.dirname(__file__)
 
@@ -20,7 +20,7 @@ def test_accelerate_accumulate_checked_after_every_backward_is_silent(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            os.path.join(HERE, "accelerate_worker.py"), str(tmp_path)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    res = procs.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
     for r in (r0, r1):

@@ -1,12 +1,19 @@
 """The bench command as a user runs it (a process of its own): its sections run and print their
 ratios. Apart from test_demo.py so that the two slowest of them can run beside the demo's tests."""
 
-import subprocess
 import sys
+
+import pytest
+
+import procs
+
+# each runs the bench in a process of its own for tens of seconds (the distributed section on two
+# processes): in `make test`, not in the quick `make test-fast`
+pytestmark = pytest.mark.slow
 
 
 def test_bench_command_runs_and_prints_ratios():
-    res = subprocess.run(
+    res = procs.run(
         [sys.executable, "-m", "gradhealth", "bench", "--shapes", "0", "--rounds", "1", "--sections", "checks,deltas,tracer"],
         capture_output=True, text=True, timeout=300
     )
@@ -16,8 +23,8 @@ def test_bench_command_runs_and_prints_ratios():
 
 
 def test_bench_distributed_section_runs():
-    res = subprocess.run([sys.executable, "-m", "gradhealth", "bench", "--rounds", "1", "--sections", "distributed"],
-                         capture_output=True, text=True, timeout=300)
+    res = procs.run([sys.executable, "-m", "gradhealth", "bench", "--rounds", "1", "--sections", "distributed"],
+                    capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "at world size 2" in res.stdout and "the collective adds" in res.stdout
     assert "the same check again (what this measurement's noise is)" in res.stdout
@@ -31,8 +38,8 @@ def test_bench_counts_section_prints_ops_and_instructions_per_check():
     instructions per check; the counts hold the launch budget (a constant per group: a few ops,
     whatever the tensor count), and on healthy models the synchronous check reads once per step,
     the deferred one never (the one number: once)."""
-    res = subprocess.run([sys.executable, "-m", "gradhealth", "bench", "--sections", "counts", "--count-steps", "5"],
-                         capture_output=True, text=True, timeout=600)
+    res = procs.run([sys.executable, "-m", "gradhealth", "bench", "--sections", "counts", "--count-steps", "5"],
+                    capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     rows = {}
     for line in res.stdout.splitlines():

@@ -22,6 +22,7 @@ from conftest import free_port
 from gradhealth.demos.dashboard import RUNS, plain_runs
 from gradhealth.demos.lightning_fit import run_scenario
 from gradhealth.demos.lightning_parts import DemoModule
+import procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CARD = 310  # TensorBoard's image card shows a picture this wide unless "show actual image size" is on
@@ -51,11 +52,10 @@ def runs(tmp_path_factory):
 def server(runs):
     root = runs[0]
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(root), "--host", "127.0.0.1",
-                             "--port", str(port), "--load_fast=false", "--reload_interval=1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    want = {f"demo/{b}/version_0" for b in ("none", "not_in_optimizer")} | {f"plain/{n}" for n in RUNS}
-    try:
+    with procs.popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(root), "--host", "127.0.0.1",
+                      "--port", str(port), "--load_fast=false", "--reload_interval=1"],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):  # (killed, with its group, at the end)
+        want = {f"demo/{b}/version_0" for b in ("none", "not_in_optimizer")} | {f"plain/{n}" for n in RUNS}
         deadline = time.time() + 90
         while True:
             try:
@@ -68,13 +68,6 @@ def server(runs):
             assert time.time() < deadline, "tensorboard did not serve the runs within 90 s"
             time.sleep(1)
         yield port, tags
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 def get(port, path):
@@ -176,8 +169,8 @@ def test_the_gradient_flow_picture_is_legible_in_its_card(server):
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed (apt-get install chromium)")
 def test_the_screenshots_in_a_real_browser(tmp_path):
     out = tmp_path / "docs"
-    subprocess.run([os.path.join(ROOT, "scripts", "screenshot-dashboard"), str(out)], check=True, timeout=240,
-                   env={**os.environ, "PYTHONPATH": ROOT, "TABS": "custom_scalars images"})  # (the two looked at)
+    procs.run([os.path.join(ROOT, "scripts", "screenshot-dashboard"), str(out)], check=True, timeout=240,
+              env={**os.environ, "PYTHONPATH": ROOT, "TABS": "custom_scalars images"})  # (the two looked at)
     for tab in ("custom_scalars", "images"):
         shot = np.asarray(Image.open(out / f"dashboard-{tab}.png").convert("RGB"))
         assert shot.shape[1] >= 1200 and len(np.unique(shot.reshape(-1, 3), axis=0)) > 50  # a page was drawn, not a blank

@@ -8,6 +8,7 @@ skipped-step count, masters that never move, a learning rate of 0, a frozen laye
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
+import procs
 
 pytest.importorskip("deepspeed")
 
@@ -41,7 +43,7 @@ def _env() -> dict:
 
 def _run(cmd: list[str], out: Path, ranks: int) -> list[dict]:
     env = dict(_env(), MASTER_PORT=str(free_port()))  # (a free port: other DeepSpeed runs may share the machine)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = procs.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     paths = [out] + [Path(f"{out}.rank{r}") for r in range(1, ranks)]
     return [json.loads(p.read_text()) for p in paths]
@@ -67,16 +69,18 @@ def hf(tmp_path_factory):
     pytest.importorskip("accelerate")
     root, results = tmp_path_factory.mktemp("dshf"), {}
     for pair in (HF[k:k + 2] for k in range(0, len(HF), 2)):
-        procs = []
-        for k, case in enumerate(pair):
-            out = root / f"{case}.json"
-            env = dict(_env(), MASTER_PORT=str(free_port()))
-            procs.append((out, subprocess.Popen([sys.executable, str(HERE / "deepspeed_hf.py"), str(out), case], env=env,
-                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-        for out, proc in procs:
-            log = proc.communicate(timeout=600)[0]
-            assert proc.returncode == 0, log[-6000:]
-            results.update(json.loads(out.read_text()))
+        with contextlib.ExitStack() as running:  # (both killed, with their groups, when the pair is done)
+            started = []
+            for k, case in enumerate(pair):
+                out = root / f"{case}.json"
+                env = dict(_env(), MASTER_PORT=str(free_port()))
+                started.append((out, running.enter_context(procs.popen(
+                    [sys.executable, str(HERE / "deepspeed_hf.py"), str(out), case], env=env, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, text=True))))
+            for out, proc in started:
+                log = proc.communicate(timeout=600)[0]
+                assert proc.returncode == 0, log[-6000:]
+                results.update(json.loads(out.read_text()))
     return results
 
 

@@ -2,13 +2,13 @@
 
 import math
 import os
-import subprocess
 
 import pytest
 import sys
 
 import gradhealth as gh
 from gradhealth.demos import plain as demo
+import procs
 
 
 def _last(out):
@@ -63,9 +63,10 @@ def _lines_ok(text: str, width: int = 100, path: str = "\0") -> None:
     assert max(len(line) for line in lines) <= width, max(lines, key=len)
 
 
+@pytest.mark.slow  # (the 12 scenarios in a process of their own: 53 s on busy cores)
 def test_demo_command_runs_the_lightning_scenarios(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "gradhealth", "demo", "--steps", "4", "--logdir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
+    res = procs.run([sys.executable, "-m", "gradhealth", "demo", "--steps", "4", "--logdir", str(tmp_path)],
+                    capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     out = res.stdout
     for words in ["GradModeError", "UNEXPECTED_FROZEN", "NOT_IN_OPTIMIZER", "STALE_GRAD", "NOT_UPDATED", "EMPTY_VALID_SET",
@@ -92,8 +93,8 @@ def test_demo_command_runs_the_lightning_scenarios(tmp_path):
 
 
 def test_plain_demo_command_runs_every_scenario_short():
-    res = subprocess.run([sys.executable, "-m", "gradhealth", "demo", "--plain"], capture_output=True, text=True,
-                         timeout=300)
+    res = procs.run([sys.executable, "-m", "gradhealth", "demo", "--plain"], capture_output=True, text=True,
+                    timeout=300)
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "NOT_IN_OPTIMIZER" in out and "silent: every parameter trains (loss" in out
@@ -104,14 +105,15 @@ def test_plain_demo_command_runs_every_scenario_short():
 
 def test_unknown_only_names_are_an_error_listing_the_valid_ones():
     for args in (["demo", "--only", "bogus"], ["demo", "--plain", "--only", "frozen,bogus"]):
-        res = subprocess.run([sys.executable, "-m", "gradhealth", *args], capture_output=True, text=True, timeout=300)
+        res = procs.run([sys.executable, "-m", "gradhealth", *args], capture_output=True, text=True, timeout=300)
         assert res.returncode != 0 and "'bogus'" in res.stderr and "not_in_optimizer" in res.stderr, res.stderr
         assert "[1/" not in res.stdout  # nothing ran
 
 
+@pytest.mark.slow  # (four processes of their own: 47 s on busy cores)
 def test_demo_help_lists_every_form():
-    res = subprocess.run([sys.executable, "-m", "gradhealth", "demo", "--help"], capture_output=True, text=True,
-                         timeout=300)
+    res = procs.run([sys.executable, "-m", "gradhealth", "demo", "--help"], capture_output=True, text=True,
+                    timeout=300)
     assert res.returncode == 0
     assert "--plain" in res.stdout and "--transformers" in res.stdout and "--only" in res.stdout
 

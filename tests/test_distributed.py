@@ -2,27 +2,21 @@
 
 import json
 import os
-import time
 
 import pytest
-import torch.multiprocessing as mp
 
 from conftest import free_port
 import dist_workers
+import procs
 from test_deferred import same
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def spawn(scenario, tmp_path, world=2, limit=180):
-    ctx = mp.start_processes(dist_workers.run, args=(world, free_port(), str(tmp_path), scenario), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.time() + limit
-    while not ctx.join(timeout=1):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"{scenario}: the ranks did not finish in {limit}s (a hang)")
+    ctx = procs.spawn(dist_workers.run, args=(world, free_port(), str(tmp_path), scenario), nprocs=world)
+    if not procs.join(ctx, limit):  # (killed on a hang, a failure, a timeout or Ctrl-C)
+        pytest.fail(f"{scenario}: the ranks did not finish in {limit}s (a hang)")
     out = []
     for r in range(world):
         data = json.load(open(os.path.join(str(tmp_path), f"{r}.json")))

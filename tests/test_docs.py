@@ -10,7 +10,6 @@ and globals meet no other page's), as a reader would paste them. The blocks carr
 import glob
 import os
 import re
-import subprocess
 import textwrap
 import sys
 
@@ -18,6 +17,7 @@ import pytest
 
 import gradhealth as gh
 from conftest import free_port
+import procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FENCE = re.compile(r"^( *)```python[^\n]*\n(.*?)^\1```", re.S | re.M)
@@ -73,11 +73,12 @@ def run_page(page: str, tmp_path) -> None:
     env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore::DeprecationWarning")
-    proc = subprocess.run([sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=240)
+    proc = procs.run([sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                     timeout=240)
     assert proc.returncode == 0, f"{page} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
+@pytest.mark.slow  # (a page's runs in a fresh interpreter: the README's took 47 s on busy cores)
 @pytest.mark.parametrize("page", [p for p in RUNNABLE if p not in FRAMEWORKS])
 def test_the_page_runs_as_written(page, tmp_path):
     run_page(page, tmp_path)
@@ -124,7 +125,7 @@ def test_the_manual_builds_strict(tmp_path):
     """``mkdocs build --strict``: a broken link, a missing anchor or an API reference that does not
     resolve fails the build."""
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = procs.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert (tmp_path / "site" / "index.html").exists() and (tmp_path / "site" / "api" / "index.html").exists()

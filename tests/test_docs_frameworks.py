@@ -8,6 +8,7 @@ import pytest
 from test_docs import FRAMEWORKS, run_page
 
 
+@pytest.mark.slow  # (a framework's real run in a fresh interpreter: 50-75 s a page on busy cores)
 @pytest.mark.parametrize("page", FRAMEWORKS)
 def test_the_framework_page_runs_as_written(page, tmp_path):
     run_page(page, tmp_path)

@@ -8,7 +8,6 @@ import html
 import inspect
 import os
 import re
-import subprocess
 import sys
 from html.parser import HTMLParser
 
@@ -18,15 +17,16 @@ from torch import nn
 
 import gradhealth as gh
 from test_docs import blocks, pages
+import procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLE = re.compile(r":(class|meth|func|mod|attr|exc|data|obj|ref):")
 
 
 def build(site, **env) -> None:
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
-                          env=dict(os.environ, NO_MKDOCS_2_WARNING="1", **env), capture_output=True, text=True,
-                          timeout=300)
+    proc = procs.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
+                     env=dict(os.environ, NO_MKDOCS_2_WARNING="1", **env), capture_output=True, text=True,
+                     timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
 
 

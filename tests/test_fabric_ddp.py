@@ -4,12 +4,12 @@ tests/fabric_ddp_script.py."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from conftest import free_port
+import procs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -26,8 +26,8 @@ def launched(launch, tmp_path_factory):
         out = tmp_path_factory.mktemp(launch)
         env = {**os.environ, "MASTER_PORT": str(free_port()),
                "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "fabric_ddp_script.py"), launch, str(out)],
-                              env=env, capture_output=True, text=True, timeout=240)
+        proc = procs.run([sys.executable, os.path.join(HERE, "fabric_ddp_script.py"), launch, str(out)],
+                         env=env, capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
         _RUNS[launch] = [json.load(open(out / f"{launch}-{r}.json")) for r in range(2)]
     ranks = _RUNS[launch]

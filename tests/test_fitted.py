@@ -251,6 +251,7 @@ def _chain_run(tmp_path, seed, **kw):
     return kept.reports, None
 
 
+@pytest.mark.slow  # (a real Trainer.fit: 49 s on busy cores)
 def test_a_spike_the_trainers_clip_contains_while_the_loss_falls_is_no_error(tmp_path, one_thread):
     """Batch size 1 makes heavy-tailed per-sample norms: two large ones in a row happen by chance
     (seed 42, Trainer's default, at step 78; seeds 0 and 4 too, before). The clip bites at most

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 import warnings
 
@@ -18,6 +17,7 @@ import torch
 
 from gradhealth import deferred
 from gradhealth.errors import GradHealthInternalWarning
+import procs
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,9 +31,9 @@ def _checkout(tmp_path):
 
 
 def _run(root, *args, env=None):
-    return subprocess.run([sys.executable, str(root / "scripts" / "gpu_check.py"), "--cpu", "--tiny", *args],
-                          capture_output=True, text=True, timeout=280, cwd=str(root.parent),
-                          env={**os.environ, "PYTHONPATH": "", **(env or {})})
+    return procs.run([sys.executable, str(root / "scripts" / "gpu_check.py"), "--cpu", "--tiny", *args],
+                     capture_output=True, text=True, timeout=280, cwd=str(root.parent),
+                     env={**os.environ, "PYTHONPATH": "", **(env or {})})
 
 
 def test_gpu_check_runs_from_a_plain_checkout_on_the_cpu(tmp_path):

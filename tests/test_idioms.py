@@ -5,7 +5,6 @@ frame, and the report's dating and texts."""
 import json
 import math
 import os
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -18,6 +17,7 @@ from torch import nn
 
 import gradhealth as gh
 from gradhealth.snapshot import rng_state
+import procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -278,7 +278,7 @@ def test_a_warning_never_raises_whatever_the_callers_frame(how, tmp_path):
         cmd, stdin = [sys.executable, "-"], script
     else:
         cmd, stdin = [sys.executable, "-c", f"exec(compile({script!r}, '<string>', 'exec'))"], None
-    res = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    res = procs.run(cmd, input=stdin, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert "TRAINING-GOES-ON" in res.stdout and "GradHealthWarning" in res.stderr and "NOT_IN_OPTIMIZER" in res.stderr
 
@@ -286,9 +286,9 @@ def test_a_warning_never_raises_whatever_the_callers_frame(how, tmp_path):
 def test_a_warning_never_raises_in_ipython():
     pytest.importorskip("IPython")
     code = textwrap.dedent(_SCRIPT).replace("\n", "\n")
-    res = subprocess.run([sys.executable, "-m", "IPython", "--quick", "--no-banner", "--colors=NoColor",
-                          "--HistoryManager.enabled=False"], input=code + "\nexit()\n", capture_output=True, text=True,
-                         timeout=180, cwd=ROOT)
+    res = procs.run([sys.executable, "-m", "IPython", "--quick", "--no-banner", "--colors=NoColor",
+                     "--HistoryManager.enabled=False"], input=code + "\nexit()\n", capture_output=True, text=True,
+                    timeout=180, cwd=ROOT)
     assert "TRAINING-GOES-ON" in res.stdout, res.stdout + res.stderr
     assert "NOT_IN_OPTIMIZER" in res.stdout + res.stderr and "ImportError" not in res.stdout + res.stderr
 
@@ -337,8 +337,8 @@ def test_report_dates_the_first_nan_the_guard_tolerated_and_names_the_line(tmp_p
                 r = mon.check(loss)
                 assert (step >= 6) == (not r.grads_finite)  # the premise: NaN gradients from step 6
                 opt.step()
-    res = subprocess.run([sys.executable, "-m", "gradhealth", "report", str(tmp_path), "--format", "json"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    res = procs.run([sys.executable, "-m", "gradhealth", "report", str(tmp_path), "--format", "json"],
+                    capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     [row] = [r for r in json.loads(res.stdout) if r["kind"] == "NON_FINITE_GRAD"]
     assert row["step"] == 6, row  # not the first step the guard stopped tolerating

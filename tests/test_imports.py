@@ -1,12 +1,12 @@
 import importlib
 import os
 import pkgutil
-import subprocess
 import sys
 
 import pytest
 
 import gradhealth
+import procs
 
 # tools that live in the package but are never imported by it
 TOOLS = {"__main__"}
@@ -23,7 +23,7 @@ def test_core_modules_import_no_framework_demo_or_bench():
         " or m.startswith(('torch.utils.tensorboard', 'gradhealth.integrations', 'gradhealth.demos', 'gradhealth.benchmarks'))]\n"
         "print(bad); sys.exit(1 if bad else 0)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    out = procs.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -5,7 +5,6 @@ this suite runs against, the extras it names exist, and a wheel carries what the
 import glob
 import os
 import re
-import subprocess
 import sys
 import zipfile
 from email.parser import Parser
@@ -15,6 +14,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+import procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DISTRIBUTIONS = {"torch": "torch", "Lightning": "lightning", "transformers": "transformers", "Accelerate": "accelerate",
@@ -81,8 +81,8 @@ def test_the_readme_names_every_extra_a_user_installs():
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), ROOT],
-                          capture_output=True, text=True, timeout=600)
+    proc = procs.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), ROOT],
+                     capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [path] = glob.glob(str(out / "gradhealth-*.whl"))
     return path
@@ -104,12 +104,12 @@ def test_the_wheel_ships_the_configs_the_license_and_the_extras(wheel):
 
 def test_the_configs_are_found_from_an_installed_wheel_in_another_folder(wheel, tmp_path):
     target = tmp_path / "site"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
-                           str(target), wheel], capture_output=True, text=True, timeout=300)
+    proc = procs.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
+                      str(target), wheel], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     env = dict(os.environ, PYTHONPATH=str(target))
-    run = lambda *a: subprocess.run([sys.executable, "-m", "gradhealth.configs", *a], cwd=tmp_path, env=env,  # noqa: E731
-                                    capture_output=True, text=True, timeout=120)
+    run = lambda *a: procs.run([sys.executable, "-m", "gradhealth.configs", *a], cwd=tmp_path, env=env,  # noqa: E731
+                               capture_output=True, text=True, timeout=120)
     folder = run().stdout.strip()
     assert folder.startswith(str(target)) and os.path.isdir(folder), folder
     path = run("default.yaml").stdout.strip()

@@ -62,6 +62,7 @@ def tanh_stack():
 
 @pytest.mark.parametrize("make_opt", [lambda p: torch.optim.SGD(p, lr=1e-2),
                                       lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9)])
+@pytest.mark.slow  # (2000 checks: 53-68 s on busy cores)
 def test_deep_tanh_stack_for_2000_steps(make_opt):
     model = tanh_stack()
     opt = make_opt(model.parameters())

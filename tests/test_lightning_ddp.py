@@ -110,7 +110,7 @@ _LAUNCHED: dict = {}
 def launched(tmp_path_factory) -> dict:
     """Both ranks' results of each case, from one launch per test session."""
     import json
-    import subprocess
+    import procs
     import sys
 
     from conftest import free_port
@@ -120,8 +120,8 @@ def launched(tmp_path_factory) -> dict:
         here = os.path.dirname(__file__)
         env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run([sys.executable, os.path.join(here, "lightning_ddp_script.py"), str(out), "accum", "swa"],
-                              env=env, capture_output=True, text=True, timeout=280)
+        proc = procs.run([sys.executable, os.path.join(here, "lightning_ddp_script.py"), str(out), "accum", "swa"],
+                         env=env, capture_output=True, text=True, timeout=280)
         assert proc.returncode == 0, proc.stderr[-3000:]
         for case in ("accum", "swa"):
             _LAUNCHED[case] = [json.load(open(out / f"{case}-{r}.json")) for r in (0, 1)]

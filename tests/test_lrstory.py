@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
@@ -19,6 +18,7 @@ from torch import nn
 
 import gradhealth as gh
 from conftest import free_port
+import procs
 
 HERE = Path(__file__).parent
 
@@ -216,8 +216,8 @@ def deepspeed_lr(tmp_path_factory):
                MASTER_PORT=str(free_port()))
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     cases = ["0-fp32-warmup", "2-bf16-warmup", "0-fp32-stuck", "2-bf16-stuck", "1-bf16-lr0", "2-bf16-lr0"]
-    proc = subprocess.run([sys.executable, str(HERE / "deepspeed_lr.py"), str(out), *cases], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = procs.run([sys.executable, str(HERE / "deepspeed_lr.py"), str(out), *cases], env=env,
+                     capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import struct
-import subprocess
 import sys
 
 import pytest
@@ -20,6 +19,7 @@ from tensorboard.compat.proto.summary_pb2 import Summary  # noqa: E402
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c  # noqa: E402
 
 from gradhealth.integrations.tbread import NAMES, records  # noqa: E402
+import procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,8 +62,8 @@ def problem_run(directory, name="events.out.tfevents.1.host", steps=4, module="h
 
 def report(*args, timeout=60):
     env = {**os.environ, "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, "-m", "gradhealth", "report", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return procs.run([sys.executable, "-m", "gradhealth", "report", *map(str, args)], capture_output=True,
+                     text=True, timeout=timeout, env=env)
 
 
 def test_a_fifo_named_like_an_event_file_is_skipped_not_waited_on(tmp_path):
@@ -284,8 +284,8 @@ def test_memory_stays_bounded_on_a_24_mb_log(tmp_path):
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)")
 
     def peak_kib(d):
-        res = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "PYTHONPATH": ROOT})
+        res = procs.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=600,
+                        env={**os.environ, "PYTHONPATH": ROOT})
         assert res.returncode == 0, res.stderr[-2000:]
         return int(res.stderr.strip().splitlines()[-1])
 

@@ -93,21 +93,14 @@ def test_a_failing_hook_never_breaks_the_run(monkeypatch, where, name, kind, how
 def test_failing_ddp_hooks_never_break_a_two_rank_run(tmp_path):
     import json
     import os
-    import time
 
-    import torch.multiprocessing as mp
-
+    import procs
     import robust_workers
     from conftest import free_port
 
-    ctx = mp.start_processes(robust_workers.run, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.time() + 180
-    while not ctx.join(timeout=1):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the ranks did not finish in 180s (a hang)")
+    ctx = procs.spawn(robust_workers.run, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    if not procs.join(ctx, 180):  # (killed on a hang, a failure, a timeout or Ctrl-C)
+        pytest.fail("the ranks did not finish in 180s (a hang)")
     for r in range(2):
         data = json.load(open(os.path.join(str(tmp_path), f"{r}.json")))
         assert "error" not in data, data.get("error")

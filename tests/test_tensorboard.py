@@ -4,7 +4,6 @@ browser: test_dashboards.py)."""
 import json
 import math
 import os
-import subprocess
 import sys
 
 import lightning.pytorch as pl
@@ -18,6 +17,7 @@ from gradhealth.integrations.lightning import GradHealthCallback, metrics_of
 from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
 from gradhealth.integrations.gradient_flow import gradient_flow_image
 from gradhealth.integrations.tensorboard import TensorBoardSink, read_run
+import procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,7 +117,7 @@ def test_empty_and_corrupt_logdirs(tmp_path):
     (tmp_path / "events.out.tfevents.123.host").write_bytes(b"\x00garbage that is not a record" * 3)
     with pytest.raises(ValueError, match="hold no scalars|cannot be read"):
         read_run(tmp_path)
-    res = subprocess.run([sys.executable, "-m", "gradhealth", "report", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    res = procs.run([sys.executable, "-m", "gradhealth", "report", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stderr.startswith("gradhealth report:") and "Traceback" not in res.stderr
 
 
@@ -138,11 +138,11 @@ def test_lightning_run_lands_in_one_tensorboard_run(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_report_on_the_demo_logs_names_the_planted_problems(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "gradhealth", "demo", "--steps", "4", "--no-progress", "--logdir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
+    res = procs.run([sys.executable, "-m", "gradhealth", "demo", "--steps", "4", "--no-progress", "--logdir", str(tmp_path)],
+                    capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    rep = subprocess.run([sys.executable, "-m", "gradhealth", "report", str(tmp_path), "--format", "json"],
-                         capture_output=True, text=True, timeout=120)
+    rep = procs.run([sys.executable, "-m", "gradhealth", "report", str(tmp_path), "--format", "json"],
+                    capture_output=True, text=True, timeout=120)
     items = json.loads(rep.stdout)
     kinds = {(i["run"].split(os.sep)[0], i["kind"]) for i in items}
     for expected in [("not_in_optimizer", "NOT_IN_OPTIMIZER"), ("lr_zero", "NOT_UPDATED"), ("all_masked", "EMPTY_VALID_SET"),
@@ -154,8 +154,8 @@ def test_report_on_the_demo_logs_names_the_planted_problems(tmp_path):
     assert nan["step"] == 2 and "reproduced" in nan["detail"]
     where = next(i for i in items if i["run"].startswith("mask_after_divide") and i["kind"] == "NON_FINITE_GRAD")
     assert "module 'norm', at DivBackward0" in where["detail"]
-    csv_out = subprocess.run([sys.executable, "-m", "gradhealth", "report", str(tmp_path), "--format", "csv"],
-                             capture_output=True, text=True, timeout=120).stdout
+    csv_out = procs.run([sys.executable, "-m", "gradhealth", "report", str(tmp_path), "--format", "csv"],
+                        capture_output=True, text=True, timeout=120).stdout
     assert csv_out.splitlines()[0] == "run,kind,step,detail,names"
 
 

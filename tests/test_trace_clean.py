@@ -143,7 +143,7 @@ def test_after_deepspeed_skips_a_step_on_inf_the_next_clean_check_blames_nothing
     pytest.importorskip("deepspeed")
     import json
     import os
-    import subprocess
+    import procs
     import sys
     from pathlib import Path
 
@@ -153,8 +153,8 @@ def test_after_deepspeed_skips_a_step_on_inf_the_next_clean_check_blames_nothing
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
     env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent), env.get("PYTHONPATH", "")])
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(here / "deepspeed_nan_once.py"), str(out), "1", precision], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = procs.run([sys.executable, str(here / "deepspeed_nan_once.py"), str(out), "1", precision], env=env,
+                     capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     case = json.loads(out.read_text())
     # the premise: a finite loss, two steps with inf gradients, and DeepSpeed skipped those two steps

@@ -358,21 +358,21 @@ def test_accelerate_recipe_is_silent_when_healthy_and_names_the_bug():
 
 
 def test_import_gradhealth_loads_no_transformers():
-    import subprocess
+    import procs
     import sys
 
     code = "import sys, gradhealth; print([m for m in sys.modules if m.split('.')[0] in ('transformers', 'accelerate', 'peft')])"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    out = procs.run([sys.executable, "-c", code], capture_output=True, text=True,
+                    env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_demo_transformers_names_both_bugs_and_is_silent_when_healthy(tmp_path):
-    import subprocess
+    import procs
     import sys
 
-    res = subprocess.run([sys.executable, "-m", "gradhealth", "demo", "--transformers", "--steps", "9", "--logdir",
-                          str(tmp_path)], capture_output=True, text=True, timeout=300)
+    res = procs.run([sys.executable, "-m", "gradhealth", "demo", "--transformers", "--steps", "9", "--logdir",
+                     str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     out = res.stdout
     blocks = out.split("\n[")
@@ -442,7 +442,7 @@ def test_report_names_the_parameters_of_a_trainer_run(tmp_path, monkeypatch):
     `gradhealth report` names the parameters in every format, as for Lightning runs."""
     import csv
     import io
-    import subprocess
+    import procs
     import sys
 
     from gradhealth.demos.hf_trainer import HeadOutOfOptimizer
@@ -457,8 +457,8 @@ def test_report_names_the_parameters_of_a_trainer_run(tmp_path, monkeypatch):
     assert names(cb.last_report, gh.Status.NOT_IN_OPTIMIZER) == head  # the premise
 
     def report(*args):
-        res = subprocess.run([sys.executable, "-m", "gradhealth", "report", str(logdir), *args], capture_output=True,
-                             text=True, timeout=120)
+        res = procs.run([sys.executable, "-m", "gradhealth", "report", str(logdir), *args], capture_output=True,
+                        text=True, timeout=120)
         assert res.returncode == 0, res.stderr
         return res.stdout
 

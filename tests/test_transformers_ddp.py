@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -10,6 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from conftest import free_port  # noqa: E402
+import procs
 
 HERE = os.path.dirname(__file__)
 
@@ -20,7 +20,7 @@ def torchrun(out, mode):
     for _ in range(2):  # like run_spawned: one retry for the launcher (a port taken meanwhile, a gloo teardown abort)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                os.path.join(HERE, "hf_ddp_worker.py"), str(out), mode]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        res = procs.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         if res.returncode == 0:
             return [json.load(open(out / f"rank{r}.json")) for r in (0, 1)]
         first = first or res
