@@ -79,6 +79,8 @@ class DemoModule(pl.LightningModule):
         if bug not in BUGS:
             raise ValueError(f"bug must be one of {', '.join(repr(b) for b in BUGS)}; got {bug!r}")
         self.save_hyperparameters()
+        if bug == "eval_mode":  # eval() must change what the forward computes for the bug to be real
+            dropout = max(dropout, 0.1)
         self.encoder = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, hidden), nn.ReLU())
         self.head = nn.Linear(hidden, n_classes)
         self.norm = _Standardize() if bug == "mask_after_divide" else nn.Identity()

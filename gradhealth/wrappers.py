@@ -257,7 +257,10 @@ def wrapper_of(model: nn.Module, test):
         nxt = []
         for obj in frontier:
             for ref in gc.get_referrers(obj):
-                if isinstance(ref, nn.Module) and ref is not target and test(ref) and unwrap(ref) is target:
+                # (its .module is the target: an engine passes ``test`` by what it does, accumulating,
+                # with or without a process group of its own)
+                if (isinstance(ref, nn.Module) and ref is not target and test(ref)
+                        and (unwrap(ref) is target or getattr(ref, "module", None) is target)):
                     return ref
                 if isinstance(ref, dict) and id(ref) not in seen:
                     seen.add(id(ref))
