@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import warnings
 
 import torch
@@ -41,8 +40,9 @@ from .hooks import Owned
 from . import verdict
 from .masters import Masters
 from .deferred import Deferred, Launch, due_test
+from .launch import launch
 from .guards import ForwardWatch, diagnose_loss
-from .observe import Observation, failed_observation, observe
+from .observe import Observation
 from .options import Options, check_scaler, check_step, check_tensor
 from .params import ModelChanges, ParamView, Selection
 from .patience import persist
@@ -56,7 +56,6 @@ __all__ = ["GradHealth"]
 
 log = logging.getLogger("gradhealth")
 _NO_CONTEXT = contextlib.nullcontext()  # (reusable)
-_SCALER_FLAG = operator.attrgetter("scaler_flag")  # (a step a grad scaler may have skipped)
 
 
 class GradHealth:
@@ -304,19 +303,7 @@ class GradHealth:
     def _build(self, step: int, loss, optimizer) -> Report:
         return self._complete(self._launch(step, loss, optimizer))
 
-    def _launch(self, step: int, loss, optimizer, deferred: bool = False) -> Launch:
-        """Everything a check takes from this moment: the device numbers (read now, or later when
-        ``deferred``: :mod:`.deferred`) and what the rank saw besides them."""
-        sel = self.view.selection(optimizer)
-        # a closure's later evaluation inside one step (LBFGS): judged, but it neither resolves nor arms a step
-        reeval = self.tracker is not None and self.tracker.reevaluation()
-        judged = [optimizer] if optimizer is not None else self.optimizers
-        t = self.tracker  # (deferred: the armed check's gradients, as of now, where no step ran since it)
-        discarded = self.carry._discarded() if deferred and t is not None and (
-            not t.steps_since_check or any(map(_SCALER_FLAG, t.pending))) else None
-        obs, steps_ran = self._observe(sel, loss, reeval, judged, deferred)
-        return Launch(step, sel, optimizer, reeval, obs, steps_ran, self._after_step, self.carry.take_output_grad(),
-                      discarded, (dict(t.stepped), t.total_steps) if t is not None else None)
+    _launch = launch  # (:mod:`.launch`: the device numbers and what the rank saw)
 
     def _complete(self, launch: Launch) -> Report:
         """The report of a launched check, from its numbers on the host."""
@@ -361,33 +348,6 @@ class GradHealth:
         if launch.transfer is None:  # (for a clip_grad_norm_ that follows; a deferred check's norms come too late)
             clip.keep(self, report, obs.with_grad, obs.norms, optimizer is None)
         return report
-
-    def _observe(self, sel: Selection, loss, reeval: bool = False, judged=(), deferred: bool = False):
-        """Gather and read back (one transfer); what this rank saw besides numbers rides along."""
-        tracker, carry = self.tracker, self.carry
-        updates, stale, steps_ran, self._after_step, captured, valid = [], set(), None, False, None, carry.take_valid()
-        if tracker is not None and not reeval:  # (taken before anything can fail: a failed rank still joins with them)
-            updates, steps_ran, tracker.pending = tracker.pending, tracker.steps_since_check, []
-        try:
-            if tracker is not None and not reeval:
-                tracker.witness.clear()
-                stale = tracker.witness.take(self.view.entries, judged, len(judged) == 1)
-                self._after_step, captured = tracker.ran.take(judged)  # (a one-call step, or steps inside backward)
-                self.masters.checked(self._after_step)
-            obs, self._plan = observe(self.view, sel, loss, valid, updates, self.scaler, self._plan, self.ranks.active,
-                                      self.ranks.all_sharded, carry.take_router(), judged if self._after_step else (),
-                                      captured, deferred, carry.window.take())  # (the window's deferred checks)
-            obs.loss_cause = diagnose_loss(loss, self.model, carry.forward) if loss is not None else None
-            obs.eval_record = carry.take_eval_backward()
-            obs.stale, obs.local = stale, self.ranks.in_no_sync()  # (local: a check inside no_sync() made at once)
-            self._failed = None
-        except Exception as exc:
-            if not self.ranks.active:
-                raise
-            # Never leave the other ranks waiting in the collective: join it with an empty
-            # contribution and a failure flag, so every rank gives up on this check together.
-            obs, self._failed = failed_observation(self.view, sel, valid, updates), exc
-        return obs, steps_ran
 
     def _reduce(self, obs: Observation, seen=None) -> crossrank.Across:
         """THE collective of a check: every rank's numbers summed, the same verdict everywhere.
