@@ -48,6 +48,7 @@ from .params import ModelChanges, ParamView, Selection
 from .patience import persist
 from .policy import Publisher, alarm, explain
 from .replicas import Replicas, group_members, verify_step
+from .quick import quick
 from .report import Report
 from .unstepped import Unstepped
 from .wrappers import unwrap
@@ -55,6 +56,7 @@ from .wrappers import unwrap
 __all__ = ["GradHealth"]
 
 log = logging.getLogger("gradhealth")
+_REPORT = quick(Report)  # (a Report as Report(...) makes it, without its __init__'s per-field tests)
 _NO_CONTEXT = contextlib.nullcontext()  # (reusable)
 
 
@@ -383,7 +385,7 @@ class GradHealth:
                                           v.all_inside if optimizer is None else None, None)
         status, in_opt, not_ok, frozen = classify_selection(v.names, v.params, v.pids, sel.idx, obs.norm_of, ids,
                                                             obs.norms, inside, requires)
-        return Report(step=step, status=status, grad_norm=dict(zip(map(v.names.__getitem__, obs.with_grad), obs.norms)),
+        return _REPORT(step=step, status=status, grad_norm=dict(zip(map(v.names.__getitem__, obs.with_grad), obs.norms)),
                       total_grad_norm=stats.combine_norms(obs.norms), meta=v.meta,
                       in_optimizer=in_opt, loss=obs.loss, valid_counts=obs.valid, not_ok=not_ok, frozen_names=frozen,
                       optimizer_index=v.optimizer_index(optimizer) if optimizer is not None else None)
