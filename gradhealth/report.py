@@ -101,6 +101,7 @@ class _Tree:
         self.size = {a: len(names) for a, names in self.under.items()}
 
 
+_STATES = tuple(Status)  # (iterating the enum itself runs Python: once here)
 _TREES: dict[tuple, _Tree] = {}
 
 
@@ -311,7 +312,7 @@ class Report:
     def counts(self) -> dict[Status, int]:
         """How many parameters are in each state (every state present, zeros included)."""
         c = Counter(self.status.values())
-        return {s: c.get(s, 0) for s in Status}
+        return dict(zip(_STATES, map(c.get, _STATES, repeat(0))))
 
     def findings_of(self, kind) -> list[Finding]:
         return [f for f in self.findings if f.kind == kind]
