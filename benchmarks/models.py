@@ -173,6 +173,7 @@ class _Run:
             self.monitor = gh.GradHealth(c.module, opts, on_problem="ignore", lag=int(variant.startswith("deferred")),
                                          sinks=list(sinks))
         self.params = [p for p in c.module.parameters() if p.requires_grad]
+        self.losses: list[torch.Tensor] = []  # (every step's, kept on the device: tests assert they fall)
 
     def watch(self) -> None:
         if self.monitor is not None:
@@ -183,7 +184,9 @@ class _Run:
     def before(self) -> None:
         c = self.case
         c.optimizer.zero_grad(set_to_none=True)
-        c.loss().backward()
+        loss = c.loss()
+        loss.backward()
+        self.losses.append(loss.detach())
         if c.clip is not None:
             torch.nn.utils.clip_grad_norm_(self.params, c.clip)
 
@@ -203,9 +206,10 @@ class _Run:
             self.monitor.close()
 
 
-def count_model(label: str, checks: int = 16, warm: int = 30) -> dict[str, dict[str, float]]:
+def count_model(label: str, checks: int = 16, warm: int = 30, runs_out: dict | None = None) -> dict[str, dict[str, float]]:
     """{variant: {"check": median instructions inside check() (or the clip), "step": mean instructions
-    of the whole step above the plain step's}} over ``checks`` steady-state steps after ``warm``."""
+    of the whole step above the plain step's}} over ``checks`` steady-state steps after ``warm``
+    (``runs_out``: filled with each variant's run, its monitor and losses, for a test to look at)."""
     make = MODELS[label]
     runs = {v: _Run(make, v) for v in ("plain",) + VARIANTS}
     out = {}
@@ -227,6 +231,8 @@ def count_model(label: str, checks: int = 16, warm: int = 30) -> dict[str, dict[
             out[v] = {"check": statistics.median(inside)}
         for v in VARIANTS:
             out[v]["step"] = whole[v] - whole["plain"]
+    if runs_out is not None:
+        runs_out.update(runs)
     for r in runs.values():
         r.close()
     return {v: out[v] for v in VARIANTS}
