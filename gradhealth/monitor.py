@@ -91,6 +91,7 @@ class GradHealth:
         self.last_report: Report | None = None
         self._closed = False
         self._plan, self._shards, self._clip_source, self._after_step = None, (set(), {}), False, False
+        self._unwrapped: dict[int, tuple] = {}  # id -> (an optimizer given to check(), the monitor's it stands for)
         self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every,
                                       change_every=o.change_every, held=self.masters.held())
                         if self.optimizers else None)
@@ -137,9 +138,13 @@ class GradHealth:
             self._deferred is None or self._deferred.settle()
             self._refresh()
         check_tensor("check(loss=...)", loss, optional=True)
-        if optimizer is not None:
-            optimizer = unwrap_optimizer(optimizer)
-            self.view.optimizer_index(optimizer)  # a clear error for an optimizer the monitor does not know
+        if optimizer is not None:  # (unwrapped once per object given: a wrapper holds its optimizer for the run)
+            known = self._unwrapped.get(id(optimizer))
+            if known is None or known[0] is not optimizer:
+                known = (optimizer, unwrap_optimizer(optimizer))
+                self.view.optimizer_index(known[1])  # a clear error for an optimizer the monitor does not know
+                self._unwrapped[id(optimizer)] = known
+            optimizer = known[1]
         if self._missed is not None:
             self._missed.called(step, optimizer)
         s = self._gate(check_step(step))
