@@ -303,9 +303,9 @@ def sb3_learn(algo: str = "PPO", rounds: int = 5, timesteps: int = 2048) -> dict
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if algo == "DQN":
-                m = DQN("MlpPolicy", "CartPole-v1", seed=0, device="cpu", learning_starts=100, train_freq=1)
+                m = DQN("MlpPolicy", "CartPole-v1", seed=0, device="cpu", learning_starts=min(100, timesteps // 4), train_freq=1)
             else:
-                m = PPO("MlpPolicy", "CartPole-v1", seed=0, device="cpu", n_steps=512, batch_size=64, n_epochs=4)
+                m = PPO("MlpPolicy", "CartPole-v1", seed=0, device="cpu", n_steps=min(512, timesteps), batch_size=64, n_epochs=4)
         mon = _attach(m, hook) if hook != "plain" else None
         return m, mon
 
@@ -325,7 +325,12 @@ def sb3_learn(algo: str = "PPO", rounds: int = 5, timesteps: int = 2048) -> dict
                 steps = counted[0]
                 if mon is not None:
                     mon.close()
-    return {**{n: statistics.median(t) for n, t in times.items()}, "steps": steps}
+    return {**{n: statistics.median(t) for n, t in times.items()}, "steps": steps, "timesteps": timesteps}
+
+
+def _ratio(extra: float, one: float) -> str:
+    """``extra / one`` in a 7-wide cell; "n/a" where the one number's cost is lost in the noise (<= 0)."""
+    return f"{extra / one:>7.2f}" if one > 0 else f"{'n/a':>7}"
 
 
 def bench_models(rounds: int = 15, timed: bool = True, learn: bool = True) -> dict:
@@ -333,7 +338,7 @@ def bench_models(rounds: int = 15, timed: bool = True, learn: bool = True) -> di
           "step (sys.settrace opcode events, deterministic), whole-step time interleaved; 'x one': over the one "
           "number a user logs instead (clip_grad_norm_(params, inf).item()); target: at most 1.5x")
     print(f"  {'model':<28}{'variant':<19}{'instr/check':>12}{'x one':>7}{'instr/step':>12}{'x one':>7}"
-          + (f"{'plain ms':>10}{'+ms':>8}{'x one':>7}" if timed else ""))
+          + (f"{'plain ms':>10}{'+ms':>9}{'x one':>7}" if timed else ""))
     out = {}
     for label in MODELS:
         counts = count_model(label)
@@ -344,17 +349,17 @@ def bench_models(rounds: int = 15, timed: bool = True, learn: bool = True) -> di
             row = (f"  {label:<28}{v:<19}{c['check']:>12.0f}{c['check'] / one['check']:>7.2f}"
                    f"{c['step']:>12.0f}{c['step'] / one['step']:>7.2f}")
             if times is not None:
-                t, o = times[v], max(times["one number"]["extra"], 1e-9)
-                row += f"{t['plain'] * 1e3:>10.3f}{t['extra'] * 1e3:>+8.3f}{t['extra'] / o:>7.2f}"
+                t, o = times[v], times["one number"]["extra"]
+                row += f"{t['plain'] * 1e3:>10.3f}{t['extra'] * 1e3:>+9.3f}" + _ratio(t["extra"], o)
             print(row, flush=True)
         out[label] = {"counts": counts, "times": times}
     if learn and "SB3 PPO policy (CartPole)" in MODELS:
-        for algo in ("PPO", "DQN"):
-            r = sb3_learn(algo, max(3, rounds // 3))
+        for algo in ("PPO", "DQN"):  # (a short run when few rounds are asked: a smoke test of the row)
+            r = sb3_learn(algo, max(1, rounds // 3), 2048 if rounds >= 9 else 256)
             one, mon = r["one"] - r["plain"], r["monitor"] - r["plain"]
-            print(f"  SB3 {algo}.learn(2048), {r['steps']} optimizer steps: plain {r['plain']:.3f} s; the one number "
+            print(f"  SB3 {algo}.learn({r['timesteps']}), {r['steps']} optimizer steps: plain {r['plain']:.3f} s; the one number "
                   f"{one * 1e3:+.0f} ms; the monitor attached (docs/frameworks/rl.md) {mon * 1e3:+.0f} ms "
-                  f"({mon / max(one, 1e-9):.2f}x the one number)", flush=True)
+                  f"({_ratio(mon, one).strip()}x the one number)", flush=True)
             out[f"SB3 {algo}.learn"] = r
     return out
 
