@@ -349,10 +349,11 @@ class Launched:
                 plan.learn(range(len(views)), views)
                 plan.later = True
             pieces, plan = _pack_fitted(views, plan)
-        self.views, self.plan, self.n = views, plan, len(plan.perm) if grads else 0
-        self.perm, self.identity, self.exact = (plan.perm, plan.identity, plan.exact) if grads else ([], True, frozenset())
-        self.order = plan.order if grads else None
-        self.later = bool(later and grads)
+        if grads:
+            self.n, self.identity, self.order = len(plan.perm), plan.identity, plan.order
+        else:
+            self.n, self.identity, self.order = 0, True, None
+        self.views, self.plan, self.later = views, plan, bool(later and grads)
         #: what is read back, in order: the norms (as the kernels left them, or joined), the extras; and
         #: (``later``) as one vector, ``packed``, the transfer's one source (None: nothing to read)
         self.parts = pieces + list(filter(_SOMETHING, extras))  # (the scalars among them: one stack)
@@ -367,7 +368,7 @@ class Launched:
         values = fetch(self.parts)
         norms = self._order(values)
         if 0.0 in norms or math.inf in norms:  # (those not normed exactly already: picked out in C)
-            suspects = list(filterfalse(self.exact.__contains__,
+            suspects = list(filterfalse(self.plan.exact.__contains__,  # (normed exactly as of this launch: read at once)
                                         compress(range(len(norms)), map((0.0, math.inf).__contains__, norms))))
             if suspects:
                 for i, v in zip(suspects, exact_norms([self.views[i] for i in suspects])):
