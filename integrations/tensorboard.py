@@ -194,7 +194,7 @@ class TensorBoardSink:
             done = self._texts[report.step] = set()
             errors = report.errors
             by_state: dict[Status, list] = {}
-            for row in group_by_module(report.status, errors) if errors else ():  # (the errors' names only: no walk of every name)
+            for row in group_by_module(report.status, errors) if errors else ():  # (no walk of every name)
                 by_state.setdefault(row[2], []).append(row)
             # (the names, then what the state means and what to do, as the console warning says it)
             states = [f"**{state.value}** (error, step {{}}): {describe_groups(rows)}{NAMES}{_listed(rows)}\n\n"
