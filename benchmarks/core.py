@@ -436,7 +436,7 @@ def bench_distributed(rounds: int) -> None:
 
 
 #: the sections of ``gradhealth bench --sections`` (all by default)
-SECTIONS = ("step", "small", "counts", "checks", "budget", "deltas", "experts", "many", "tracer", "distributed",
+SECTIONS = ("step", "small", "models", "counts", "checks", "budget", "deltas", "experts", "many", "tracer", "distributed",
             "lightning", "transformers", "tensorboard")
 
 
@@ -471,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
         from gradhealth.benchmarks.small import bench_small
 
         bench_small(args.rounds)
+    if "models" in sections and args.device == "cpu":  # (RL policies among them: instructions, time, SB3's learn())
+        from gradhealth.benchmarks.models import bench_models
+
+        bench_models(max(3, 2 * args.rounds))
     if "counts" in sections:  # (counted on the CPU: ops and instructions do not depend on the clock)
         from gradhealth.benchmarks.counts import bench_counts
 

@@ -208,9 +208,10 @@ def classify_selection(names: list[str], params: list, pids: list[int], idx: lis
             status.update(zip(not_ok, map(_BY_NORM.get, compress(vals, odd), repeat(Status.NON_FINITE_GRAD))))
             return status, in_opt, not_ok, frozen
     not_ok: list[str] = []
-    for i in walk:  # (every one trainable)
-        v = norm_of[i]
-        inside = ids is None or pids[i] in ids
+    # (some entries are in no optimizer, a target network's: each one there, and each with a norm that is
+    # not usable, is walked below, in entry order; the others, in an optimizer with a usable norm, are OK)
+    insides = list(map(ids.__contains__, map(pids.__getitem__, walk))) if ids is not None else repeat(True)
+    for i, inside, v in zip(walk, insides, map(norm_of.__getitem__, walk)):  # (every one trainable)
         if inside and v is not None and 0.0 < v < inf:
             continue
         if not inside:

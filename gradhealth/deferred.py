@@ -149,6 +149,8 @@ class Deferred:
         self.early = None  # a report completed before a rebuild of the view (:meth:`settle`), not returned yet
         # a check completes in the call that launches the next one, after that one's forward (``traced``)
         monitor.carry.launching = True
+        #: the step guard, decided at launch on the device (a grad scaler's own skip stands in for it)
+        self.guarding = monitor.options.skip_nonfinite and monitor.scaler is None
 
     def check(self, step: int, loss, optimizer):
         """Complete the check in flight (its report, or None), then launch this one (also when the
@@ -167,25 +169,27 @@ class Deferred:
                     _said(self._step, exc, 5)
             launch = m._launch(step, loss, optimizer, deferred=True)
             pending = launch.obs  # (not a Pending: this rank's observation failed; it joins the ranks flagged, later)
-            ok = type(pending) is Pending
-            packed = pending.launched.packed if ok else None
+            if type(pending) is Pending:
+                packed, with_grad = pending.launched.packed, pending.with_grad
+            else:
+                packed = with_grad = None
             if m.ranks.active:  # what DDP's hooks saw of this backward, read with the same copy
-                packed = self._seen(launch, pending if ok else None, packed)
+                packed = self._seen(launch, pending if with_grad is not None else None, packed)
             launch.transfer = Transfer(packed, self.pinned)
             v = m.view  # (what the report is judged against, as of now: the loop may change it before completion)
             requires = list(map(_REQUIRES_GRAD, v.params))
             launch.setup = ((v.optimizer_ids(), v.all_inside, requires) if optimizer is None
                             else (launch.sel.opt_ids, None, requires))
-            if ok and m.tracker is not None and not launch.reeval:
+            tracker = m.tracker
+            if with_grad is not None and tracker is not None and not launch.reeval:
                 last = m.last_report  # (and a frozen parameter holding a gradient now: its step may move it)
-                m.tracker.arm(step, m.optimizers if optimizer is None else [optimizer],
-                              last is not None and due_test(m.carry, last)
-                              or not all(map(requires.__getitem__, pending.with_grad)))
+                tracker.arm(step, m.optimizers if optimizer is None else [optimizer],
+                            last is not None and due_test(m.carry, last) or not all(map(requires.__getitem__, with_grad)))
                 if not launch.after_step:
-                    m.carry.stage(step, witnesses(v.params, pending.with_grad))
-            if m.options.skip_nonfinite and m.scaler is None:
-                norms = None if ok else _norms_now(v, launch.sel)  # (a failed observation: taken again)
-                if ok or norms is not None:
+                    m.carry.stage(step, witnesses(v.params, with_grad))
+            if self.guarding:
+                norms = None if with_grad is not None else _norms_now(v, launch.sel)  # (a failed observation: taken again)
+                if with_grad is not None or norms is not None:
                     self._guard(launch, norms)
             self.inflight = launch
         except GradHealthError:
@@ -253,8 +257,7 @@ class Deferred:
 
     def complete(self):
         """The report of the check in flight (its numbers read now: their copy finished long ago)."""
-        launch, self.inflight = self.inflight, None
-        m = self.monitor
+        launch, self.inflight, m = self.inflight, None, self.monitor
         self._step, pending, values = launch.step, launch.obs, launch.transfer.values()
         if launch.ranks is not None:  # (torch.distributed: the ranks' numbers follow the check's own)
             values = self._split(launch, pending, values)
@@ -267,7 +270,7 @@ class Deferred:
                 launch.obs, m._failed = failed_observation(m.view, launch.sel, *pending.asked), exc
         m.last_report = report = m._complete(launch)
         m.carry.checks += 1
-        if m.options.skip_nonfinite and m.scaler is None:  # (a poisoned step was skipped at launch: the finding)
+        if self.guarding:  # (a poisoned step was skipped at launch: the finding)
             v = m.view
             skipping.guard(report, m.options, m.carry, None, [v.params[i] for i in launch.sel.idx], False, None,
                            drop=False, kept=all(map(fused, [launch.optimizer] if launch.optimizer else m.optimizers)))

@@ -73,11 +73,23 @@ def suffix(report: Report, n_optimizers: int) -> str:
     return f"_opt{report.optimizer_index}"
 
 
+_TAGS: dict[str, tuple[list[str], list[str]]] = {}  # tag head -> (the names, their tags) last asked for
+
+
+def _tags(names, head: str) -> list[str]:
+    """``head + name`` for each of ``names``, made again only when the names change (a run's
+    modules are the same at every check: no string built per module and write)."""
+    keys = list(names)
+    memo = _TAGS.get(head)
+    if memo is None or memo[0] != keys:
+        memo = _TAGS[head] = (keys, [head + n for n in keys])
+    return memo[1]
+
+
 def report_metrics(report: Report, granularity: str = "module", norm: str = "grad_norm", suffix: str = "") -> dict[str, float]:
     out: dict[str, float] = {f"{PREFIX}/{norm}/total{suffix}": report.total_grad_norm}
     if granularity == "module" and report.module_grad_norm:  # the monitor computed them already
-        for g, v in report.module_grad_norm.items():
-            out[f"{PREFIX}/{norm}/{g}"] = v
+        out.update(zip(_tags(report.module_grad_norm, f"{PREFIX}/{norm}/"), report.module_grad_norm.values()))
     else:
         groups: dict[str, list[float]] = {}
         for name, v in report.grad_norm.items():

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import warnings
 
 import torch
@@ -41,13 +40,15 @@ from .hooks import Owned
 from . import verdict
 from .masters import Masters
 from .deferred import Deferred, Launch, due_test
+from .launch import launch
 from .guards import ForwardWatch, diagnose_loss
-from .observe import Observation, failed_observation, observe
+from .observe import Observation
 from .options import Options, check_scaler, check_step, check_tensor
 from .params import ModelChanges, ParamView, Selection
 from .patience import persist
 from .policy import Publisher, alarm, explain
 from .replicas import Replicas, group_members, verify_step
+from .quick import quick
 from .report import Report
 from .unstepped import Unstepped
 from .wrappers import unwrap
@@ -55,8 +56,8 @@ from .wrappers import unwrap
 __all__ = ["GradHealth"]
 
 log = logging.getLogger("gradhealth")
+_REPORT = quick(Report)  # (a Report as Report(...) makes it, without its __init__'s per-field tests)
 _NO_CONTEXT = contextlib.nullcontext()  # (reusable)
-_SCALER_FLAG = operator.attrgetter("scaler_flag")  # (a step a grad scaler may have skipped)
 
 
 class GradHealth:
@@ -90,6 +91,7 @@ class GradHealth:
         self.last_report: Report | None = None
         self._closed = False
         self._plan, self._shards, self._clip_source, self._after_step = None, (set(), {}), False, False
+        self._unwrapped: dict[int, tuple] = {}  # id -> (an optimizer given to check(), the monitor's it stands for)
         self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every,
                                       change_every=o.change_every, held=self.masters.held())
                         if self.optimizers else None)
@@ -136,9 +138,13 @@ class GradHealth:
             self._deferred is None or self._deferred.settle()
             self._refresh()
         check_tensor("check(loss=...)", loss, optional=True)
-        if optimizer is not None:
-            optimizer = unwrap_optimizer(optimizer)
-            self.view.optimizer_index(optimizer)  # a clear error for an optimizer the monitor does not know
+        if optimizer is not None:  # (unwrapped once per object given: a wrapper holds its optimizer for the run)
+            known = self._unwrapped.get(id(optimizer))
+            if known is None or known[0] is not optimizer:
+                known = (optimizer, unwrap_optimizer(optimizer))
+                self.view.optimizer_index(known[1])  # a clear error for an optimizer the monitor does not know
+                self._unwrapped[id(optimizer)] = known
+            optimizer = known[1]
         if self._missed is not None:
             self._missed.called(step, optimizer)
         s = self._gate(check_step(step))
@@ -304,19 +310,7 @@ class GradHealth:
     def _build(self, step: int, loss, optimizer) -> Report:
         return self._complete(self._launch(step, loss, optimizer))
 
-    def _launch(self, step: int, loss, optimizer, deferred: bool = False) -> Launch:
-        """Everything a check takes from this moment: the device numbers (read now, or later when
-        ``deferred``: :mod:`.deferred`) and what the rank saw besides them."""
-        sel = self.view.selection(optimizer)
-        # a closure's later evaluation inside one step (LBFGS): judged, but it neither resolves nor arms a step
-        reeval = self.tracker is not None and self.tracker.reevaluation()
-        judged = [optimizer] if optimizer is not None else self.optimizers
-        t = self.tracker  # (deferred: the armed check's gradients, as of now, where no step ran since it)
-        discarded = self.carry._discarded() if deferred and t is not None and (
-            not t.steps_since_check or any(map(_SCALER_FLAG, t.pending))) else None
-        obs, steps_ran = self._observe(sel, loss, reeval, judged, deferred)
-        return Launch(step, sel, optimizer, reeval, obs, steps_ran, self._after_step, self.carry.take_output_grad(),
-                      discarded, (dict(t.stepped), t.total_steps) if t is not None else None)
+    _launch = launch  # (:mod:`.launch`: the device numbers and what the rank saw)
 
     def _complete(self, launch: Launch) -> Report:
         """The report of a launched check, from its numbers on the host."""
@@ -362,33 +356,6 @@ class GradHealth:
             clip.keep(self, report, obs.with_grad, obs.norms, optimizer is None)
         return report
 
-    def _observe(self, sel: Selection, loss, reeval: bool = False, judged=(), deferred: bool = False):
-        """Gather and read back (one transfer); what this rank saw besides numbers rides along."""
-        tracker, carry = self.tracker, self.carry
-        updates, stale, steps_ran, self._after_step, captured, valid = [], set(), None, False, None, carry.take_valid()
-        if tracker is not None and not reeval:  # (taken before anything can fail: a failed rank still joins with them)
-            updates, steps_ran, tracker.pending = tracker.pending, tracker.steps_since_check, []
-        try:
-            if tracker is not None and not reeval:
-                tracker.witness.clear()
-                stale = tracker.witness.take(self.view.entries, judged, len(judged) == 1)
-                self._after_step, captured = tracker.ran.take(judged)  # (a one-call step, or steps inside backward)
-                self.masters.checked(self._after_step)
-            obs, self._plan = observe(self.view, sel, loss, valid, updates, self.scaler, self._plan, self.ranks.active,
-                                      self.ranks.all_sharded, carry.take_router(), judged if self._after_step else (),
-                                      captured, deferred, carry.window.take())  # (the window's deferred checks)
-            obs.loss_cause = diagnose_loss(loss, self.model, carry.forward) if loss is not None else None
-            obs.eval_record = carry.take_eval_backward()
-            obs.stale, obs.local = stale, self.ranks.in_no_sync()  # (local: a check inside no_sync() made at once)
-            self._failed = None
-        except Exception as exc:
-            if not self.ranks.active:
-                raise
-            # Never leave the other ranks waiting in the collective: join it with an empty
-            # contribution and a failure flag, so every rank gives up on this check together.
-            obs, self._failed = failed_observation(self.view, sel, valid, updates), exc
-        return obs, steps_ran
-
     def _reduce(self, obs: Observation, seen=None) -> crossrank.Across:
         """THE collective of a check: every rank's numbers summed, the same verdict everywhere.
         ``seen``: what DDP's hooks saw, as of a deferred check's launch (:mod:`.deferred`)."""
@@ -423,7 +390,7 @@ class GradHealth:
                                           v.all_inside if optimizer is None else None, None)
         status, in_opt, not_ok, frozen = classify_selection(v.names, v.params, v.pids, sel.idx, obs.norm_of, ids,
                                                             obs.norms, inside, requires)
-        return Report(step=step, status=status, grad_norm=dict(zip(map(v.names.__getitem__, obs.with_grad), obs.norms)),
+        return _REPORT(step=step, status=status, grad_norm=dict(zip(map(v.names.__getitem__, obs.with_grad), obs.norms)),
                       total_grad_norm=stats.combine_norms(obs.norms), meta=v.meta,
                       in_optimizer=in_opt, loss=obs.loss, valid_counts=obs.valid, not_ok=not_ok, frozen_names=frozen,
                       optimizer_index=v.optimizer_index(optimizer) if optimizer is not None else None)

@@ -26,6 +26,7 @@ from .guards import ForwardRecord
 from .layout import Layout
 from .params import ParamView, Selection
 from .window import Seen, Window
+from .quick import quick
 
 __all__ = ["Observation", "Pending", "observe", "unscaled_params"]
 
@@ -69,6 +70,9 @@ class Observation:
         self.norm_of = norm_of
         self.with_grad = [i for i in self.idx if norm_of[i] is not None]
         self.norms = [norm_of[i] for i in self.with_grad]
+
+
+_OBSERVATION = quick(Observation)  # (as Observation(...) makes it: :mod:`.quick`)
 
 
 def unscaled_params(scaler, optimizers, consumed=()) -> set[int]:
@@ -211,7 +215,7 @@ def observe(view: ParamView, sel: Selection, loss, valid: dict[str, Tensor], upd
         else:
             norm_of = [None] * len(view)
             deque(map(norm_of.__setitem__, with_grad, norms), maxlen=0)  # (scattered in C: a frozen base's many)
-        obs = Observation(sel.idx, norm_of, loss=got["loss"][0] if loss_t is not None else None,
+        obs = _OBSERVATION(idx=sel.idx, norm_of=norm_of, loss=got["loss"][0] if loss_t is not None else None,
                           valid={name: int(got[f"valid{j}"][0]) for j, name in enumerate(valid)},
                           updates=updates, scale=scale, sharded=sharded, with_grad=with_grad, norms=norms, slices=slices,
                           holders=holders, pieces=pieces, ex_parts=ex_parts)

@@ -51,6 +51,16 @@ class Said:
         return self.new or bool(self.reminder) or bool(self.resolved)
 
 
+_INFO = "info"
+
+
+def _all_info(findings) -> bool:
+    for f in findings:
+        if f.level != _INFO:
+            return False
+    return True
+
+
 _SILENT = Said()  # (what most checks get: shared, never changed)
 
 
@@ -67,8 +77,8 @@ class Once:
         if len(steps) > _KEPT:
             del steps[: len(steps) - _KEPT]
         before = self._open.get(key, {})
-        if not before and report.not_ok == [] and not report.findings:  # (nothing open, nothing now)
-            return _SILENT
+        if not before and (not report.findings or _all_info(report.findings)) and (report.not_ok == [] or not report.errors):
+            return _SILENT  # (nothing open, nothing now: tolerated states and info findings are no problem, see problems_of)
         now = problems_of(report)
         held = self._held.setdefault(key, set())
         gone = [p for p in before if p[0] == "finding" and p[1] in _CONFIRMED and p not in now]

@@ -118,9 +118,11 @@ class ParamView:
         cached while the param_groups hold."""
         if optimizer is None:
             return self.everything
-        ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
         everywhere = self.optimizer_ids()
         sel = self._selections.get(id(optimizer))
+        if sel is not None and sel.key is self._ids_key:  # (the key is replaced at any change of any group)
+            return sel
+        ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
         if sel is None or sel.ids != ids or sel.key != self._ids_key:
             self.optimizer_index(optimizer)  # one of ours?
             members = set(ids)

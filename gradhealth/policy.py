@@ -109,9 +109,11 @@ class Publisher:
         report.published = True
         for i, sink in enumerate(self.sinks):
             self._call(i, sink, "write", report, stacklevel + 2)
-        loud = alarm(report)
         said = self.once.update(report)  # (said once: new, reminders at growing intervals, resolved)
-        if self.on_problem == "ignore" or (not loud and not any(f.level == "warning" for f in report.findings)):
+        if self.on_problem == "ignore":
+            return
+        loud = alarm(report)
+        if not loud and not (report.findings and any(f.level == "warning" for f in report.findings)):
             if said.resolved and self.on_problem != "ignore":
                 self._warn(f"gradhealth step {report.step}: resolved: {'; '.join(said.resolved)}", stacklevel)
             return

@@ -101,6 +101,7 @@ class _Tree:
         self.size = {a: len(names) for a, names in self.under.items()}
 
 
+_STATES = tuple(Status)  # (iterating the enum itself runs Python: once here)
 _TREES: dict[tuple, _Tree] = {}
 
 
@@ -303,12 +304,15 @@ class Report:
     def ok(self) -> bool:
         """Nothing the user must act on: no problem the policy counts as an error (a transient
         NO_GRAD / ZERO_GRAD it tolerates does not count) and no error-level finding."""
-        return not self.errors and not any(f.level == "error" for f in self.findings)
+        if self.not_ok or self.not_ok is None:  # (the usual report has no problem at all: no dict built)
+            if self.errors:
+                return False
+        return not self.findings or not any(f.level == "error" for f in self.findings)
 
     def counts(self) -> dict[Status, int]:
         """How many parameters are in each state (every state present, zeros included)."""
         c = Counter(self.status.values())
-        return {s: c.get(s, 0) for s in Status}
+        return dict(zip(_STATES, map(c.get, _STATES, repeat(0))))
 
     def findings_of(self, kind) -> list[Finding]:
         return [f for f in self.findings if f.kind == kind]

@@ -114,6 +114,9 @@ class NormPlan:
         for k, i in enumerate(self.perm):
             inverse[i] = k
         self.order = operator.itemgetter(*inverse) if len(inverse) > 1 else None
+        #: the one kernel of a plan that has one (a small model's: one group, one fused norm), else None
+        one = self.batches[0][1] if len(self.batches) == 1 and len(self.batches[0][1]) == 1 else None
+        self.single = (foreach_norms if one[0][0] == "each" else exact_pieces if one[0][0] == "exact" else None) if one else None
 
     def learn(self, indices, tensors: Sequence[Tensor]) -> None:
         """Norm ``indices`` of ``tensors`` with the exact kernel from now on (an empty one's 0 is exact)."""
@@ -218,8 +221,8 @@ def _pack_fitted(tensors: Sequence[Tensor], plan: NormPlan) -> tuple[list[Tensor
 def _pack(tensors: Sequence[Tensor], plan: NormPlan) -> list[Tensor]:
     """The norms, in the plan's order, as the kernels leave them (0-d tensors from a fused kernel,
     1-d from a stacked one): :func:`joined` puts them with the extras in one tensor."""
-    if len(plan.batches) == 1 and len(plan.batches[0][1]) == 1 and plan.batches[0][1][0][0] in ("each", "exact"):
-        return (foreach_norms if plan.batches[0][1][0][0] == "each" else exact_pieces)(tensors)  # (one kernel)
+    if plan.single is not None:
+        return plan.single(tensors)  # (one kernel)
     out: list[Tensor] = []
     for (_, _, _), (dtype, batches) in zip(plan.groups, plan.batches):
         acc = _acc_dtype(dtype)
@@ -346,10 +349,11 @@ class Launched:
                 plan.learn(range(len(views)), views)
                 plan.later = True
             pieces, plan = _pack_fitted(views, plan)
-        self.views, self.plan, self.n = views, plan, len(plan.perm) if grads else 0
-        self.perm, self.identity, self.exact = (plan.perm, plan.identity, plan.exact) if grads else ([], True, frozenset())
-        self.order = plan.order if grads else None
-        self.later = bool(later and grads)
+        if grads:
+            self.n, self.identity, self.order = len(plan.perm), plan.identity, plan.order
+        else:
+            self.n, self.identity, self.order = 0, True, None
+        self.views, self.plan, self.later = views, plan, bool(later and grads)
         #: what is read back, in order: the norms (as the kernels left them, or joined), the extras; and
         #: (``later``) as one vector, ``packed``, the transfer's one source (None: nothing to read)
         self.parts = pieces + list(filter(_SOMETHING, extras))  # (the scalars among them: one stack)
@@ -364,7 +368,7 @@ class Launched:
         values = fetch(self.parts)
         norms = self._order(values)
         if 0.0 in norms or math.inf in norms:  # (those not normed exactly already: picked out in C)
-            suspects = list(filterfalse(self.exact.__contains__,
+            suspects = list(filterfalse(self.plan.exact.__contains__,  # (normed exactly as of this launch: read at once)
                                         compress(range(len(norms)), map((0.0, math.inf).__contains__, norms))))
             if suspects:
                 for i, v in zip(suspects, exact_norms([self.views[i] for i in suspects])):

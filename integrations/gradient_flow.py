@@ -82,6 +82,7 @@ ROWS, COLUMNS = 16, 50
 
 
 @functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=4)  # (loading decodes the font's data: once per size, not per picture)
 def _font(size: int):
     from PIL import ImageFont
 

@@ -413,3 +413,43 @@ def test_the_report_counts_parameters_or_modules_as_the_tags_hold_them(tmp_path,
     [item] = [i for i in summarize_run(frame) if i["kind"] == "NON_FINITE_GRAD"]
     words = "in all 6 parameters" if granularity == "param" else "in all 3 modules"
     assert item["step"] == 2 and f"first non-finite gradients at step 2 {words}" in item["detail"], item["detail"]
+
+
+def test_a_picture_is_written_as_add_image_writes_it_pixel_for_pixel(tmp_path):
+    """The sink encodes its pictures itself (PNG at the fastest level): read back from the event
+    file, the same pixels, size and colour space as ``SummaryWriter.add_image(..., "HWC")`` writes."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    img = np.random.default_rng(0).integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    sink = TensorBoardSink(str(tmp_path / "ours"))
+    sink._image("gradhealth/gradient_flow", img, 7)
+    sink.close()
+    with SummaryWriter(str(tmp_path / "torch")) as w:
+        w.add_image("gradhealth/gradient_flow", img, 7, dataformats="HWC")
+    shots = []
+    for run in ("ours", "torch"):
+        ea = EventAccumulator(str(tmp_path / run), size_guidance={"images": 0})
+        ea.Reload()
+        [shot] = ea.Images("gradhealth/gradient_flow")
+        shots.append(shot)
+        assert shot.step == 7 and (shot.width, shot.height) == (53, 37)
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(shot.encoded_image_string)).convert("RGB")), img)
+
+
+def test_the_module_tags_follow_the_modules(tmp_path):
+    """The per-module tags are made once per set of modules (``metrics._tags``): a report with other
+    modules gets its own tags, each with its own norm."""
+    from gradhealth.metrics import report_metrics
+
+    def report(norms):
+        return gh.Report(step=0, status={}, grad_norm={}, total_grad_norm=1.0, module_grad_norm=norms)
+
+    for norms in ({"a": 1.0, "b": 2.0}, {"a": 3.0, "c": 4.0}, {"a": 5.0, "b": 6.0}):
+        got = report_metrics(report(norms))
+        assert {k.rsplit("/", 1)[1]: v for k, v in got.items() if k.startswith("gradhealth/grad_norm/")
+                and not k.endswith("/total")} == norms
