@@ -168,6 +168,12 @@ def classify(model: nn.Module, optimizer=None) -> dict[str, Status]:
 
 
 _BY_NORM = {0.0: Status.ZERO_GRAD}  # (the state of a trainable parameter in the optimizers, by a norm not in (0, inf))
+_NONE_NAN = {None: math.nan}
+#: a trainable entry that is not OK, by (no gradient, a finite norm, in the optimizers): the rest of :func:`decide`
+#: (a finite norm in the optimizers that is not OK is 0)
+_REST = {(True, f, i): Status.NO_GRAD for f in (False, True) for i in (False, True)}
+_REST.update({(False, False, False): Status.NON_FINITE_GRAD, (False, False, True): Status.NON_FINITE_GRAD,
+              (False, True, False): Status.NOT_IN_OPTIMIZER, (False, True, True): Status.ZERO_GRAD})
 
 
 def classify_selection(names: list[str], params: list, pids: list[int], idx: list[int], norm_of: list,
@@ -207,17 +213,17 @@ def classify_selection(names: list[str], params: list, pids: list[int], idx: lis
             not_ok = list(map(names.__getitem__, compress(walk, odd)))  # 0: ZERO_GRAD; NaN, inf: NON_FINITE_GRAD
             status.update(zip(not_ok, map(_BY_NORM.get, compress(vals, odd), repeat(Status.NON_FINITE_GRAD))))
             return status, in_opt, not_ok, frozen
-    not_ok: list[str] = []
-    # (some entries are in no optimizer, a target network's: each one there, and each with a norm that is
-    # not usable, is walked below, in entry order; the others, in an optimizer with a usable norm, are OK)
-    insides = list(map(ids.__contains__, map(pids.__getitem__, walk))) if ids is not None else repeat(True)
-    for i, inside, v in zip(walk, insides, map(norm_of.__getitem__, walk)):  # (every one trainable)
-        if inside and v is not None and 0.0 < v < inf:
-            continue
-        if not inside:
-            in_opt[names[i]] = False
-        state = decide(True, v, inside)
-        if state is not Status.OK:
-            status[names[i]] = state
-            not_ok.append(names[i])
+    # (some entries are in no optimizer, a target network's, or have a norm that is not usable: each one
+    # decided by the tree's remaining questions, looked up in C: no Python runs per entry)
+    vals = list(map(norm_of.__getitem__, walk))
+    insides = list(map(ids.__contains__, map(pids.__getitem__, walk))) if ids is not None else [True] * len(walk)
+    usable = list(map(_NONE_NAN.get, vals, vals))  # (no gradient: NaN, which fails every comparison)
+    good = map(operator.and_, map(operator.gt, usable, repeat(0.0)), map(operator.lt, usable, repeat(inf)))
+    odd = list(map(operator.not_, map(operator.and_, insides, good)))
+    if ids is not None:
+        in_opt.update(zip(map(names.__getitem__, compress(walk, map(operator.not_, insides))), repeat(False)))
+    not_ok = list(map(names.__getitem__, compress(walk, odd)))
+    status.update(zip(not_ok, map(_REST.__getitem__, zip(map(operator.is_, compress(vals, odd), repeat(None)),
+                                                         map(operator.lt, compress(usable, odd), repeat(inf)),
+                                                         compress(insides, odd)))))
     return status, in_opt, not_ok, frozen

@@ -71,7 +71,7 @@ class Launch:
     after_step: bool
     output_grad: object
     discarded: bool | None  # (deferred) were the armed check's gradients thrown away, as of launch
-    counts: tuple | None  # the optimizers' step counts as of launch
+    counts: tuple | None  # (several optimizers: :mod:`.unstepped`) their step counts as of launch
     transfer: Transfer | None = None  # (deferred) its numbers on their way to the host
     ranks: list | None = None  # (deferred, torch.distributed) what DDP's hooks saw: see ``Monitor._reduce``
     setup: tuple | None = None  # (deferred) the optimizers' ids, all inside, every requires_grad: as launched
@@ -262,8 +262,12 @@ class Deferred:
         if launch.ranks is not None:  # (torch.distributed: the ranks' numbers follow the check's own)
             values = self._split(launch, pending, values)
         if type(pending) is Pending:
-            try:
-                launch.obs = pending.complete(values)
+            try:  # (Pending.complete, inlined: the numbers as they are, in the gradients' order)
+                launched = pending.launched
+                launch.obs = obs = pending.finish(values[:launched.n] if launched.identity else launched._order(values),
+                                                  values[launched.n:])
+                obs.loss_cause, obs.eval_record, obs.stale, obs.local = (pending.loss_cause, pending.eval_record,
+                                                                         pending.stale, pending.local)
             except Exception as exc:
                 if not m.ranks.active:
                     raise  # (the other ranks must not be left waiting in the collective: joined, flagged)

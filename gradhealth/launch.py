@@ -14,10 +14,12 @@ from .deferred import Launch
 from .guards import diagnose_loss
 from .observe import failed_observation, observe
 from .params import Selection
+from .quick import quick
 
 __all__ = ["launch", "observe_rank"]
 
 _SCALER_FLAG = operator.attrgetter("scaler_flag")  # (a step a grad scaler may have skipped)
+_LAUNCH = quick(Launch)  # (a Launch as Launch(...) makes it, without its __init__'s per-field tests)
 
 
 def launch(self, step: int, loss, optimizer, deferred: bool = False) -> Launch:
@@ -31,8 +33,9 @@ def launch(self, step: int, loss, optimizer, deferred: bool = False) -> Launch:
     discarded = self.carry._discarded() if deferred and t is not None and (
         not t.steps_since_check or any(map(_SCALER_FLAG, t.pending))) else None
     obs, steps_ran = observe_rank(self, sel, loss, reeval, judged, deferred)
-    return Launch(step, sel, optimizer, reeval, obs, steps_ran, self._after_step, self.carry.take_output_grad(),
-                  discarded, (dict(t.stepped), t.total_steps) if t is not None else None)
+    return _LAUNCH(step=step, sel=sel, optimizer=optimizer, reeval=reeval, obs=obs, steps_ran=steps_ran,
+                   after_step=self._after_step, output_grad=self.carry.take_output_grad(), discarded=discarded,
+                   counts=(dict(t.stepped), t.total_steps) if t is not None and self.unstepped is not None else None)
 
 
 def observe_rank(self, sel: Selection, loss, reeval: bool = False, judged=(), deferred: bool = False):

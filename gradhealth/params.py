@@ -207,13 +207,14 @@ class ModelChanges:
         try:  # (a model that cannot be walked or looked up now: judged as it is, the run goes on)
             if not self.dirty and report is not None and report.not_ok:
                 self._verify(report, view)
-            if self.newcomers:  # (a forward's temporary containers are gone by now: usually none left)
+            if self.newcomers.data and self.newcomers:  # (a forward's temporary containers are gone by now: usually
+                # none left; the WeakSet's raw set first: its own len() runs Python)
                 ours = _module_ids(self.model)
                 self.dirty = self.dirty or any(id(m) in ours for m in self.newcomers)
         except Exception:
             pass
         finally:
-            if self.newcomers:
+            if self.newcomers.data:
                 self.newcomers.clear()
         if not self.dirty:
             return False
