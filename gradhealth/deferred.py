@@ -262,12 +262,8 @@ class Deferred:
         if launch.ranks is not None:  # (torch.distributed: the ranks' numbers follow the check's own)
             values = self._split(launch, pending, values)
         if type(pending) is Pending:
-            try:  # (Pending.complete, inlined: the numbers as they are, in the gradients' order)
-                launched = pending.launched
-                launch.obs = obs = pending.finish(values[:launched.n] if launched.identity else launched._order(values),
-                                                  values[launched.n:])
-                obs.loss_cause, obs.eval_record, obs.stale, obs.local = (pending.loss_cause, pending.eval_record,
-                                                                         pending.stale, pending.local)
+            try:
+                launch.obs = pending.complete(values)
             except Exception as exc:
                 if not m.ranks.active:
                     raise  # (the other ranks must not be left waiting in the collective: joined, flagged)
