@@ -18,7 +18,7 @@ reduces a gradient for every parameter it trains, so one the loss does not reach
 from __future__ import annotations
 
 import operator
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 
 import torch
 from torch import Tensor
@@ -73,7 +73,8 @@ def grads_of(params) -> list:
     grads = list(map(_GRAD, params))
     if any(map(operator.is_, grads, repeat(None))):
         bare = list(compress(params, map(operator.is_, grads, repeat(None))))
-        if any(any(map(hasattr, bare, repeat(a))) for a in _ELSEWHERE):
+        # (each attribute over every bare parameter, in C: ``bare`` once per attribute beside it, repeated)
+        if any(map(hasattr, bare * len(_ELSEWHERE), chain.from_iterable(map(repeat, _ELSEWHERE, repeat(len(bare)))))):
             grads = [g if g is not None else grad_of(p) for g, p in zip(grads, params)]
     return grads
 

@@ -37,6 +37,13 @@ def _nothing_seen(obs, carry, m, o) -> bool:
             and not m._changes.lazy and (obs.window is None or not obs.window.notable))
 
 
+def _copies_only(not_ok: list, report, carry) -> bool:
+    """Every name not OK is a tolerated copy (NO_GRAD, in no optimizer: :mod:`.copies`): the judges
+    below would say nothing of them (they are no error, no NO_GRAD to look for a checkpoint in)."""
+    return (report.tolerated.issuperset(not_ok) and carry.streaks.copies.names.issuperset(not_ok)
+            and all(map(operator.is_, map(report.status.__getitem__, not_ok), repeat(Status.NO_GRAD))))
+
+
 def _named(states: dict, state) -> list[str]:
     """The names in ``states`` (name -> state) whose state is ``state``, picked in C."""
     return list(compress(states, map(operator.is_, states.values(), repeat(state))))
@@ -46,7 +53,9 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
     """The findings of monitor ``m``'s judges for ``report`` (``seen``: the output gradient the
     loss's backward left, as of the check's launch)."""
     step, o, carry, names = report.step, m.options, m.carry, m.view.names
-    quiet = report.not_ok == [] and not report.frozen_names and not report.expert_status  # (every one OK: the usual check)
+    not_ok = report.not_ok  # (every one OK, or NO_GRAD only where tolerated as a copy: a target network's; the usual check)
+    quiet = (not_ok == [] or not_ok is not None and _copies_only(not_ok, report, carry)) and not report.frozen_names \
+        and not report.expert_status
     if quiet and across is None and m.scaler is None and _nothing_seen(obs, carry, m, o):
         if m._watch is not None and m._watch.probe:
             m._watch.probe = set()
