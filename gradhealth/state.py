@@ -163,3 +163,12 @@ def load(monitor, state) -> None:
         warnings.warn(f"gradhealth: this state is from an older gradhealth (version 1, not "
                       f"{VERSION}): it did not keep {'; '.join(lacking)}. These start fresh; everything else it "
                       "held is restored", GradHealthWarning, stacklevel=3)
+
+
+def rearm(m, step: int) -> None:
+    """Monitor ``m``'s NaN tracer, armed before the checkpoint for the step after ``step``, armed again."""
+    if m.options.trace_on_nonfinite and m.scaler is None and m.carry.tracer is None:
+        from .trace import NonFiniteTracer
+
+        c = m.carry
+        c.tracer, c.trace_from = NonFiniteTracer(m.model).arm(ops=c.trace_ops), step
