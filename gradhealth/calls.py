@@ -164,17 +164,19 @@ def _detached(value, leaves: list):
     return value
 
 
-def _replay(model: nn.Module, calls: list[Call], tracker):
-    """The calls again under the tracer (see the module docstring); everything put back."""
+def _replay(model: nn.Module, calls: list[Call], tracker, said: set):
+    """The calls again under the tracer (see the module docstring); everything put back. Returns
+    the resolved tracer and whether the replay's own gradients held NaN/inf (it reproduced)."""
     from .snapshot import rng_state, set_rng_state
-    from .trace import NonFiniteTracer
+    from .trace import NonFiniteTracer, _flags
 
     modules = {id(c.module): c.module for c in calls}
     buffers = {id(b): (b, b.detach().clone()) for m in modules.values() for b in m.buffers()}
     witnesses = [s for w in tracker.witness._watch.values() for (_, s, _) in w.values()] if tracker is not None else []
     armed = [s[0] for s in witnesses]
     now = rng_state()
-    tracer = NonFiniteTracer(model)
+    tracer, grads = NonFiniteTracer(model), []
+    tracer._said = said  # (a hook's failure said once per monitor)
     try:
         for s in witnesses:  # (the stale-gradient hooks: a replay's gradient is no loop's backward)
             s[0] = False
@@ -187,9 +189,9 @@ def _replay(model: nn.Module, calls: list[Call], tracker):
                 outs = [t for t in tensors_in(c.module(*args, **kwargs), 64) if t.requires_grad and t.is_floating_point()]
                 inputs = leaves + [p for p in c.module.parameters() if p.requires_grad]
                 if outs and inputs:
-                    torch.autograd.grad(outs, inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
+                    grads += torch.autograd.grad(outs, inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
         tracer.resolve()
-        return tracer
+        return tracer, any(_flags([g for g in grads if g is not None]))
     finally:
         tracer.disarm()
         for s, a in zip(witnesses, armed):
@@ -215,7 +217,7 @@ def origin(m, calls: list[Call], step: int, replay: bool) -> Finding | None:
     if lc is not None:
         lc.replaying = True
     try:
-        tracer = _replay(m.model, calls, m.tracker)
+        tracer, reproduced = _replay(m.model, calls, m.tracker, carry.trace_said)
     except Exception as exc:
         warnings.warn(f"gradhealth: the replay of step {step}'s calls failed ({type(exc).__name__}: {exc}); the "
                       "next step is traced instead, training continues unchanged", GradHealthInternalWarning, stacklevel=4)
@@ -226,10 +228,10 @@ def origin(m, calls: list[Call], step: int, replay: bool) -> Finding | None:
             lc.replaying = False
     from .replay import origin_finding
 
-    if tracer.forward_origin is None and tracer.backward_origin is None:
+    if not reproduced or tracer.forward_origin is None and tracer.backward_origin is None:
         carry.trace_ops = True  # no module made it: the next failing step is traced operation by operation
         return Finding(FindingKind.NONFINITE_ORIGIN, f"replayed at step {step} (the model's calls of that step): no "
-                       "module produced the NaN/inf, so it is born outside them (the loss, functional code between "
+                       "module produced the NaN/inf (their own gradients stay finite), so it is born outside them (the loss, functional code between "
                        "modules); the next failing step is traced operation by operation to name the operation and its "
                        "source line", level="info", step=step, data={"replayed": True})
     return origin_finding(tracer, step, f"replayed at step {step} (the model's calls of that step, before "

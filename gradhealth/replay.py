@@ -86,7 +86,9 @@ def traced(carry, model: nn.Module, report, arm: bool) -> list[Finding]:
 def arm_tracer(carry, model: nn.Module, step: int) -> None:
     """Arm the monitor's tracer for the step after check ``step`` (unless one is armed)."""
     if carry.tracer is None:
-        carry.tracer, carry.trace_from = NonFiniteTracer(model).arm(ops=carry.trace_ops), step
+        tracer = NonFiniteTracer(model)
+        tracer._said = carry.trace_said  # (a hook's failure said once per monitor)
+        carry.tracer, carry.trace_from = tracer.arm(ops=carry.trace_ops), step
         carry.trace_wait = carry.launching
 
 

@@ -167,8 +167,9 @@ def load(monitor, state) -> None:
 
 def rearm(m, step: int) -> None:
     """Monitor ``m``'s NaN tracer, armed before the checkpoint for the step after ``step``, armed again."""
-    if m.options.trace_on_nonfinite and m.scaler is None and m.carry.tracer is None:
-        from .trace import NonFiniteTracer
+    if m.options.trace_on_nonfinite and m.scaler is None:
+        from .replay import arm_tracer
 
-        c = m.carry
-        c.tracer, c.trace_from = NonFiniteTracer(m.model).arm(ops=c.trace_ops), step
+        wait = m.carry.trace_wait
+        arm_tracer(m.carry, m.model, step)
+        m.carry.trace_wait = wait
