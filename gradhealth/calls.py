@@ -131,11 +131,13 @@ def _data(calls: list[Call]) -> list[tuple[int, str, Tensor]]:
 
 
 def _batch(calls: list[Call], step: int) -> Finding | None:
-    """NONFINITE_ORIGIN naming the batch when a data input of a call holds NaN/inf (one transfer)."""
-    from .trace import BATCH_FIX, _flags
+    """NONFINITE_ORIGIN naming the batch when a data input of a call holds NaN/inf (one transfer:
+    min and max of each, where NaN and inf propagate and finite values stay finite)."""
+    from .stats import fetch
+    from .trace import BATCH_FIX, _bad_one
 
     data = _data(calls)
-    flags = _flags([t for _, _, t in data])
+    flags = fetch([_bad_one(t).reshape(1) for _, _, t in data]) if data else []
     hit = next((d for d, bad in zip(data, flags) if bad), None)
     if hit is None:
         return None

@@ -198,9 +198,10 @@ class GradHealth:
 
     def _flush_updates(self, owe: bool = False) -> None:
         """``owe``: the findings also go into the next report (``state_dict()``: a resumed run's next
-        report carries them as the run that saved it does)."""
+        report carries them as the run that saved it does). With ``lag=1`` and a check in flight, they
+        wait for the next launch (that check's report, not yet armed, is theirs)."""
         tracker = self.tracker
-        if tracker is None or not tracker.pending:
+        if tracker is None or not tracker.pending or self._deferred is not None and self._deferred.inflight is not None:
             return
         updates, tracker.pending = tracker.pending, []
         values, k = stats.fetch([p for u in updates for p in u.pieces]), 0
