@@ -45,7 +45,7 @@ __all__ = ["LoopCalls", "origin", "KEEP"]
 
 #: at most this many calls are kept between two checks (the latest): micro-batches, a GAN's calls
 KEEP = 16
-_get_rng = torch.random.get_rng_state
+_get_rng = torch.default_generator.get_state  # (the CPU generator: torch.random.get_rng_state without its Python frame)
 
 
 class Call(NamedTuple):
@@ -62,8 +62,7 @@ class LoopCalls:
     def __init__(self, root: nn.Module, children: bool = True):
         self.root = root
         self.kept: list[Call] = []
-        self.inside = 0  # inside a kept call (a call it makes is part of it)
-        self.replaying = False
+        self.inside = 0  # inside a kept call (a call it makes is part of it), or a replay
         self.may_extend = children  # (False: the watch's own entries are the children, a LightningModule's)
         self._handles: list = []
         self._said: set = set()
@@ -71,15 +70,16 @@ class LoopCalls:
             self._watch_children()
 
     def keep(self, name: str, module: nn.Module, args, kwargs) -> None:
-        """A call with grad enabled (the caller checked): kept unless made inside another."""
-        if self.inside or self.replaying:
+        """A call with grad enabled (the caller checked): kept unless made inside another (a plain
+        tuple: :class:`Call`'s fields)."""
+        if self.inside:
             return
         kept = self.kept
         if len(kept) >= KEEP:
             del kept[0]
-        kept.append(Call(name, module, args, kwargs or {}, _get_rng()))
+        kept.append((name, module, args, kwargs, _get_rng()))
 
-    def take(self) -> list[Call]:
+    def take(self) -> list[tuple]:
         """The calls since the last check, forgotten here. None kept while gradients were made: the
         loop calls the model's children, watched from now on."""
         kept, self.kept = self.kept, []
@@ -104,7 +104,8 @@ class LoopCalls:
         self.inside += 1
 
     def _leave(self, module, args, output) -> None:
-        self.inside = max(0, self.inside - 1)
+        if self.inside:
+            self.inside -= 1
 
     def _child(self, name: str, module, args, kwargs) -> None:
         if torch.is_grad_enabled() and not self.inside:
@@ -204,10 +205,11 @@ def _replay(model: nn.Module, calls: list[Call], tracker, said: set):
         set_rng_state(now)
 
 
-def origin(m, calls: list[Call], step: int, replay: bool) -> Finding | None:
+def origin(m, kept: list[tuple], step: int, replay: bool) -> Finding | None:
     """Where the NaN/inf of monitor ``m``'s check ``step`` came from, from the loop's ``calls``: the
     batch, or (``replay``) the module, operation and line of a replay; None when they name nothing
     (the monitor's tracer is armed for the next step then, operation by operation after a replay)."""
+    calls = [Call(name, module, args, kwargs or {}, rng) for name, module, args, kwargs, rng in kept]
     if not calls:
         return None
     found = _batch(calls, step)
@@ -217,7 +219,7 @@ def origin(m, calls: list[Call], step: int, replay: bool) -> Finding | None:
     saved = carry.forward, carry.output_grad, carry.eval_backward, carry.router
     lc = watch.calls if watch is not None else None
     if lc is not None:
-        lc.replaying = True
+        lc.inside += 1  # (the replay's own calls are not the loop's)
     try:
         tracer, reproduced = _replay(m.model, calls, m.tracker, carry.trace_said)
     except Exception as exc:
@@ -227,7 +229,7 @@ def origin(m, calls: list[Call], step: int, replay: bool) -> Finding | None:
     finally:
         carry.forward, carry.output_grad, carry.eval_backward, carry.router = saved
         if lc is not None:
-            lc.replaying = False
+            lc.inside -= 1
     from .replay import origin_finding
 
     if not reproduced or tracer.forward_origin is None and tracer.backward_origin is None:
