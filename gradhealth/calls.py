@@ -5,8 +5,8 @@ the model with grad enabled until the next check: a reference to its inputs (no 
 random state before it (:class:`LoopCalls`). The model itself is watched from the start; its direct
 children from the check after the first that saw no call of the model (RL code calls
 ``policy.q_net(obs)``, a GAN ``model.G(z)``; until then their calls cost the forward nothing), or
-from the start when the model has no ``forward`` of its own. A call made inside another kept call
-is part of it. A healthy check drops them: nothing is read, nothing is copied.
+from the start when the model has no ``forward`` of its own. A child's call made inside the model's
+forward is part of that call. A healthy check drops them: nothing is read, nothing is copied.
 
 A check whose gradients hold NaN/inf, before ``optimizer.step()`` (the weights are still the ones
 the forward used), :func:`origin`:
@@ -23,7 +23,10 @@ the forward used), :func:`origin`:
 Not replayed (the tracer is armed for the next step instead, as before): a ``lag=1`` check (the
 weights have moved by the time it completes; the batch is still named: its inputs are kept one
 check longer), under torch.distributed (a replay's backward would reach the reducer's hooks), a
-grad scaler or an engine that owns the step (DeepSpeed, fp16 wrappers).
+grad scaler or an engine that owns the step (DeepSpeed, fp16 wrappers). At most ``KEEP`` calls are
+kept between two checks (the latest). Only the CPU random state is kept (reading a GPU's would cost
+the healthy forward): on a GPU a replay draws new dropout masks, and the forward's autocast is not
+repeated either; a NaN those make may not reproduce (then it is traced at the next failing step).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class LoopCalls:
 
     def __init__(self, root: nn.Module, children: bool = True):
         self.root = root
-        self.kept: list[Call] = []
+        self.kept: list[tuple] = []  # (a Call's fields)
         self.inside = 0  # inside a kept call (a call it makes is part of it), or a replay
         self.may_extend = children  # (False: the watch's own entries are the children, a LightningModule's)
         self._handles: list = []
@@ -70,8 +73,8 @@ class LoopCalls:
             self._watch_children()
 
     def keep(self, name: str, module: nn.Module, args, kwargs) -> None:
-        """A call with grad enabled (the caller checked): kept unless made inside another (a plain
-        tuple: :class:`Call`'s fields)."""
+        """A call with grad enabled (the caller checked): kept unless made inside the model's own
+        forward or a replay (a plain tuple: :class:`Call`'s fields)."""
         if self.inside:
             return
         kept = self.kept
