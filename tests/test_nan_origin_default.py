@@ -167,3 +167,31 @@ def test_the_replay_leaves_gradients_state_and_random_streams_as_they_were():
     assert torch.equal(rng, torch.random.get_rng_state())
     assert hooks == [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
     monitor.close()
+
+
+def test_a_healthy_check_keeps_nothing_and_an_evaluation_forward_is_not_kept():
+    from gradhealth.calls import KEEP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = gh.GradHealth(model, opt, on_problem="raise")
+    calls = monitor._watch.calls
+    losses, batch = [], torch.randn(16, 8)
+    for _ in range(5):
+        x = batch.clone()
+        with torch.no_grad():
+            model(x)  # an evaluation forward: not the step's
+        assert calls.kept == []
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+        loss.backward()
+        assert len(calls.kept) == 1 and calls.kept[0][2][0] is x  # a reference to the batch, no copy
+        assert monitor.check(loss=loss).ok and calls.kept == []  # a healthy check drops it
+        opt.step()
+        losses.append(loss.item())
+    for _ in range(KEEP + 3):  # many forwards between two checks: the latest KEEP
+        model(torch.randn(2, 8))
+    assert len(calls.kept) == KEEP
+    monitor.close()
+    assert losses[-1] < losses[0]
