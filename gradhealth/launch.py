@@ -31,8 +31,10 @@ def launch(self, step: int, loss, optimizer, deferred: bool = False) -> Launch:
     discarded = self.carry._discarded() if deferred and t is not None and (
         not t.steps_since_check or any(map(_SCALER_FLAG, t.pending))) else None
     obs, steps_ran = observe_rank(self, sel, loss, reeval, judged, deferred)
+    w = self._watch
+    calls = w.calls.take() if w is not None and w.calls is not None else None  # (:mod:`.calls`)
     return Launch(step, sel, optimizer, reeval, obs, steps_ran, self._after_step, self.carry.take_output_grad(),
-                  discarded, (dict(t.stepped), t.total_steps) if t is not None else None)
+                  discarded, (dict(t.stepped), t.total_steps) if t is not None else None, calls=calls)
 
 
 def observe_rank(self, sel: Selection, loss, reeval: bool = False, judged=(), deferred: bool = False):
