@@ -56,6 +56,7 @@ class Carry:
         self.amp_settled = False  # a step has run under the grad scaler: its scale has settled
         self.tracer = None
         self.trace_from: int | None = None
+        self.trace_said: set = set()  # (each tracer hook's failure said once per monitor)
         self.trace_ops = False  # the last traced failing step named no module: watch the operations next time
         #: (lag=1, but at ``flush()``) a check completes in the call that launches the next one, whose
         #: forward ran before: a tracer armed then watches the forward after it, and waits one completion more

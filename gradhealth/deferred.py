@@ -75,6 +75,7 @@ class Launch:
     transfer: Transfer | None = None  # (deferred) its numbers on their way to the host
     ranks: list | None = None  # (deferred, torch.distributed) what DDP's hooks saw: see ``Monitor._reduce``
     setup: tuple | None = None  # (deferred) the optimizers' ids, all inside, every requires_grad: as launched
+    calls: list | None = None  # the loop's calls into the model since the check before (:mod:`.calls`)
 
 
 def due_test(carry, report) -> bool:

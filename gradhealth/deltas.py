@@ -1,6 +1,7 @@
 """Optimizer steps, through the optimizer's own step hooks: did each parameter change (exact, on
-every ``change_every``-th step and every step after one that changed nothing), how much (every
-``update_every`` checks), and stale gradients (:mod:`.stale`).
+every ``change_every``-th step and every step after one that changed nothing), how much (checks 0,
+1, 2, 4, ... up to half ``update_every``, then every ``update_every``; ``mode="exact"``: every
+step), and stale gradients (:mod:`.stale`).
 
 Each check arms the step that follows it; the step post-hook measures it on the device, and the
 numbers travel in the next check's single transfer (or ``monitor.flush()``). Arming happens at the
@@ -19,11 +20,9 @@ not move was not touched (fused kernels and ``p.data`` writes move none: all cou
 ``SAMPLE``, walking rows and columns), ``WINDOW`` tensors per test in turns: a sampled element that
 differs proves a change. One whose sample did not move (a sparse update, updates below the ulp) is
 watched: copied exactly across a tested step, in turns, as many as fit the transient budget, and
-decided at its turn (one larger than the budget by its sample alone).
-
-**How much? (every ``update_every`` checks).** ||Δθ|| per parameter from the optimizer's own rule
-for SGD, Adam and AdamW (:mod:`.rules`); for any other optimizer an exact copy of the parameters
-that fit the memory budget, in turns. ``mode="exact"`` copies every parameter across every step.
+decided at its turn (one larger than the budget by its sample alone). **How much?** ||Δθ|| per
+parameter from the optimizer's own rule for SGD, Adam and AdamW (:mod:`.rules`); for any other
+optimizer an exact copy of the parameters that fit the memory budget, in turns.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ __all__ = ["UpdateTracker", "StepStats", "WITNESSES", "SAMPLE", "UPDATE_EVERY", 
 #: at most this many elements per tensor are compared exactly across a step to prove it changed
 #: (the samples together stay within 1% of the parameters, the rule's temporaries within another 1%)
 SAMPLE = 256
-#: default: update norms measured at every this many checks
+#: default: update norms measured at every this many checks (and at checks 1, 2, 4, ..., 32 before)
 UPDATE_EVERY = 100
 #: default: the change test (version counters, samples, exact copies) runs on the step after every
 #: this many checks; a learning rate of 0 is seen at every step
@@ -87,7 +86,7 @@ class _OptPlan:
 _LIGHT = (None, None, None, None, False)
 
 
-class UpdateTracker:
+class UpdateTracker(checked.TrackerState):
     """Installs a step post-hook on each optimizer; measures the steps that follow a check."""
 
     def __init__(self, entries, optimizers, mode: str = "auto", update_every: int = UPDATE_EVERY,
@@ -196,9 +195,9 @@ class UpdateTracker:
 
     # ------------------------------------------------------------------ arming
     def arm(self, step: int, optimizers, due: bool = False) -> None:
-        """Prepare the change test (every ``change_every`` checks, or now if ``due``) and the
-        update norms (every ``update_every`` checks) of the step that follows check ``step``; the
-        other steps are counted and their learning rates read, nothing else."""
+        """Prepare the change test (every ``change_every`` checks, or now if ``due``) and the update
+        norms (the optimizer's checks 0, 1, 2, 4, ... to half ``update_every``, then every
+        ``update_every``) of the step after check ``step``; the others are counted, their lrs read."""
         self.armed_step = step
         self.steps_since_check = 0
         self._inflight.clear()
@@ -208,7 +207,7 @@ class UpdateTracker:
         for opt in optimizers:  # counted per optimizer: two that take turns (a GAN) both get turns
             k = self._arms.get(id(opt), 0)
             self._arms[id(opt)] = k + 1
-            measure = exact or k % self.update_every == 0
+            measure = exact or k % self.update_every == 0 or 2 * k <= self.update_every and not k & (k - 1)
             # a group at lr 0 under an optimizer whose rule is not known here: the change test
             # decides this step (lr 0 is judged at every step, not only at the periodic tests)
             zero = rule_of(opt) is None and not all_positive(opt) and not self.lrs.quiet(opt)
@@ -411,34 +410,6 @@ class UpdateTracker:
             return [""] * len(plan.group_of)
         self._zeros = [(id(opt), g) for g, w in enumerate(words) if w]  # (undone if the step skipped itself)
         return [words[g] for g in plan.group_of]
-
-    # -------------------------------------------------------------- checkpoint
-    def state_dict(self) -> dict:
-        """The counts that date the coming steps' tests (by optimizer index) and the watched
-        parameters (by name); the learning-rate story is :meth:`LrStory.state_dict`."""
-        opts = self.lrs.optimizers
-        per = lambda d: {str(k): d[id(o)] for k, o in enumerate(opts) if id(o) in d}  # noqa: E731
-        return {"stepped": per(self.stepped), "total": self.total_steps, "arms": per(self._arms),
-                "tests": per(self._tests), "turn": per(self._turn),
-                "watched": sorted(self.entries[i][0] for i in self.watched if i < len(self.entries))}
-
-    def load_state_dict(self, state: dict) -> dict:
-        """Checked (:mod:`.state`) into what :meth:`restore` assigns, nothing assigned yet."""
-        checked.exact(state, ("stepped", "total", "arms", "tests", "turn", "watched"), "state['steps']")
-        opts = self.lrs.optimizers
-        out = {"total": checked.count(state["total"], "state['steps']['total']")}
-        for key in ("stepped", "arms", "tests", "turn"):
-            if not isinstance(state[key], dict):
-                raise TypeError(f"state['steps'][{key!r}] must map optimizer indices to counts")
-            out[key] = {id(opts[checked.index(k, f"state['steps'][{key!r}] key", len(opts))]):
-                        checked.count(v, f"state['steps'][{key!r}][{k!r}]") for k, v in state[key].items()}
-        where = {n: i for i, (n, _) in enumerate(self.entries)}
-        out["watched"] = {where[n] for n in checked.names(state["watched"], "state['steps']['watched']", set(where))}
-        return out
-
-    def restore(self, loaded: dict) -> None:
-        self.stepped, self.total_steps, self._arms = loaded["stepped"], loaded["total"], loaded["arms"]
-        self._tests, self._turn, self.watched = loaded["tests"], loaded["turn"], loaded["watched"]
 
     def close(self) -> None:
         for h in self._handles:

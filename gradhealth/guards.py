@@ -211,7 +211,7 @@ class ForwardWatch:
     forwards after a check that found NO_GRAD parameters (``probe``), the only time the answer is used.
     """
 
-    def __init__(self, model: nn.Module, module: nn.Module, carry, experts: bool = False):
+    def __init__(self, model: nn.Module, module: nn.Module, carry, experts: bool = False, calls: bool = False):
         self.carry = carry
         self.root = module
         self._models = (model, module)
@@ -228,6 +228,10 @@ class ForwardWatch:
         # where the modes are read: the model's own forward, or, for a LightningModule (its
         # training_step calls the inner modules, never its forward), each direct child's
         entries = [("", module)] if not callable(getattr(module, "training_step", None)) else list(children.items())
+        from .calls import LoopCalls  # the loop's calls into the model, kept to the check (:mod:`.calls`)
+
+        self.calls = LoopCalls(module, len(entries) == 1 and entries[0][0] == "") if calls else None
+        self._names = [name or ROOT for name, _ in entries]
         self._said: set = set()  # (each hook's own failure said once: :func:`.hooks.guarded`)
         self.handles = [model.register_forward_hook(guarded(self._on_model, "forward hook (the model's output)", self._said))]
         self._hooked: list[dict[int, object]] = []  # per entry: id(module) -> its hook for these forwards
@@ -236,7 +240,7 @@ class ForwardWatch:
             self._hooked.append({})
             self.handles.append(m.register_forward_pre_hook(guarded(functools.partial(
                 self._before, i, under, [(n, w) for n, w in under if n in children], [w for _, w in under]),
-                "forward pre-hook (the modes)", self._said)))
+                "forward pre-hook (the modes)", self._said), with_kwargs=True))
         #: look for a reentrant checkpoint at the next forwards, in these modules (the monitor sets
         #: the modules of the NO_GRAD parameters; their forward runs inside the checkpoint, however deep)
         self.probe: set[str] = set()
@@ -246,9 +250,11 @@ class ForwardWatch:
         self.cut: set[str] = set()
         self.walked: set[str] = set()
 
-    def _before(self, i: int, watched: list, children: list, modules: list, module, args) -> None:
+    def _before(self, i: int, watched: list, children: list, modules: list, module, args, kwargs) -> None:
         if not torch.is_grad_enabled():
             return
+        if self.calls is not None:
+            self.calls.keep(self._names[i], module, args, kwargs)
         hooked = self._hooked[i]
         if not hooked and not self.probe and all(map(_TRAINING, modules)):
             return  # (the usual forward: everything in training mode, nothing hooked, nothing probed)
@@ -346,6 +352,8 @@ class ForwardWatch:
                                                  tuple(sorted(self._readers)))
 
     def remove(self) -> None:
+        if self.calls is not None:
+            self.calls.close()
         for h in [*self.handles, *(h for hooked in self._hooked for h in hooked.values())]:
             h.remove()
         for m in self._models:

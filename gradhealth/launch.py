@@ -33,9 +33,12 @@ def launch(self, step: int, loss, optimizer, deferred: bool = False) -> Launch:
     discarded = self.carry._discarded() if deferred and t is not None and (
         not t.steps_since_check or any(map(_SCALER_FLAG, t.pending))) else None
     obs, steps_ran = observe_rank(self, sel, loss, reeval, judged, deferred)
+    w = self._watch
+    calls = w.calls.take() if w is not None and w.calls is not None else None  # (:mod:`.calls`)
     return _LAUNCH(step=step, sel=sel, optimizer=optimizer, reeval=reeval, obs=obs, steps_ran=steps_ran,
                    after_step=self._after_step, output_grad=self.carry.take_output_grad(), discarded=discarded,
-                   counts=(dict(t.stepped), t.total_steps) if t is not None and self.unstepped is not None else None)
+                   counts=(dict(t.stepped), t.total_steps) if t is not None and self.unstepped is not None else None,
+                   calls=calls)
 
 
 def observe_rank(self, sel: Selection, loss, reeval: bool = False, judged=(), deferred: bool = False):

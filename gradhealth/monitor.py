@@ -34,7 +34,7 @@ from . import state as checked
 from .carry import Carry
 from .classify import as_optimizers, classify_selection, unwrap_optimizer, wrapper_scaler
 from .deltas import UpdateTracker
-from .distributed import Ranks, all_reduce_tensor, ranks_of
+from .distributed import Ranks
 from .errors import GradHealthError, GradHealthInternalWarning
 from .hooks import Owned
 from . import verdict
@@ -47,7 +47,7 @@ from .options import Options, check_scaler, check_step, check_tensor
 from .params import ModelChanges, ParamView, Selection
 from .patience import persist
 from .policy import Publisher, alarm, explain
-from .replicas import Replicas, group_members, verify_step
+from .replicas import Replicas, group_members, reduce_check, verify_step
 from .quick import quick
 from .report import Report
 from .unstepped import Unstepped
@@ -98,7 +98,8 @@ class GradHealth:
         if self.tracker is not None:  # (to name a zero_grad() between backward() and step())
             self.tracker.before_step = self.carry.note_step_start
         self.unstepped = Unstepped() if len(self.optimizers) > 1 else None  # (one optimizer: a skipped step)
-        self._watch = ForwardWatch(model, unwrap(model), self.carry, bool(self.view.stacks)) if o.watch_forward else None
+        self._watch = (ForwardWatch(model, unwrap(model), self.carry, bool(self.view.stacks), o.trace_on_nonfinite)
+                       if o.watch_forward else None)
         self._changes = ModelChanges(model)
         self._owned = Owned(self, self._watch, self._changes, self.tracker, self.carry, self.ranks, self.masters)
         if self.tracker is not None:
@@ -203,9 +204,10 @@ class GradHealth:
 
     def _flush_updates(self, owe: bool = False) -> None:
         """``owe``: the findings also go into the next report (``state_dict()``: a resumed run's next
-        report carries them as the run that saved it does)."""
+        report carries them as the run that saved it does). With ``lag=1`` and a check in flight, they
+        wait for the next launch (that check's report, not yet armed, is theirs)."""
         tracker = self.tracker
-        if tracker is None or not tracker.pending:
+        if tracker is None or not tracker.pending or self._deferred is not None and self._deferred.inflight is not None:
             return
         updates, tracker.pending = tracker.pending, []
         values, k = stats.fetch([p for u in updates for p in u.pieces]), 0
@@ -255,11 +257,7 @@ class GradHealth:
 
     def rearm_tracer(self, step: int) -> None:
         """The NaN tracer a check armed before the checkpoint, for the step that follows (`gradhealth.replay.traced`)."""
-        if self.options.trace_on_nonfinite and self.scaler is None and self.carry.tracer is None:
-            from .trace import NonFiniteTracer
-
-            c = self.carry
-            c.tracer, c.trace_from = NonFiniteTracer(self.model).arm(ops=c.trace_ops), step
+        checked.rearm(self, step)
 
     parameter_names = property(lambda self: list(self.view.names))
     history = property(lambda self: self.carry.history, doc="The norm history of checks over every parameter (None when off).")
@@ -294,14 +292,19 @@ class GradHealth:
             self.tracker.rebind(self.view.entries)
         if self._watch is not None:
             self._watch.remove()
+            kept = self._watch.calls
             self._watch = self._owned.watch = ForwardWatch(self.model, unwrap(self.model), self.carry,
-                                                           bool(self.view.stacks))
+                                                           bool(self.view.stacks), kept is not None)
+            if kept is not None:  # (this step's calls, for this check)
+                self._watch.calls.kept = kept.kept
 
     def _gate(self, step: int | None) -> int | None:
         s = self.carry.calls if step is None else step
         self.carry.calls += 1
         if s % self.options.every_n_steps:
             self.carry.window.take()  # (a window ends here, unjudged: the next starts afresh)
+            if self._watch is not None and self._watch.calls is not None:
+                self._watch.calls.kept.clear()  # (their step is not judged)
             if self.tracker is not None:
                 self.tracker.disarm()  # the step after a skipped call is not measured
             return None
@@ -341,7 +344,7 @@ class GradHealth:
                                                                   self.options.grad_patience)  # (:mod:`.underflow`)
         if self.tracker is not None and not reeval:
             report.findings += self.carry.pileup.update(report, self.view.names, self.view.params, self.tracker)
-        report.findings += verdict.judge(self, report, obs, across, sel, launch.output_grad)
+        report.findings += verdict.judge(self, report, obs, across, sel, launch)
         v = self.view
         report.module_grad_norm = stats.module_norms(obs.with_grad, obs.norms, v.module_index, v.modules,
                                                       v.module_runs)
@@ -356,33 +359,7 @@ class GradHealth:
             clip.keep(self, report, obs.with_grad, obs.norms, optimizer is None)
         return report
 
-    def _reduce(self, obs: Observation, seen=None) -> crossrank.Across:
-        """THE collective of a check: every rank's numbers summed, the same verdict everywhere.
-        ``seen``: what DDP's hooks saw, as of a deferred check's launch (:mod:`.deferred`)."""
-        r = self.ranks
-        if seen is None:
-            seen = (r.origin.snapshot([self.view.params[i] for i in obs.idx]) if r.origin else None, None,
-                    r.origin is not None and r.origin.unsynced() and bool(obs.with_grad), r.take_nosync_step())
-        snap, fetched, unsynced, nosync = seen
-        if fetched is None and snap is not None and snap[1] is not None:
-            fetched = snap[1].tolist()
-        pre = r.origin.judge(snap, fetched or [], [obs.norm_of[i] for i in obs.idx]) if r.origin else None
-        self._counts, self._fp, self._shards = ((self.carry.checks, self.tracker.total_steps if self.tracker else 0),
-                                                self.replicas.fingerprints(self.view.params, obs.idx, obs.sharded),
-                                                (obs.sharded, obs.holders))
-        vec, lay = crossrank.pack_rank(obs, r.rank, r.world, pre, self._failed is not None, unsynced, self._counts,
-                                       self._fp, nosync, self.tracker is not None,
-                                       self._missed is not None and self._missed.joining)
-        if self._deferred is not None:  # (numbers on the host, a check late: reduced there, no device involved)
-            total = all_reduce_tensor(vec, torch.device("cpu"), r.host_group())
-        else:
-            total = all_reduce_tensor(vec, r.device)
-        across = crossrank.combine(total, lay, obs, r.world)
-        if across.failed:
-            failed = ranks_of(across.failed, r.world)
-            here = f": {type(self._failed).__name__}: {self._failed}" if self._failed is not None else ""
-            raise RuntimeError(f"the check failed on rank(s) {failed or 'some'}{here}; every rank skips it")
-        return across
+    _reduce = lambda self, obs, seen=None: reduce_check(self, obs, seen)  # noqa: E731 (:mod:`.replicas`)
 
     def _classify(self, step: int, sel: Selection, obs: Observation, optimizer, setup=None) -> Report:
         v = self.view  # (``setup``: a deferred check's (optimizers' ids, all inside, requires_grad), as launched)

@@ -134,11 +134,12 @@ class Options:
             with the prefix of a wrapper or holder of the model (``module.encoder.*``) or without it
             (`gradhealth.wrappers.respell`); so may those of ``experts``.
         deltas: "auto" (default): every step, whether each parameter changed (exact, from version
-            counters and an exact comparison on the device), and every ``update_every`` checks the
-            update norms ||Δθ|| from the optimizer's own rule (SGD, Adam, AdamW; others: exact
+            counters and an exact comparison on the device), and at checks 0, 1, 2, 4, ... up to
+            half ``update_every``, then every ``update_every``, the update norms ||Δθ|| from the optimizer's own rule (SGD, Adam, AdamW; others: exact
             copies within 2% of parameter memory, in turns); "exact": a transient 1x copy of the
             parameters across every step, exact norms every step; "off": no step measurement.
-        update_every: with ``deltas="auto"``, measure update norms at every this many checks.
+        update_every: with ``deltas="auto"``, measure update norms at every this many checks, and
+            before that at checks 0, 1, 2, 4, ... up to half of it (a short run's chart has points).
         change_every: with ``deltas="auto"``, test whether each parameter changed (exactly) on the
             step after every this many checks (and at every update measurement); a learning rate
             of 0 is seen at every step. 1: every step.
@@ -146,8 +147,11 @@ class Options:
             EXPLODING_GRAD / VANISHING_GRAD.
         amp_skip_alarm: with a grad scaler, AMP_SKIPPED is an error after this many skips in a row.
         amp_scale_floor: with a grad scaler, a scale below this is an error.
-        trace_on_nonfinite: when a check finds NaN/inf gradients, arm the NaN tracer for the next
-            step, so the next report says where they were born (no hooks otherwise).
+        trace_on_nonfinite: when a check finds NaN/inf gradients, name where they were born in its
+            own report: the batch, from the inputs of the loop's calls into the model (kept by
+            reference until the check), or a replay of those calls under the NaN tracer
+            (`gradhealth.calls`); where that cannot be (``lag=1``, torch.distributed, a grad scaler,
+            a NaN born outside the modules) the tracer watches the next step.
         watch_forward: observe the model's forward (Python state only) to report GRAD_MODE
             mistakes and name the exact cause of a loss that cannot produce gradients.
         desync_every: under ``torch.distributed``, compare parameters across ranks every this

@@ -78,10 +78,18 @@ def traced(carry, model: nn.Module, report, arm: bool) -> list[Finding]:
         else:
             found.append(origin_finding(tracer, report.step, f"traced at step {report.step} after NaN/inf gradients at "
                                                              f"step {carry.trace_from}: "))
-    if arm and carry.tracer is None:
-        carry.tracer, carry.trace_from = NonFiniteTracer(model).arm(ops=carry.trace_ops), report.step
-        carry.trace_wait = carry.launching
+    if arm:
+        arm_tracer(carry, model, report.step)
     return found
+
+
+def arm_tracer(carry, model: nn.Module, step: int) -> None:
+    """Arm the monitor's tracer for the step after check ``step`` (unless one is armed)."""
+    if carry.tracer is None:
+        tracer = NonFiniteTracer(model)
+        tracer._said = carry.trace_said  # (a hook's failure said once per monitor)
+        carry.tracer, carry.trace_from = tracer.arm(ops=carry.trace_ops), step
+        carry.trace_wait = carry.launching
 
 
 def replay_nonfinite(model: nn.Module, run, *, rng=None, step: int = 0, label: str = "the failing step",

@@ -36,7 +36,7 @@ import torch
 from .distributed import to_local
 from .findings import Finding, FindingKind
 
-__all__ = ["Replicas", "GRAD_SYNC", "SAMPLE", "BLOCK", "WHOLE", "group_members", "verify_step", "may_reduce"]
+__all__ = ["Replicas", "GRAD_SYNC", "SAMPLE", "BLOCK", "WHOLE", "group_members", "verify_step", "may_reduce", "reduce_check"]
 
 GRAD_SYNC = ("auto", "before_check", "in_optimizer")
 #: elements per parameter in its fingerprint: the whole of a tensor up to WHOLE elements, else a
@@ -206,3 +206,35 @@ def verify_step(monitor, opt) -> None:
         idx = sorted(i for key, members, _ in group_members(v.pids, monitor.optimizers) if key == id(opt) for i in members)
         monitor.replicas.verified(opt, [v.params[i] for i in idx], [v.names[i] for i in idx],
                                   monitor.tracker.armed_step, monitor.ranks.device)
+
+
+def reduce_check(self, obs, seen=None):  # (``self``: the monitor)
+    """THE collective of monitor ``self``'s check: every rank's numbers summed, the same verdict
+    everywhere. ``seen``: what DDP's hooks saw, as of a deferred check's launch (:mod:`.deferred`)."""
+    from . import crossrank
+    from .distributed import all_reduce_tensor, ranks_of
+
+    r = self.ranks
+    if seen is None:
+        seen = (r.origin.snapshot([self.view.params[i] for i in obs.idx]) if r.origin else None, None,
+                r.origin is not None and r.origin.unsynced() and bool(obs.with_grad), r.take_nosync_step())
+    snap, fetched, unsynced, nosync = seen
+    if fetched is None and snap is not None and snap[1] is not None:
+        fetched = snap[1].tolist()
+    pre = r.origin.judge(snap, fetched or [], [obs.norm_of[i] for i in obs.idx]) if r.origin else None
+    self._counts, self._fp, self._shards = ((self.carry.checks, self.tracker.total_steps if self.tracker else 0),
+                                            self.replicas.fingerprints(self.view.params, obs.idx, obs.sharded),
+                                            (obs.sharded, obs.holders))
+    vec, lay = crossrank.pack_rank(obs, r.rank, r.world, pre, self._failed is not None, unsynced, self._counts,
+                                   self._fp, nosync, self.tracker is not None,
+                                   self._missed is not None and self._missed.joining)
+    if self._deferred is not None:  # (numbers on the host, a check late: reduced there, no device involved)
+        total = all_reduce_tensor(vec, torch.device("cpu"), r.host_group())
+    else:
+        total = all_reduce_tensor(vec, r.device)
+    across = crossrank.combine(total, lay, obs, r.world)
+    if across.failed:
+        failed = ranks_of(across.failed, r.world)
+        here = f": {type(self._failed).__name__}: {self._failed}" if self._failed is not None else ""
+        raise RuntimeError(f"the check failed on rank(s) {failed or 'some'}{here}; every rank skips it")
+    return across

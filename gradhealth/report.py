@@ -199,8 +199,10 @@ class Report:
         total_grad_norm: the L2 norm of every gradient together (pre-clip).
         findings: the [Finding][gradhealth.Finding]s of this check (and, once its optimizer step
             has run, of that step).
-        update_norm: name -> ||Δθ|| of this step's ``optimizer.step()``, once the step has run, at
-            the checks where update norms are measured (``update_every``); else empty.
+        update_norm: name -> ||Δθ|| of this step's ``optimizer.step()``, once the step has run (the
+            next check's transfer, or ``flush()``), at the checks that measure it: 0, 1, 2, 4, ...
+            up to half ``update_every``, then every ``update_every`` (100: 0, 1, 2, 4, 8, 16, 32,
+            100, 200, ...); else empty.
         update_ratio: name -> ||Δθ|| / ||θ||, with ``update_norm``.
         module_grad_norm: module -> L2 norm of its own parameters' gradients.
         valid_counts: name -> the count ``track_valid`` recorded for this step.

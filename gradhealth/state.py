@@ -163,3 +163,13 @@ def load(monitor, state) -> None:
         warnings.warn(f"gradhealth: this state is from an older gradhealth (version 1, not "
                       f"{VERSION}): it did not keep {'; '.join(lacking)}. These start fresh; everything else it "
                       "held is restored", GradHealthWarning, stacklevel=3)
+
+
+def rearm(m, step: int) -> None:
+    """Monitor ``m``'s NaN tracer, armed before the checkpoint for the step after ``step``, armed again."""
+    if m.options.trace_on_nonfinite and m.scaler is None:
+        from .replay import arm_tracer
+
+        wait = m.carry.trace_wait
+        arm_tracer(m.carry, m.model, step)
+        m.carry.trace_wait = wait

@@ -47,6 +47,11 @@ REPAIRS = (
     "(torch.autograd.Function)"
 )
 
+#: what to do about a batch that holds NaN/inf
+BATCH_FIX = ("Find the samples with (~torch.isfinite(x)).flatten(1).any(1).nonzero() on the inputs, and look at the data "
+             "pipeline (a normalisation by a zero std, a log of 0 in preprocessing, a corrupt record); skip or repair "
+             "such batches")
+
 
 def _bad_one(t: Tensor) -> Tensor:
     # min and max in one reduction: NaN propagates into both, +inf into the max, -inf into the
@@ -372,10 +377,7 @@ class NonFiniteTracer:
         if self.forward_origin is not None and self.input_nonfinite:
             return (
                 f"the batch itself holds NaN/inf: module {self.forward_origin!r} was the first to receive it, and the "
-                "model's input was already non-finite, so the data is the cause, not the model. Find the samples with "
-                "(~torch.isfinite(x)).flatten(1).any(1).nonzero() on the inputs, and look at the data pipeline (a "
-                "normalisation by a zero std, a log of 0 in preprocessing, a corrupt record); skip or repair such batches"
-            )
+                "model's input was already non-finite, so the data is the cause, not the model. " + BATCH_FIX)
         if self.forward_origin is not None:
             parts.append(f"the forward first produced a non-finite output in module {self.forward_origin!r}")
         if self.backward_origin is not None:

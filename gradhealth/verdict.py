@@ -18,7 +18,8 @@ from . import distributed as dist
 from .checkpointing import checkpoint_cut
 from .guards import output_maxima
 from .naming import module_of
-from .replay import traced
+from .calls import origin as loop_origin
+from .replay import arm_tracer, traced
 from .report import frozen_summary
 from .status import Status
 from .wrappers import unwrap
@@ -49,10 +50,11 @@ def _named(states: dict, state) -> list[str]:
     return list(compress(states, map(operator.is_, states.values(), repeat(state))))
 
 
-def judge(m, report, obs, across, sel, seen=None) -> list:
-    """The findings of monitor ``m``'s judges for ``report`` (``seen``: the output gradient the
-    loss's backward left, as of the check's launch)."""
+def judge(m, report, obs, across, sel, launch=None) -> list:
+    """The findings of monitor ``m``'s judges for ``report`` (``launch``: the check as launched, with
+    the output gradient the loss's backward left and the loop's calls into the model)."""
     step, o, carry, names = report.step, m.options, m.carry, m.view.names
+    seen = launch.output_grad if launch is not None else None
     not_ok = report.not_ok  # (every one OK, or NO_GRAD only where tolerated as a copy: a target network's; the usual check)
     quiet = (not_ok == [] or not_ok is not None and _copies_only(not_ok, report, carry)) and not report.frozen_names \
         and not report.expert_status
@@ -122,8 +124,16 @@ def judge(m, report, obs, across, sel, seen=None) -> list:
     if m._changes.lazy:
         found += m._changes.judge_lazy(m.optimizers, m.tracker.total_steps if m.tracker is not None else 0,
                                        o.grad_patience, step)
-    found += traced(  # resolve the tracer armed after the last NaN; arm it after this one
-        carry, m.model, report, nonfinite and o.trace_on_nonfinite and m.scaler is None)
+    armable = nonfinite and o.trace_on_nonfinite and m.scaler is None
+    found += traced(carry, m.model, report, False)  # resolve the tracer armed after the last NaN
+    named = None
+    if armable and across is None and launch is not None and launch.calls and not any(
+            f.kind == "NONFINITE_ORIGIN" and f.level == "error" for f in found):  # the batch, or a replay (:mod:`.calls`)
+        named = loop_origin(m, launch.calls, step, launch.transfer is None and not m.masters.views
+                       and m.ranks.accumulation is None)
+        found += [named] if named is not None else []
+    if armable and (named is None or named.level != "error"):  # not named now: traced at the next step
+        arm_tracer(carry, m.model, step)
     if nonfinite and across is None and m.scaler is None:  # one process's output; under a scaler, the scale
         origin = any(f.kind == "NONFINITE_ORIGIN" and f.level == "error" for f in found)
         found += judges.nan_from_loss(None if origin else output_maxima(seen), step, origin)

@@ -6,7 +6,8 @@ latest layout). The first chart says in one line whether anything is wrong: how 
 are in trouble (0 when healthy) and a dot per finding. Titles say what healthy looks like.
 
 Titles and patterns do not depend on the run (but for the update cadence, which is the monitor's
-``update_every``), so TensorBoard, which merges the runs' layouts chart by chart, shows each chart
+``update_every``, said once three gaps in a row between measured steps are the same: the first checks
+are measured more densely), so TensorBoard, which merges the runs' layouts chart by chart, shows each chart
 once for several runs.
 """
 
@@ -80,15 +81,15 @@ class RunLayout:
 
     def saw_update(self, report: Report) -> None:
         if report.update_norm and report.step not in self._update_steps:
-            if len(self._update_steps) < 2:  # the cadence of the title: set once, by the first two
-                self._update_steps.append(report.step)
+            self._update_steps = [*self._update_steps[-3:], report.step]  # (the cadence of the title: the last four)
             self._saw("update")
 
     def due(self) -> dict | None:
         """The layout to write now, or None when the charts earned are those written last."""
         charts = tuple(k for k, n in self._points.items() if n >= 2)
-        steps = self._update_steps
-        every = steps[-1] - steps[-2] if len(steps) == 2 else None
+        steps = self._update_steps  # a cadence once three gaps in a row are the same (the first checks are denser)
+        gaps = {b - a for a, b in zip(steps, steps[1:])}
+        every = gaps.pop() if len(steps) == 4 and len(gaps) == 1 else None
         if not charts or (charts, every) == self._written:
             return None
         self._written = (charts, every)

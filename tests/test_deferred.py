@@ -127,12 +127,10 @@ def test_deferred_reports_are_the_synchronous_ones_one_check_later(case):
     traced = lambda reports: [(r.step, f.message) for r in reports for f in r.findings_of("NONFINITE_ORIGIN")  # noqa: E731
                               if f.data.get("recurred") is False]
     assert same([_key(r, traced=False) for r in late], [_key(r, traced=False) for r in sync])
-    if case.startswith("nan"):  # (the NaN of step 4 only: traced at step 5, deferred at step 6, clean both times)
-        assert {m for _, m in traced(sync)} == {"the NaN/inf gradients of step 4 did not recur at step 5 (traced): the "
-                                                 "cause is in that batch; run it again inside gh.trace_nonfinite(model), "
-                                                 "or use gh.replay_nonfinite, to name the operation and its line"}
-        assert {m.replace("step 6", "step 5") for _, m in traced(late)} == {m for _, m in traced(sync)}
-        assert {s for s, m in traced(late)} == {6} and "at step 6 (traced)" in traced(late)[0][1]
+    if case.startswith("nan"):  # (the NaN of step 4 only: the batch named in step 4's report, in both modes)
+        named = [(r.step, f.message) for r in sync for f in r.findings_of("NONFINITE_ORIGIN")]
+        assert {s for s, _ in named} == {4} and all("the batch itself holds NaN/inf" in m for _, m in named), named
+        assert traced(sync) == traced(late) == []  # (named: no tracer armed for the step after)
     if case == "healthy":  # a healthy control: it trains, and every report is clean
         assert losses[-1] < losses[0] and all(r.ok and not r.problems for r in sync)
         assert any(r.update_norm for r in late)  # the update numbers travel too
@@ -330,10 +328,10 @@ def test_no_host_wait_from_check_0_on_the_catalogue(counted, case, lag):
     alone in deferred mode."""
     watch = []
     train(lag, case, watch=watch, counted=counted)
-    # the reads a diagnosis adds, where it is due: the NaN tracer armed by step 4's NaN reads its
-    # flags at the step after (deferred: armed a check later, it watches the step after that, whose
-    # report completes in the call of step 7); the zero gradients of step 3's empty mask are re-checked exactly, once
-    extra = ({5 + 2 * lag: 1} if case.startswith("nan") else {3: 1} if case == "empty_mask" and not lag
+    # the reads a diagnosis adds, where it is due: step 4's NaN batch is named from the model's kept
+    # inputs, read once when its report completes (deferred: in the call of step 5); the zero
+    # gradients of step 3's empty mask are re-checked exactly, once
+    extra = ({4 + lag: 1} if case.startswith("nan") else {3: 1} if case == "empty_mask" and not lag
              else {0: 1} if case == "tiny" and not lag else {})  # (tiny: its underflowing norms, re-checked once)
     for step, (reads, fetches, values) in enumerate(watch):
         if lag and case == "nan_guard":  # a non-fused optimizer: the guard reads its one flag (said once)
@@ -516,10 +514,10 @@ def test_a_launch_that_fails_inside_keeps_the_report_completed_before_it(monkeyp
 
 @pytest.mark.parametrize("lag", [0, 1])
 def test_a_nan_diagnosis_reads_only_through_the_transfer_point(counted, lag):
-    """A NaN made in the model (its output already non-finite): the checks that diagnose it (the
-    output-vs-loss origin at the NaN's check, the tracer at the step after) read what they need
-    through ``stats.fetch`` (a GPU script allows exactly that) and nothing else, fused AdamW's step
-    counts included (``rules._on_host`` as on a GPU, where fused Adam keeps them on the device)."""
+    """A NaN batch: the check that diagnoses it (the batch named from the model's kept inputs, when
+    the NaN's report completes) reads what it needs through ``stats.fetch`` (a GPU script allows
+    exactly that) and nothing else, fused AdamW's step counts included (``rules._on_host`` as on a
+    GPU, where fused Adam keeps them on the device)."""
     from gradhealth import rules
 
     rules_on_host = rules._on_host
@@ -548,9 +546,9 @@ def test_a_nan_diagnosis_reads_only_through_the_transfer_point(counted, lag):
     assert all(reads == [] for reads, _, _ in seen), [(k, reads[:3]) for k, (reads, _, _) in enumerate(seen)]
     said = {r.step: {f.kind for f in r.findings} for _, _, r in seen if r is not None}
     assert "NON_FINITE_LOSS" in said[2] and "STEP_SKIPPED" in said[2]  # (the premise: the NaN was there)
-    assert "NONFINITE_ORIGIN" in said[3 + lag]  # the tracer, at the step after (deferred: the one after that)
-    # the transfers: one per synchronous check; the NaN's check adds its origin read, the tracer's check its own
-    assert [n for _, n, _ in seen] == ([1, 1, 2, 2, 1, 1] if not lag else [0, 0, 0, 1, 0, 1]), seen
+    assert "NONFINITE_ORIGIN" in said[2] and "NONFINITE_ORIGIN" not in said[3]  # the batch, in its own report
+    # the transfers: one per synchronous check; the NaN's report adds its batch read (deferred: completed at step 3)
+    assert [n for _, n, _ in seen] == ([1, 1, 2, 1, 1, 1] if not lag else [0, 0, 0, 1, 0, 0]), seen
 
 
 def test_two_deferred_monitors_never_write_into_each_others_buffers(monkeypatch):
@@ -645,16 +643,25 @@ def test_a_deferred_report_is_judged_as_its_step_was_set_up(change):
     assert late == sync
 
 
+class _Norm(nn.Module):
+    """h / (1 + ||h||): a row of zeros gives a finite forward and NaN gradients (sqrt at 0)."""
+
+    def forward(self, h):
+        return h / (1 + torch.sqrt((h * h).sum(-1, keepdim=True)))
+
+
 @pytest.mark.parametrize("nan_at", [(5, 6), (5, 6, 7)])
 def test_the_deferred_tracer_is_judged_against_the_step_it_watched(nan_at):
-    """With ``lag=1`` the tracer is armed when the NaN's report completes, a step later, so it
-    watches the forward after the next one: it is resolved with that step's report (not the one
-    completed in between, whose forward it never saw: that said "born outside the modules" of a
-    batch that held the NaN)."""
+    """With ``lag=1`` a NaN made inside the model (a batch row of zeros through a sqrt at 0: finite
+    data, so the kept inputs name no batch, and the weights have moved when the report completes, so
+    no replay) arms the tracer when the NaN's report completes, a step later, so it watches the
+    forward after the next one: it is resolved with that step's report (not the one completed in
+    between, whose forward it never saw: that said "born outside the modules" of a step that held the
+    NaN). The synchronous monitor names it at the NaN's own check, by a replay of the model's calls."""
 
     def run(lag):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        model = nn.Sequential(nn.Linear(8, 16, bias=False), _Norm(), nn.Linear(16, 1))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         keep = Keep()
         monitor = gh.GradHealth(model, opt, on_problem="ignore", lag=lag, skip_nonfinite=True, sinks=[keep])
@@ -663,7 +670,7 @@ def test_the_deferred_tracer_is_judged_against_the_step_it_watched(nan_at):
             opt.zero_grad()
             x = torch.randn(16, 8, generator=g)
             if step in nan_at:
-                x[0, 0] = math.nan
+                x[0] = 0.0
             nn.functional.mse_loss(model(x), x[:, :1]).backward()
             monitor.check()
             opt.step()
@@ -685,15 +692,19 @@ def test_the_deferred_tracer_is_judged_against_the_step_it_watched(nan_at):
     finally:
         trace.NonFiniteTracer.resolve = resolve
     assert seen_forwards and set(seen_forwards) == {1}, seen_forwards
-    assert "the batch itself holds NaN/inf" in sync[6][0].message  # (the premise: the batch held it)
+    for k in nan_at:  # synchronous: each NaN named at its own check, module, operation and line
+        [named] = sync[k]
+        assert named.message.startswith(f"replayed at step {k}") and named.data["op"] == "SqrtBackward0"
     said = [f.message for found in late.values() for f in found]
     assert not any("born outside" in m for m in said), said  # nothing false
+    assert not late[5] and not late[6]  # (deferred: no replay, the tracer armed when step 5's report completes)
     if nan_at == (5, 6):  # armed at step 6 (step 5's report), watching step 7's forward: clean
         assert [f.data.get("recurred") for f in late[7]] == [False] and "of step 5 did not recur at step 7" in said[0]
-    else:  # step 7's forward held the NaN too: named, as the synchronous tracer named step 6's
+    else:  # step 7's forward held the NaN too: named by the tracer, as the synchronous replay named it
         [named] = late[7]
-        assert "traced at step 7 after NaN/inf gradients at step 5: the batch itself holds" in named.message
-        assert named.level == sync[7][0].level  # (the same words and level as the synchronous tracer at step 7)
+        assert named.message.startswith("traced at step 7 after NaN/inf gradients at step 5: ")
+        assert named.data["backward_origin"] == "1" and named.data["op"] == "SqrtBackward0"
+        assert named.level == sync[7][0].level == "error"
 
 
 def test_close_raises_the_last_deferred_verdict_after_closing(monkeypatch):

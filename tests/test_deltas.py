@@ -131,7 +131,34 @@ def test_update_norms_every_n_checks_and_the_memory_bound():
     x = torch.randn(8, 512)
     reports = [step(model, opt, mon, x) for _ in range(7)]
     mon.flush()
-    assert [bool(r.update_norm) for r in reports] == [True, False, False, True, False, False, True]
+    # checks 0 and 1 (the dense start: 0, 1, 2, 4, ... up to half update_every), then every 3rd
+    assert [bool(r.update_norm) for r in reports] == [True, True, False, True, False, False, True]
+
+
+def test_a_short_run_with_the_default_cadence_has_update_norms_at_its_first_checks():
+    """update_every=100 (the default): a 10-step run's update norms at checks 0, 1, 2, 4 and 8, each
+    the step's real ||Δθ|| (SGD: lr * ||g||, measured against the parameters before and after)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gh.GradHealth(model, opt, on_problem="raise")
+    reports, moved, losses = [], [], []
+    for _ in range(10):
+        x = torch.randn(32, 8)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+        loss.backward()
+        losses.append(loss.item())
+        before = model[0].weight.detach().clone()
+        reports.append(mon.check(loss=loss))
+        opt.step()
+        moved.append((model[0].weight.detach() - before).norm().item())
+    mon.close()
+    assert losses[-1] < losses[0]  # a healthy control: it trains
+    measured = [k for k, r in enumerate(reports) if r.update_norm]
+    assert measured == [0, 1, 2, 4, 8] and len(measured) >= 4
+    for k in measured:
+        assert reports[k].update_norm["0.weight"] == pytest.approx(moved[k], rel=1e-4)
 
 
 def test_not_updated_with_lr_zero(mlp):
@@ -251,7 +278,7 @@ def test_two_optimizers_taking_turns_are_both_measured():
     mon.close()
     for name, opt in (("g", og), ("d", od)):
         measured = [r for r in reports[name] if f"{name}.weight" in r.update_norm]
-        assert len(measured) == 2, name  # its turns 0 and 2
+        assert len(measured) == 3, name  # its turns 0, 1 (the dense start) and 2
         for r in measured:
             assert r.update_norm[f"{name}.weight"] > 0
 

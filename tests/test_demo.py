@@ -92,6 +92,7 @@ def test_demo_command_runs_the_lightning_scenarios(tmp_path):
     assert {"none", "nan_batch", "frozen"} <= runs
 
 
+@pytest.mark.slow  # (over 10 s: make test runs it, make test-fast does not)
 def test_plain_demo_command_runs_every_scenario_short():
     res = procs.run([sys.executable, "-m", "gradhealth", "demo", "--plain"], capture_output=True, text=True,
                     timeout=300)
@@ -103,6 +104,7 @@ def test_plain_demo_command_runs_every_scenario_short():
     assert len(out) < 6000, len(out)
 
 
+@pytest.mark.slow  # (over 10 s: make test runs it, make test-fast does not)
 def test_unknown_only_names_are_an_error_listing_the_valid_ones():
     for args in (["demo", "--only", "bogus"], ["demo", "--plain", "--only", "frozen,bogus"]):
         res = procs.run([sys.executable, "-m", "gradhealth", *args], capture_output=True, text=True, timeout=300)

@@ -36,6 +36,7 @@ def _run(root, *args, env=None):
                      env={**os.environ, "PYTHONPATH": "", **(env or {})})
 
 
+@pytest.mark.slow  # (over 10 s: make test runs it, make test-fast does not)
 def test_gpu_check_runs_from_a_plain_checkout_on_the_cpu(tmp_path):
     root = _checkout(tmp_path)
     res = _run(root)  # every section
@@ -57,6 +58,7 @@ def test_gpu_check_runs_from_a_plain_checkout_on_the_cpu(tmp_path):
     assert "gpu_check passed" in out
 
 
+@pytest.mark.slow  # (over 10 s: make test runs it, make test-fast does not)
 def test_a_failed_section_is_reported_and_the_next_one_runs(tmp_path):
     root = _checkout(tmp_path)
     res = _run(root, "--sections", "8,9", "--shapes", "4", env={"GPU_CHECK_FAIL": "8"})

@@ -102,6 +102,7 @@ def test_the_wheel_ships_the_configs_the_license_and_the_extras(wheel):
     assert {"gradhealth/integrations/lightning.py", "gradhealth/demos/lightning_fit.py"} <= set(names)
 
 
+@pytest.mark.slow  # (over 10 s: make test runs it, make test-fast does not)
 def test_the_configs_are_found_from_an_installed_wheel_in_another_folder(wheel, tmp_path):
     target = tmp_path / "site"
     proc = procs.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",

@@ -136,6 +136,7 @@ def test_unreadable_and_symlinked_directories(tmp_path):
         assert "locked: cannot be listed (Permission denied)" in res.stdout
 
 
+@pytest.mark.slow  # (over 10 s: make test runs it, make test-fast does not)
 def test_control_characters_are_escaped_and_csv_cells_neutralised(tmp_path):
     evil_run = "run\x1b[31m\x07"
     problem_run(tmp_path / evil_run, module="=cmd|' /C calc'!A0")
@@ -160,6 +161,7 @@ def test_control_characters_are_escaped_and_csv_cells_neutralised(tmp_path):
     assert nan["names"] == ["\x1b]0;pwned\x07mod"]
 
 
+@pytest.mark.slow  # (over 10 s: make test runs it, make test-fast does not)
 def test_csv_and_text_escape_esc_c1_and_undecodable_run_names(tmp_path):
     # a run directory whose name holds a raw C1 byte (0x9B, CSI): undecodable in UTF-8, so Python
     # sees it as a surrogate escape
@@ -175,6 +177,7 @@ def test_csv_and_text_escape_esc_c1_and_undecodable_run_names(tmp_path):
     assert "mod\\x1b]0;x\\x07" in csv_out
 
 
+@pytest.mark.slow  # (over 10 s: make test runs it, make test-fast does not)
 def test_tensorboard_text_keeps_exact_names_and_the_report_escapes_them_for_terminals_only(tmp_path, one_thread):
     import torch
     from torch import nn
@@ -226,6 +229,7 @@ def test_long_texts_are_wrapped_whole_and_names_grouped_with_verbose_listing_all
     assert "enc.layer0.proj, enc.layer1.proj, enc.layer10.proj" in " ".join(verbose.split())  # (wrapped)
 
 
+@pytest.mark.slow  # (over 10 s: make test runs it, make test-fast does not)
 def test_problem_parameters_are_named_grouped_and_listed_with_verbose(tmp_path):
     import torch
 

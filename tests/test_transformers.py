@@ -367,6 +367,7 @@ def test_import_gradhealth_loads_no_transformers():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+@pytest.mark.slow  # (over 10 s: make test runs it, make test-fast does not)
 def test_demo_transformers_names_both_bugs_and_is_silent_when_healthy(tmp_path):
     import procs
     import sys
@@ -437,6 +438,7 @@ def test_trainer_logs_stay_short_on_a_deep_model_and_detail_is_one_option_away(t
     assert lengths["module"] > 5 * lengths["total"]
 
 
+@pytest.mark.slow  # (over 10 s: make test runs it, make test-fast does not)
 def test_report_names_the_parameters_of_a_trainer_run(tmp_path, monkeypatch):
     """With report_to TensorBoard the callback also writes the full detail into Trainer's run, so
     `gradhealth report` names the parameters in every format, as for Lightning runs."""
