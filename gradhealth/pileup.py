@@ -104,6 +104,8 @@ class PileUp:
                 del long[n]
             for n in [n for n in self._since if not alive.get(n, 0)]:
                 del self._since[n]
+        if max(runs) < PILE:  # (the usual check: no streak to name, none about to outlive _hist)
+            return []
         for i in compress(range(len(runs)), map(eq, runs, repeat(HISTORY - 1))):  # (a streak about to outlive _hist)
             start = hist[-(HISTORY - 1)]
             long[keys[i]] = (start[2], start[3], _norm_at(hist[-HISTORY], keys[i]))
