@@ -5,8 +5,8 @@ the synchronous monitor (``lag=0``), the deferred one (``lag=1``) and the one nu
 instead (``clip_grad_norm_(...).item()``):
 
 * ops per check: the torch ops dispatched inside ``check()`` (or the clip), counted with
-  ``TorchDispatchMode``; the median over the checks after the first (the first builds the plans,
-  and is printed apart);
+  ``TorchDispatchMode``; the median over the checks after the first counted (the first builds the plans,
+  and is printed apart), all after ``WARM`` checks (past the first checks' dense update norms);
 * ops per step: the same plus the monitor's own ops in the optimizer step's hooks, the mean over
   ``steps`` steps (the periodic change test and update norms amortised as in a run);
 * host reads per step: the reads of a tensor's values by the host inside ``check()`` (or the
@@ -158,6 +158,10 @@ COUNT_SHAPES = {
 VARIANTS = ("synchronous", "deferred (lag=1)", "clip_grad_norm_().item()")
 
 
+WARM = 64  # checks before counting: update norms are measured at checks 0, 1, 2, 4, ... 32 (then every
+# update_every), so the counts are a long run's steady state, after those
+
+
 def count_shape(label: str, steps: int = 9, instructions: int = 8) -> dict[str, dict[str, float]]:
     """{variant: {"first": ops at the first check, "check": median ops per check, "step": mean ops
     per step with the hooks, "py": median and "py_mean": mean Python instructions per check, over
@@ -175,6 +179,11 @@ def count_shape(label: str, steps: int = 9, instructions: int = 8) -> dict[str, 
         params = [p for p in model.parameters() if p.requires_grad]  # (what clip_grad_norm_ is given)
         act = (lambda: torch.nn.utils.clip_grad_norm_(params, 1e9).item()) if clip else monitor.check
         checks, whole, py, reads = [], [], [], []
+        for _ in range(WARM if not clip else 0):  # (past the first checks' dense update norms: a long run's checks)
+            opt.zero_grad(set_to_none=True)
+            model(x).float().pow(2).mean().backward()
+            act()
+            opt.step()
         for step in range(steps + instructions):
             opt.zero_grad(set_to_none=True)
             model(x).float().pow(2).mean().backward()

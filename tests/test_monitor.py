@@ -277,7 +277,7 @@ def test_the_usual_check_launches_three_torch_ops(one_thread):
     x, y = torch.randn(8, 32), torch.randn(8, 1)
     counts = []
     with gh.GradHealth(model, opt, on_problem="raise") as mon:
-        for k in range(4):
+        for k in range(68):
             opt.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -285,6 +285,8 @@ def test_the_usual_check_launches_three_torch_ops(one_thread):
                 mon.check(loss=loss)
             counts.append(dict(ops.seen))
             opt.step()
-    # checks 2 and 3: the step before was a light one (nothing to read), the step after is light too
-    for seen in counts[2:]:
+    # checks 66 and 67: past the first checks' dense update norms (0, 1, 2, 4, ... 32), the step before
+    # was a light one (nothing to read), the step after is light too; a measured one reads its updates too
+    assert counts[4] != counts[3] and "aten._foreach_norm.Scalar" in counts[4]
+    for seen in counts[66:]:
         assert seen == {"aten._foreach_norm.Scalar": 1, "aten.detach.default": 1, "aten.stack.default": 1}
