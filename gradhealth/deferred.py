@@ -188,6 +188,8 @@ class Deferred:
                             last is not None and due_test(m.carry, last) or not all(map(requires.__getitem__, with_grad)))
                 if not launch.after_step:
                     m.carry.stage(step, witnesses(v.params, with_grad))
+            elif tracker is not None and not launch.reeval and type(pending) is not Pending:  # (failed here alone)
+                tracker.disarm(m.optimizers if optimizer is None else [optimizer])
             if self.guarding:
                 norms = None if with_grad is not None else _norms_now(v, launch.sel)  # (a failed observation: taken again)
                 if with_grad is not None or norms is not None:

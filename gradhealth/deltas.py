@@ -119,8 +119,7 @@ class UpdateTracker(checked.TrackerState):
         self.witness = StaleWatch(defer=len(optimizers) > 1)
         self._in_step: dict[int, int] = {}  # optimizers inside their step(): checks made there so far
         self._packs: dict[tuple, tuple] = {}  # the exact copies' last plans (:meth:`_copies_in_turn`)
-        #: called with the optimizer before each step (the monitor notes whether the armed check's
-        #: gradients are still there)
+        #: called with the optimizer before each step (the monitor notes whether the armed check's gradients are still there)
         self.before_step = None
         #: called first, with the step hook's arguments (:class:`gradhealth.lockstep.MissedChecks`)
         self.on_step = None
@@ -133,9 +132,7 @@ class UpdateTracker(checked.TrackerState):
         A step measured against the old ones is dropped."""
         self.entries = entries
         self.index = {id(p): i for i, (_, p) in enumerate(entries)}
-        self._plans.clear(), self._packs.clear()
-        self.watched.clear()
-        self.pending.clear()
+        self._plans.clear(), self._packs.clear(), self.watched.clear(), self.pending.clear()
         self.witness.close()
         self.witness = StaleWatch(defer=self.witness.defer)  # its entry indices were the old ones
         self.disarm()
@@ -254,9 +251,11 @@ class UpdateTracker(checked.TrackerState):
             self._packs.pop(next(iter(self._packs)))
         return chosen, packed, packed.snapshot()
 
-    def disarm(self) -> None:
-        self.armed_step = None
+    def disarm(self, counted=()) -> None:  # counted: a check that failed on this rank alone still counts
+        self.armed_step = None  # for these optimizers' cadence (every rank measures the same steps, and flushes them)
         self._inflight.clear()
+        for opt in counted:
+            self._arms[id(opt)] = self._arms.get(id(opt), 0) + 1
 
     def reevaluation(self) -> bool:
         """Is this check a closure's second (or later) evaluation inside one ``optimizer.step()``

@@ -59,7 +59,7 @@ class Reports(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         r = self.watched.last_report
         if r is not None and (not self.seen or self.seen[-1]["step"] != r.step):
-            self.seen.append({"step": r.step, "ok": r.ok, "findings": [[f.kind, f.level] for f in r.findings]})
+            self.seen.append({"step": r.step, "ok": r.ok, "findings": [[f.kind, f.level, list(f.params)] for f in r.findings]})
 
 
 def fit(case: str) -> dict:

@@ -153,5 +153,12 @@ def test_ddp_with_stochastic_weight_averaging_is_silent_under_raise(tmp_path_fac
         assert r["raised"] is None and r["global_step"] == 25  # 3 epochs of 8 steps, and SWA's batch-norm epoch
         assert r["same"] is True
         assert sum(r["losses"][16:24]) < 0.7 * sum(r["losses"][:8])  # epoch 2 against epoch 0
-        assert len(r["reports"]) == 25 and all(rep["ok"] and not rep["findings"] for rep in r["reports"])
+        assert len(r["reports"]) == 25 and all(rep["ok"] for rep in r["reports"])
+        assert not r["reports"][-1]["findings"]  # SWA's batch-norm epoch's step: nothing said of it
+        # The one thing said, at info, is true of any run of this model: layer.0.bias is a Linear's bias right
+        # before the batch norm, whose gradient is zero in exact arithmetic (the norm takes the mean away), so a
+        # step the change test samples may leave it exactly unchanged (its update below the weights' precision).
+        # The dense update-norm cadence (checks 0, 1, 2, 4, ...) samples steps 1, 2 and 4 too.
+        said = [f for rep in r["reports"] for f in rep["findings"]]
+        assert all(f == ["NOT_UPDATED", "info", ["layer.0.bias"]] for f in said), said
     assert ranks[0]["reports"] == ranks[1]["reports"]
