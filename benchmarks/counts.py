@@ -105,8 +105,9 @@ class _Ops(TolistWatch):
             self.reads += not within(frame, {Transfer.values.__code__})
 
 
-def _instructions(fn) -> int:
-    """Bytecode instructions ``fn()`` executes (every frame it enters), by ``sys.settrace`` opcode events."""
+def _instructions(fn, per_code: dict | None = None) -> int:
+    """Bytecode instructions ``fn()`` executes (every frame it enters), by ``sys.settrace`` opcode
+    events; ``per_code``: also counted per code object (each function's own instructions)."""
     count = 0
 
     def trace(frame, event, arg):
@@ -114,6 +115,9 @@ def _instructions(fn) -> int:
         frame.f_trace_opcodes = True
         if event == "opcode":
             count += 1
+            if per_code is not None:
+                code = frame.f_code
+                per_code[code] = per_code.get(code, 0) + 1
         return trace
 
     old = sys.gettrace()

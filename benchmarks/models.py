@@ -134,28 +134,7 @@ def _models() -> dict[str, Callable[[], Case]]:
 MODELS = _models()
 
 
-def instructions(fn, per_code: dict | None = None) -> int:
-    """Bytecode instructions ``fn()`` executes (every frame it enters), by ``sys.settrace`` opcode
-    events; ``per_code``: also counted per code object (each function's own instructions)."""
-    count = 0
-
-    def trace(frame, event, arg):
-        nonlocal count
-        frame.f_trace_opcodes = True
-        if event == "opcode":
-            count += 1
-            if per_code is not None:
-                code = frame.f_code
-                per_code[code] = per_code.get(code, 0) + 1
-        return trace
-
-    old = sys.gettrace()
-    sys.settrace(trace)
-    try:
-        fn()
-    finally:
-        sys.settrace(old)
-    return count
+from gradhealth.benchmarks.counts import _instructions as instructions  # noqa: E402 (the one counter)
 
 
 class _Run:
