@@ -29,7 +29,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from . import clip, crossrank, experts, lockstep, skipping, stats
+from . import clip, crossrank, experts, lockstep, skipping, stats, steady
 from . import state as checked
 from .carry import Carry
 from .classify import as_optimizers, classify_selection, unwrap_optimizer, wrapper_scaler
@@ -170,6 +170,8 @@ class GradHealth:
             skipping.guard(report, o, self.carry, self.carry.history_for(report.optimizer_index),
                            [v.params[i] for i in v.selection(optimizer).idx], self.scaler is not None, self.tracker)
         return report
+
+    _steady = True  # (False: every check takes the full path; the tests compare the two)
 
     _members = lambda self: group_members(self.view.pids, self.optimizers)  # noqa: E731
     _verify = lambda self, opt: verify_step(self, opt)  # noqa: E731 (:mod:`.replicas`)
@@ -316,7 +318,11 @@ class GradHealth:
     _launch = launch  # (:mod:`.launch`: the device numbers and what the rank saw)
 
     def _complete(self, launch: Launch) -> Report:
-        """The report of a launched check, from its numbers on the host."""
+        """The report of a launched check, from its numbers on the host (a healthy steady-state one: `gradhealth.steady`)."""
+        if self._steady:
+            report = steady.complete(self, launch)
+            if report is not None:
+                return report
         step, sel, optimizer, reeval, obs = launch.step, launch.sel, launch.optimizer, launch.reeval, launch.obs
         across = self._reduce(obs, launch.ranks) if self.ranks.active else None
         report = self._classify(step, sel, obs, optimizer, launch.setup)
