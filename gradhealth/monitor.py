@@ -171,7 +171,7 @@ class GradHealth:
                            [v.params[i] for i in v.selection(optimizer).idx], self.scaler is not None, self.tracker)
         return report
 
-    _steady = True  # (False: every check takes the full path; the tests compare the two)
+    _steady, _template = True, None  # (False: every check takes the full path; the tests compare the two)
 
     _members = lambda self: group_members(self.view.pids, self.optimizers)  # noqa: E731
     _verify = lambda self, opt: verify_step(self, opt)  # noqa: E731 (:mod:`.replicas`)

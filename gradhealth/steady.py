@@ -28,6 +28,7 @@ import math
 import operator
 
 from . import clip, stats
+from .classify import classify_selection
 from .quick import quick
 from .report import Report
 from .status import Status
@@ -41,28 +42,59 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _OK, _INF = Status.OK, math.inf
 
 
+class Template:
+    """A classification that holds while its inputs do: the view's names, the optimizers' ids
+    (replaced at any change of their param_groups: :meth:`.params.ParamView.optimizer_ids`), the
+    selection, the entries with a gradient and every ``requires_grad``; with every norm in (0, inf)
+    the decision tree gives the same states again."""
+
+    __slots__ = ("names", "ids", "sel", "with_grad", "requires", "status", "in_opt", "not_ok", "copies", "gnames")
+
+    def fits(self, names, ids, sel, with_grad, requires) -> bool:
+        return (self.names is names and self.ids is ids and self.sel is sel and self.with_grad == with_grad
+                and self.requires == requires)
+
+
+def _template(names, params, pids, sel, obs, ids, requires) -> Template:
+    """The classification of this check (:func:`.classify.classify_selection`, which changes
+    nothing), kept when it is a steady one: nothing FROZEN and every name not OK a copy (NO_GRAD,
+    in no optimizer: :mod:`.copies`); else None."""
+    status, in_opt, not_ok, frozen = classify_selection(names, params, pids, sel.idx, obs.norm_of, ids, obs.norms,
+                                                        None, requires)
+    t = Template()
+    t.names, t.ids, t.sel, t.with_grad, t.requires = names, ids, sel, list(obs.with_grad), requires
+    if frozen or not_ok and (in_opt is None or any(status[n] is not Status.NO_GRAD or in_opt[n] for n in not_ok)):
+        t.status = None  # (not a steady classification: the full path decides while these inputs hold)
+        return t
+    t.status, t.in_opt, t.not_ok, t.copies = status, in_opt, not_ok, frozenset(not_ok)
+    t.gnames = [names[i] for i in obs.with_grad]
+    return t
+
+
 def complete(m, launch) -> Report | None:
     """The report of the launched check ``launch`` when it is a healthy steady-state one (see the
     module docstring), else None (nothing changed: the full path runs)."""
     obs = launch.obs
-    if launch.reeval or launch.optimizer is not None or launch.counts is not None:
+    norms = obs.norms
+    if launch.reeval or launch.counts is not None or not norms or not (0.0 < min(norms) and sum(norms) < _INF):
         return None
     v, carry = m.view, m.carry
-    names, norms = v.names, obs.norms
-    if (len(norms) != len(names) or not norms or not (0.0 < min(norms) and sum(norms) < _INF)
-            or m.ranks.active or v.stacks or m.scaler is not None or carry.owed or carry.tracer is not None
+    if (m.ranks.active or v.stacks or m.scaler is not None or carry.owed or carry.tracer is not None
             or obs.loss == 0.0):
         return None
-    setup = launch.setup
+    optimizer, sel, setup = launch.optimizer, launch.sel, launch.setup
     if setup is not None:  # (a deferred check: as it was launched)
-        ids, inside, requires = setup
-        if not inside or requires is not None and not all(requires):
-            return None
+        ids, _, requires = setup
     else:
-        ids = v.optimizer_ids()
-        if ids is None or not v.all_inside:
-            return None
-    if not all(map(_REQUIRES_GRAD, v.params)):
+        ids = sel.opt_ids if optimizer is not None else v.optimizer_ids()
+        requires = None
+    if requires is None:
+        requires = list(map(_REQUIRES_GRAD, v.params))
+    names = v.names
+    t = m._template
+    if t is None or not t.fits(names, ids, sel, obs.with_grad, requires):
+        t = m._template = _template(names, v.params, v.pids, sel, obs, ids, requires)
+    if t.status is None:
         return None
     streaks = carry.streaks
     reader = streaks.faint_reader
@@ -70,10 +102,11 @@ def complete(m, launch) -> Report | None:
         return None
     # (from here on: the full path's stages, or what they come to on this input)
     step = launch.step
-    grad_norm = dict(zip(names, norms))
-    report = _REPORT(step=step, status=dict.fromkeys(names, _OK), grad_norm=grad_norm,
-                     total_grad_norm=stats.combine_norms(norms), meta=v.meta, in_optimizer=dict.fromkeys(names, True),
-                     loss=obs.loss, valid_counts=obs.valid, not_ok=[], frozen_names=[])
+    index = v.optimizer_index(optimizer) if optimizer is not None else None
+    grad_norm = dict(zip(t.gnames, norms))
+    report = _REPORT(step=step, status=t.status.copy(), grad_norm=grad_norm, total_grad_norm=stats.combine_norms(norms),
+                     meta=v.meta, in_optimizer=None if t.in_opt is None else t.in_opt.copy(), loss=obs.loss,
+                     valid_counts=obs.valid, not_ok=list(t.not_ok), frozen_names=[], optimizer_index=index)
     tracker = m.tracker
     delivery = carry.resolve_step(report, obs.updates, launch.steps_ran, v.params, names, obs.scale, False,
                                   m.options.amp_skip_alarm, launch.after_step, launch.discarded)
@@ -81,13 +114,17 @@ def complete(m, launch) -> Report | None:
         m.publisher.deliver(delivery, report)
     for u in obs.updates:
         tracker.settle(u)
-    # persist(): nothing not OK, nothing frozen, no gap open (see the module docstring)
+    # persist(): nothing frozen now or at the last check, no gap open, every name not OK a copy (set
+    # aside before the rule: see the module docstring)
     if names is not reader._names:
         reader._names, reader._index = names, {n: i for i, n in enumerate(names)}
     reader.norms = reader.last = grad_norm
     reader._params = v.params
-    streaks.n[None] = streaks.n.get(None, 0) + 1
+    streaks.n[index] = streaks.n.get(index, 0) + 1
     streaks.blank = 0
+    if t.copies:
+        report.findings.append(streaks.copies.see(t.copies, report.status, names, v.params, step, launch.transfer is None))
+        report.tolerated = report.tolerated | t.copies
     reader.lead = []  # (Faint.prefix: no streak, a normal first norm)
     if tracker is not None:
         report.findings += carry.pileup.update(report, names, v.params, tracker)
@@ -95,13 +132,13 @@ def complete(m, launch) -> Report | None:
     if w is not None and w.probe:
         w.probe = set()
     report.module_grad_norm = module = stats.module_norms(obs.with_grad, norms, v.module_index, v.modules, v.module_runs)
-    history = carry.history
+    history = carry.history_for(index)
     fit = carry.fit
     if history is not None:
         report.findings += fit.explain(history.update(step, report.total_grad_norm, module, streaks.skipping),
                                        report.loss, step)
     fit.add(report.loss)
-    m._arm_next(report, obs, None, launch)
+    m._arm_next(report, obs, optimizer, launch)
     if launch.transfer is None:
-        clip.keep(m, report, obs.with_grad, norms, True)
+        clip.keep(m, report, obs.with_grad, norms, optimizer is None)
     return report
