@@ -1,0 +1,91 @@
+"""The launch of a plain synchronous check (``launch.launch``'s fast path): one process, no grad
+scaler, no stacked experts, no masters, nothing the loop handed the check besides the gradients
+(no valid masks, no router counts, no deferred window), no step inside backward, outside any
+optimizer step: the judged gradients' norms and the loss read back in one transfer, with the
+previous step's pending updates, and what the rank saw besides (stale-gradient witnesses, a step
+that already ran on these gradients, the loss's cause, an eval-mode backward), as
+:func:`.launch.observe_rank` and :func:`.observe.observe` make them on that input.
+
+:func:`launch` first tests, without changing anything, that the check is such a check; where one
+test fails it returns None and the full launch runs. (Its numbers are then judged by
+:mod:`.steady` where they are healthy, else by the full completion.)
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import deque
+from itertools import compress, repeat
+
+from torch import Tensor
+
+from . import stats
+from .deferred import Launch
+from .gradients import grads_of
+from .guards import diagnose_loss
+from .observe import Observation
+from .quick import quick
+
+__all__ = ["launch"]
+
+_LAUNCH = quick(Launch)
+_OBSERVATION = quick(Observation)
+_IS, _NONE = operator.is_, repeat(None)
+
+
+def launch(m, step: int, loss, optimizer) -> Launch | None:
+    """The plain check's launch, its numbers read (see the module docstring), or None."""
+    t, carry, v, ranks = m.tracker, m.carry, m.view, m.ranks
+    if (t is None or t._in_step or t.ran.captured or ranks.active or ranks.ddp is not None or v.stacks
+            or m.scaler is not None or carry.valid or carry.router is not None or carry.window.n or m.unstepped is not None):
+        return None
+    # (from here on: observe_rank's and observe's work on this input, in their order)
+    sel = v.selection(optimizer)
+    judged = [optimizer] if optimizer is not None else m.optimizers
+    updates, steps_ran, t.pending = t.pending, t.steps_since_check, []
+    t.witness.clear()
+    stale = t.witness.take(v.entries, judged, len(judged) == 1)
+    m._after_step, _ = t.ran.take(judged)  # (nothing captured: no step inside backward)
+    if m.masters.views:
+        m.masters.checked(m._after_step)
+    params, idx = v.params, sel.idx
+    grads = grads_of(params if len(idx) == len(params) else [params[i] for i in idx])
+    with_grad = idx
+    if any(map(_IS, grads, _NONE)):
+        there = list(map(operator.is_not, grads, _NONE))
+        with_grad, grads = list(compress(idx, there)), list(compress(grads, there))
+    else:
+        with_grad = list(idx)
+    loss_t = loss.detach() if isinstance(loss, Tensor) and loss.numel() == 1 else None
+    parts = [] if loss_t is None else [loss_t]
+    sizes = []
+    for u in updates:  # (Layout.put's parts: a tensor, or several)
+        packed, size = u.packed, u.size
+        sizes.append(size)
+        if isinstance(packed, list):
+            parts += packed
+        elif size:
+            parts.append(packed)
+    launched = stats.Launched(grads, parts, m._plan)
+    m._plan = launched.plan
+    norms, flat = launched.read()
+    k = 0 if loss_t is None else 1
+    for u, size in zip(updates, sizes):
+        u.fetched(flat[k:k + size])
+        k += size
+    if len(norms) == len(params):  # every entry has a gradient
+        norm_of = list(norms)
+    else:
+        norm_of = [None] * len(params)
+        deque(map(norm_of.__setitem__, with_grad, norms), maxlen=0)
+    obs = _OBSERVATION(idx=idx, norm_of=norm_of, loss=flat[0] if loss_t is not None else None, valid={},
+                       updates=updates, scale=None, sharded=set(), with_grad=with_grad, norms=norms, slices={},
+                       holders={}, pieces={}, ex_parts={}, stale=stale,
+                       loss_cause=diagnose_loss(loss, m.model, carry.forward) if loss is not None else None,
+                       eval_record=carry.take_eval_backward())
+    m._failed = None
+    w = m._watch
+    output_grad, carry.output_grad = carry.output_grad, None
+    return _LAUNCH(step=step, sel=sel, optimizer=optimizer, reeval=False, obs=obs, steps_ran=steps_ran,
+                   after_step=m._after_step, output_grad=output_grad, discarded=None, counts=None,
+                   calls=w.calls.take() if w is not None and w.calls is not None else None)
