@@ -191,6 +191,33 @@ class NormHistory:
         self._rows.append(row)
         return findings
 
+    def quiet(self, total: float, module_norms: dict[str, float]) -> bool:
+        """:meth:`update` of a check it judges and finds nothing in, where that is sure before anything
+        changes (no ceiling, past the warm-up, the module medians fresh, the same modules as every row,
+        finite norms, no spike against the median, no module under its floor): True, and the check
+        added to the baseline as ``update`` adds it; else False, nothing changed (``update`` decides)."""
+        modules, seen = self.modules, self.seen
+        if (self.ceiling is not None or seen < self.warmup or self._medians_at < 0 or seen - self._medians_at >= self.refresh
+                or not 0.0 <= total < math.inf or len(module_norms) != len(modules)):
+            return False
+        row = list(module_norms.values())
+        if not math.isfinite(sum(row)) or list(module_norms) != modules or any(map(operator.lt, row, self._floors)):
+            return False
+        ordered = self._sorted
+        n = len(ordered)
+        med = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+        if med > 0:
+            if total > self.spike_factor * med:  # (a spike, maybe: the MAD decides, in update)
+                return False
+            self._spiked = False
+        self.seen = seen + 1
+        if len(self.total) == self.window:  # (the oldest leaves the window)
+            del ordered[bisect.bisect_left(ordered, self.total[0])]
+        self.total.append(total)
+        bisect.insort(ordered, total)
+        self._rows.append(row)
+        return True
+
     def forget_last(self) -> None:
         """Take the newest check back out of the baseline (a step the guard skipped as a spike)."""
         if self.total:

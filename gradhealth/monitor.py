@@ -29,7 +29,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from . import clip, crossrank, experts, lockstep, skipping, stats, steady
+from . import clip, crossrank, experts, lockstep, quiet, skipping, stats, steady
 from . import state as checked
 from .carry import Carry
 from .classify import as_optimizers, classify_selection, unwrap_optimizer, wrapper_scaler
@@ -313,7 +313,8 @@ class GradHealth:
         return s
 
     def _build(self, step: int, loss, optimizer) -> Report:
-        return self._complete(self._launch(step, loss, optimizer))
+        report = quiet.build(self, step, loss, optimizer) if self._steady else None  # (a plain check: `gradhealth.quiet`)
+        return report if report is not None else self._complete(self._launch(step, loss, optimizer))
 
     _launch = launch  # (:mod:`.launch`: the device numbers and what the rank saw)
 

@@ -65,6 +65,23 @@ class PileUp:
         self._since: dict = {}  # ... of a streak that began before a load (:meth:`load_state_dict`)
         self._bridge: dict = {}  # name -> its streak, at a load: held over the first check after it
 
+    def quiet(self, keys: list[str], vals: list[float], params: list, tracker) -> bool:
+        """:meth:`update` of a check whose parameters with gradients (``keys``, their norms ``vals``)
+        are the last check's, every one OK with a finite norm (the factors of those tests are 1),
+        with no streak kept past the history nor bridged over a load, where no streak reaches
+        ``PILE`` (nothing to say): True, the streaks advanced as ``update`` advances them; else False,
+        nothing changed (``update`` decides)."""
+        if keys != self._keys or params is not self._src or self._long or self._since or self._bridge:
+            return False
+        vers = list(map(_VERSION, self._params))
+        runs = list(map(mul, map(add, map(mul, self._runs, map(eq, vers, self._vers)), repeat(1)), map(gt, vals, self._vals)))
+        if max(runs) >= PILE:
+            return False
+        vals = list(vals)
+        self._vals, self._vers, self._runs = vals, vers, runs
+        self._hist.append((self._keys, vals, tracker.total_steps, dict(tracker.stepped)))
+        return True
+
     def update(self, report, names: list[str], params: list, tracker) -> list[Finding]:
         """GRAD_PILEUP for the parameters piling up now (``tracker``: the monitor's
         :class:`~gradhealth.deltas.UpdateTracker`, its step counts and learning rates)."""

@@ -1,4 +1,4 @@
-"""The launch of a plain synchronous check (``launch.launch``'s fast path): one process, no grad
+"""The launch and report of a plain synchronous check (``GradHealth._build``'s fast path): one process, no grad
 scaler, no stacked experts, no masters, nothing the loop handed the check besides the gradients
 (no valid masks, no router counts, no deferred window), no step inside backward, outside any
 optimizer step: the judged gradients' norms and the loss read back in one transfer, with the
@@ -6,9 +6,10 @@ previous step's pending updates, and what the rank saw besides (stale-gradient w
 that already ran on these gradients, the loss's cause, an eval-mode backward), as
 :func:`.launch.observe_rank` and :func:`.observe.observe` make them on that input.
 
-:func:`launch` first tests, without changing anything, that the check is such a check; where one
-test fails it returns None and the full launch runs. (Its numbers are then judged by
-:mod:`.steady` where they are healthy, else by the full completion.)
+:func:`build` first tests, without changing anything, that the check is such a check; where one
+test fails it returns None and the full launch runs. Its numbers are then judged by :mod:`.steady`
+where they are healthy (no ``Observation`` or ``Launch`` is made for them), else by the full
+completion (``GradHealth._complete``), given the observation the full launch makes.
 """
 
 from __future__ import annotations
@@ -19,22 +20,23 @@ from itertools import compress, repeat
 
 from torch import Tensor
 
-from . import stats
+from . import stats, steady
 from .deferred import Launch
 from .gradients import grads_of
 from .guards import diagnose_loss
 from .observe import Observation
 from .quick import quick
 
-__all__ = ["launch"]
+__all__ = ["build"]
 
 _LAUNCH = quick(Launch)
 _OBSERVATION = quick(Observation)
 _IS, _NONE = operator.is_, repeat(None)
 
 
-def launch(m, step: int, loss, optimizer) -> Launch | None:
-    """The plain check's launch, its numbers read (see the module docstring), or None."""
+def build(m, step: int, loss, optimizer):
+    """The plain check's report (see the module docstring), or None: not a plain check, nothing
+    changed (the full launch and completion run)."""
     t, carry, v, ranks = m.tracker, m.carry, m.view, m.ranks
     if (t is None or t._in_step or t.ran.captured or ranks.active or ranks.ddp is not None or v.stacks
             or m.scaler is not None or carry.valid or carry.router is not None or carry.window.n or m.unstepped is not None):
@@ -45,47 +47,60 @@ def launch(m, step: int, loss, optimizer) -> Launch | None:
     updates, steps_ran, t.pending = t.pending, t.steps_since_check, []
     t.witness.clear()
     stale = t.witness.take(v.entries, judged, len(judged) == 1)
-    m._after_step, _ = t.ran.take(judged)  # (nothing captured: no step inside backward)
+    after_step, _ = t.ran.take(judged)  # (nothing captured: no step inside backward)
+    m._after_step = after_step
     if m.masters.views:
-        m.masters.checked(m._after_step)
+        m.masters.checked(after_step)
     params, idx = v.params, sel.idx
     grads = grads_of(params if len(idx) == len(params) else [params[i] for i in idx])
-    with_grad = idx
     if any(map(_IS, grads, _NONE)):
         there = list(map(operator.is_not, grads, _NONE))
         with_grad, grads = list(compress(idx, there)), list(compress(grads, there))
     else:
         with_grad = list(idx)
     loss_t = loss.detach() if isinstance(loss, Tensor) and loss.numel() == 1 else None
-    parts = [] if loss_t is None else [loss_t]
-    sizes = []
-    for u in updates:  # (Layout.put's parts: a tensor, or several)
-        packed, size = u.packed, u.size
-        sizes.append(size)
-        if isinstance(packed, list):
-            parts += packed
-        elif size:
-            parts.append(packed)
-    launched = stats.Launched(grads, parts, m._plan)
-    m._plan = launched.plan
-    norms, flat = launched.read()
-    k = 0 if loss_t is None else 1
-    for u, size in zip(updates, sizes):
-        u.fetched(flat[k:k + size])
-        k += size
-    if len(norms) == len(params):  # every entry has a gradient
-        norm_of = list(norms)
+    flat = stats.read_plain(grads, m._plan, loss_t) if not updates else None  # (the usual check: one kernel)
+    if flat is not None:
+        norms, value = (flat, None) if loss_t is None else (flat[:-1], flat[-1])
     else:
-        norm_of = [None] * len(params)
-        deque(map(norm_of.__setitem__, with_grad, norms), maxlen=0)
-    obs = _OBSERVATION(idx=idx, norm_of=norm_of, loss=flat[0] if loss_t is not None else None, valid={},
-                       updates=updates, scale=None, sharded=set(), with_grad=with_grad, norms=norms, slices={},
-                       holders={}, pieces={}, ex_parts={}, stale=stale,
-                       loss_cause=diagnose_loss(loss, m.model, carry.forward) if loss is not None else None,
-                       eval_record=carry.take_eval_backward())
+        parts = [] if loss_t is None else [loss_t]
+        sizes = []
+        for u in updates:  # (Layout.put's parts: a tensor, or several)
+            packed, size = u.packed, u.size
+            sizes.append(size)
+            if isinstance(packed, list):
+                parts += packed
+            elif size:
+                parts.append(packed)
+        launched = stats.Launched(grads, parts, m._plan)
+        m._plan = launched.plan
+        norms, flat = launched.read()
+        k = 0 if loss_t is None else 1
+        for u, size in zip(updates, sizes):
+            u.fetched(flat[k:k + size])
+            k += size
+        value = flat[0] if loss_t is not None else None
+    cause = diagnose_loss(loss, m.model, carry.forward) if loss is not None else None
+    record = carry.take_eval_backward()
     m._failed = None
     w = m._watch
     output_grad, carry.output_grad = carry.output_grad, None
-    return _LAUNCH(step=step, sel=sel, optimizer=optimizer, reeval=False, obs=obs, steps_ran=steps_ran,
-                   after_step=m._after_step, output_grad=output_grad, discarded=None, counts=None,
-                   calls=w.calls.take() if w is not None and w.calls is not None else None)
+    calls = w.calls.take() if w is not None and w.calls is not None else None
+
+    def norm_of():
+        if len(norms) == len(params):  # every entry has a gradient
+            return list(norms)
+        out = [None] * len(params)
+        deque(map(out.__setitem__, with_grad, norms), maxlen=0)
+        return out
+
+    if not stale and cause is None and record is None and (value is None or value - value == 0.0):  # (a finite loss: inf - inf and NaN are NaN)
+        template = steady.ready(m, sel, optimizer, with_grad, norms, norm_of, value)
+        if template is not None:
+            return steady.finish(m, template, step, optimizer, with_grad, norms, value, updates, steps_ran, after_step,
+                                 None, True)
+    obs = _OBSERVATION(idx=idx, norm_of=norm_of(), loss=value, valid={}, updates=updates, scale=None, sharded=set(),
+                       with_grad=with_grad, norms=norms, slices={}, holders={}, pieces={}, ex_parts={}, stale=stale,
+                       loss_cause=cause, eval_record=record)
+    return m._complete(_LAUNCH(step=step, sel=sel, optimizer=optimizer, reeval=False, obs=obs, steps_ran=steps_ran,
+                               after_step=after_step, output_grad=output_grad, discarded=None, counts=None, calls=calls))

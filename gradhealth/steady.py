@@ -31,9 +31,9 @@ from . import clip, stats
 from .classify import classify_selection
 from .quick import quick
 from .report import Report
+from .stale import witnesses
 from .status import Status
 from .underflow import _WIDEST
-from .verdict import _nothing_seen
 
 __all__ = ["complete"]
 
@@ -55,34 +55,35 @@ class Template:
                 and self.requires == requires)
 
 
-def _template(names, params, pids, sel, obs, ids, requires) -> Template:
+def _template(names, params, pids, sel, norm_of, norms, with_grad, ids, requires) -> Template:
     """The classification of this check (:func:`.classify.classify_selection`, which changes
-    nothing), kept when it is a steady one: nothing FROZEN and every name not OK a copy (NO_GRAD,
-    in no optimizer: :mod:`.copies`); else None."""
-    status, in_opt, not_ok, frozen = classify_selection(names, params, pids, sel.idx, obs.norm_of, ids, obs.norms,
-                                                        None, requires)
+    nothing), kept: a steady one (nothing FROZEN and every name not OK a copy, NO_GRAD and in no
+    optimizer: :mod:`.copies`), or one that is not (``status`` None: the full path runs while its
+    inputs hold)."""
+    status, in_opt, not_ok, frozen = classify_selection(names, params, pids, sel.idx, norm_of, ids, norms, None, requires)
     t = Template()
-    t.names, t.ids, t.sel, t.with_grad, t.requires = names, ids, sel, list(obs.with_grad), requires
+    t.names, t.ids, t.sel, t.with_grad, t.requires = names, ids, sel, list(with_grad), requires
     if frozen or not_ok and (in_opt is None or any(status[n] is not Status.NO_GRAD or in_opt[n] for n in not_ok)):
         t.status = None  # (not a steady classification: the full path decides while these inputs hold)
         return t
     t.status, t.in_opt, t.not_ok, t.copies = status, in_opt, not_ok, frozenset(not_ok)
-    t.gnames = [names[i] for i in obs.with_grad]
+    t.gnames = [names[i] for i in with_grad]
     return t
 
 
-def complete(m, launch) -> Report | None:
-    """The report of the launched check ``launch`` when it is a healthy steady-state one (see the
-    module docstring), else None (nothing changed: the full path runs)."""
-    obs = launch.obs
-    norms = obs.norms
-    if launch.reeval or launch.counts is not None or not norms or not (0.0 < min(norms) and sum(norms) < _INF):
+def ready(m, sel, optimizer, with_grad, norms, norm_of, loss, setup=None) -> Template | None:
+    """The template of a check whose numbers came back healthy (every norm in (0, inf), the loss
+    not 0, and, the caller's part of ``verdict._nothing_seen``, nothing else seen by the rank) when
+    the monitor's stories allow the steady completion (see the module docstring); else None.
+    ``norm_of``: per entry, its norm or None (a list, or a callable that makes it: read only when
+    the template is made again)."""
+    if not norms or not (0.0 < min(norms) and sum(norms) < _INF) or loss == 0.0:
         return None
     v, carry = m.view, m.carry
     if (m.ranks.active or v.stacks or m.scaler is not None or carry.owed or carry.tracer is not None
-            or obs.loss == 0.0):
+            or carry.frozen_norms or carry.norm_eval or not carry.checks or m.options.expect_frozen is not None
+            or v.meta_names or m._changes.lazy):
         return None
-    optimizer, sel, setup = launch.optimizer, launch.sel, launch.setup
     if setup is not None:  # (a deferred check: as it was launched)
         ids, _, requires = setup
     else:
@@ -92,30 +93,54 @@ def complete(m, launch) -> Report | None:
         requires = list(map(_REQUIRES_GRAD, v.params))
     names = v.names
     t = m._template
-    if t is None or not t.fits(names, ids, sel, obs.with_grad, requires):
-        t = m._template = _template(names, v.params, v.pids, sel, obs, ids, requires)
+    if t is None or not t.fits(names, ids, sel, with_grad, requires):
+        t = m._template = _template(names, v.params, v.pids, sel, norm_of() if callable(norm_of) else norm_of, norms,
+                                    with_grad, ids, requires)
     if t.status is None:
         return None
     streaks = carry.streaks
-    reader = streaks.faint_reader
-    if streaks.frozen or streaks.open or reader.streak or norms[0] < _WIDEST or not _nothing_seen(obs, carry, m, m.options):
+    if streaks.frozen or streaks.open or streaks.faint_reader.streak or norms[0] < _WIDEST:
         return None
-    # (from here on: the full path's stages, or what they come to on this input)
-    step = launch.step
+    return t
+
+
+def complete(m, launch) -> Report | None:
+    """The report of the launched check ``launch`` when it is a healthy steady-state one (see the
+    module docstring), else None (nothing changed: the full path runs)."""
+    obs = launch.obs
+    if launch.reeval or launch.counts is not None or obs.stale or obs.loss_cause is not None \
+            or obs.eval_record is not None or obs.valid or obs.window is not None \
+            or obs.loss is not None and not math.isfinite(obs.loss):  # (verdict._nothing_seen: the rank's part)
+        return None
+    t = ready(m, launch.sel, launch.optimizer, obs.with_grad, obs.norms, obs.norm_of, obs.loss, launch.setup)
+    if t is None:
+        return None
+    return finish(m, t, launch.step, launch.optimizer, obs.with_grad, obs.norms, obs.loss, obs.updates,
+                  launch.steps_ran, launch.after_step, launch.discarded, launch.transfer is None)
+
+
+def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: list[float], loss, updates, steps_ran,
+           after_step: bool, discarded, sync: bool) -> Report:
+    """The steady completion (``ready`` said so): the full path's stages, or what they come to on
+    this input (see the module docstring). ``sync``: the check is read now (not deferred)."""
+    v, carry = m.view, m.carry
+    names = v.names
     index = v.optimizer_index(optimizer) if optimizer is not None else None
     grad_norm = dict(zip(t.gnames, norms))
     report = _REPORT(step=step, status=t.status.copy(), grad_norm=grad_norm, total_grad_norm=stats.combine_norms(norms),
-                     meta=v.meta, in_optimizer=None if t.in_opt is None else t.in_opt.copy(), loss=obs.loss,
-                     valid_counts=obs.valid, not_ok=list(t.not_ok), frozen_names=[], optimizer_index=index)
+                     meta=v.meta, in_optimizer=None if t.in_opt is None else t.in_opt.copy(), loss=loss,
+                     valid_counts={}, not_ok=list(t.not_ok), frozen_names=[], optimizer_index=index)
     tracker = m.tracker
-    delivery = carry.resolve_step(report, obs.updates, launch.steps_ran, v.params, names, obs.scale, False,
-                                  m.options.amp_skip_alarm, launch.after_step, launch.discarded)
+    delivery = carry.resolve_step(report, updates, steps_ran, v.params, names, None, False,
+                                  m.options.amp_skip_alarm, after_step, discarded)
     if delivery is not None:
         m.publisher.deliver(delivery, report)
-    for u in obs.updates:
+    for u in updates:
         tracker.settle(u)
     # persist(): nothing frozen now or at the last check, no gap open, every name not OK a copy (set
     # aside before the rule: see the module docstring)
+    streaks = carry.streaks
+    reader = streaks.faint_reader
     if names is not reader._names:
         reader._names, reader._index = names, {n: i for i, n in enumerate(names)}
     reader.norms = reader.last = grad_norm
@@ -123,22 +148,32 @@ def complete(m, launch) -> Report | None:
     streaks.n[index] = streaks.n.get(index, 0) + 1
     streaks.blank = 0
     if t.copies:
-        report.findings.append(streaks.copies.see(t.copies, report.status, names, v.params, step, launch.transfer is None))
+        report.findings.append(streaks.copies.see(t.copies, report.status, names, v.params, step, sync))
         report.tolerated = report.tolerated | t.copies
     reader.lead = []  # (Faint.prefix: no streak, a normal first norm)
-    if tracker is not None:
+    if tracker is not None and not carry.pileup.quiet(t.gnames, norms, v.params, tracker):
         report.findings += carry.pileup.update(report, names, v.params, tracker)
     w = m._watch  # (verdict.judge's first return)
     if w is not None and w.probe:
         w.probe = set()
-    report.module_grad_norm = module = stats.module_norms(obs.with_grad, norms, v.module_index, v.modules, v.module_runs)
+    report.module_grad_norm = module = stats.module_norms(with_grad, norms, v.module_index, v.modules, v.module_runs)
     history = carry.history_for(index)
     fit = carry.fit
-    if history is not None:
-        report.findings += fit.explain(history.update(step, report.total_grad_norm, module, streaks.skipping),
-                                       report.loss, step)
-    fit.add(report.loss)
-    m._arm_next(report, obs, optimizer, launch)
-    if launch.transfer is None:
-        clip.keep(m, report, obs.with_grad, norms, optimizer is None)
+    if history is not None:  # (fit.explain of no findings says nothing: nothing to explain)
+        if not history.quiet(report.total_grad_norm, module):
+            report.findings += fit.explain(history.update(step, report.total_grad_norm, module, streaks.skipping),
+                                           loss, step)
+    fit.add(loss)
+    if tracker is not None:  # (GradHealth._arm_next; due_test with nothing frozen: a step that changed nothing)
+        if sync:  # (a deferred check armed its step when it was launched)
+            tracker.arm(step, [optimizer] if optimizer is not None else m.optimizers, carry.still > 0)
+        if after_step:
+            carry.armed = None
+        else:  # (carry.arm; deferred: the witnesses staged at launch)
+            carry.armed = report
+            if sync:
+                carry.witnesses, carry.witness_step = witnesses(v.params, with_grad), step
+    carry.last_scale = None
+    if sync:
+        clip.keep(m, report, with_grad, norms, optimizer is None)
     return report
