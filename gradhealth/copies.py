@@ -31,6 +31,8 @@ from .findings import Finding, FindingKind
 from .stats import fetch, plan_groups
 from .status import Status
 
+_NEW = object.__new__
+
 __all__ = ["Copies"]
 
 log = logging.getLogger("gradhealth")
@@ -52,6 +54,7 @@ class Copies:
         self.count = 0  # checks since this set was first seen
         self.values: list | None = None  # their norms when first seen
         self._words: str = ""
+        self._said: Finding | None = None  # the last finding made (made again only when what it says changes)
 
     def pick(self, report) -> frozenset[str]:
         """The names of ``report`` that are NO_GRAD and in none of the monitor's optimizers."""
@@ -91,7 +94,15 @@ class Copies:
         if not self._words:
             self._words = self._say(status, names)
             log.info("gradhealth step %d: %s", step, self._words)  # (said once per change of what was seen)
-        return Finding(FindingKind.TARGET_COPY, self._words, params=self.ordered, level="info", step=step)
+        last = self._said
+        if last is not None and last.message is self._words and last.params is self.ordered:
+            # the same finding at this step (a frozen dataclass: its fields set as its __init__ sets them, which
+            # on these, already checked, changes nothing; a fresh ``data``, as its default is)
+            f = _NEW(Finding)
+            f.__dict__.update(last.__dict__, step=step, data={})
+            return f
+        self._said = Finding(FindingKind.TARGET_COPY, self._words, params=self.ordered, level="info", step=step)
+        return self._said
 
     def _values(self) -> list[float]:
         """The copies' L2 norms (accumulated in float64): one fused reduction per (device, dtype),

@@ -193,15 +193,18 @@ class NormHistory:
 
     def quiet(self, total: float, module_norms: dict[str, float]) -> bool:
         """:meth:`update` of a check it judges and finds nothing in, where that is sure before anything
-        changes (no ceiling, past the warm-up, the module medians fresh, the same modules as every row,
-        finite norms, no spike against the median, no module under its floor): True, and the check
-        added to the baseline as ``update`` adds it; else False, nothing changed (``update`` decides)."""
-        modules, seen = self.modules, self.seen
-        if (self.ceiling is not None or seen < self.warmup or self._medians_at < 0 or seen - self._medians_at >= self.refresh
-                or not 0.0 <= total < math.inf or len(module_norms) != len(modules)):
+        else changes (no ceiling, past the warm-up, the same modules as every row, finite norms, no
+        module under its floor, no spike against the median): True, and the check added to the
+        baseline as ``update`` adds it; else False, and nothing changed but the module medians
+        refreshed when due, as ``update`` refreshes them (``update`` decides)."""
+        seen = self.seen
+        if self.ceiling is not None or seen < self.warmup or not 0.0 <= total < math.inf:
             return False
-        row = list(module_norms.values())
-        if not math.isfinite(sum(row)) or list(module_norms) != modules or any(map(operator.lt, row, self._floors)):
+        row = list(module_norms.values())  # (norms: >= 0, so a sum below inf holds no inf nor NaN)
+        if not sum(row) < math.inf or list(module_norms) != self.modules:
+            return False
+        self._module_medians()  # (refreshed when due, as update refreshes them at a check it judges)
+        if any(map(operator.lt, row, self._floors)):
             return False
         ordered = self._sorted
         n = len(ordered)

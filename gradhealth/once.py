@@ -77,7 +77,8 @@ class Once:
         if len(steps) > _KEPT:
             del steps[: len(steps) - _KEPT]
         before = self._open.get(key, {})
-        if not before and (not report.findings or _all_info(report.findings)) and (report.not_ok == [] or not report.errors):
+        if not before and (not report.findings or _all_info(report.findings)) and (report.not_ok == [] or (  # (no errors: every name not OK tolerated)
+                report.tolerated.issuperset(report.not_ok) if report.not_ok is not None else not report.errors)):
             return _SILENT  # (nothing open, nothing now: tolerated states and info findings are no problem, see problems_of)
         now = problems_of(report)
         held = self._held.setdefault(key, set())

@@ -98,7 +98,7 @@ def build(m, step: int, loss, optimizer):
         template = steady.ready(m, sel, optimizer, with_grad, norms, norm_of, value)
         if template is not None:
             return steady.finish(m, template, step, optimizer, with_grad, norms, value, updates, steps_ran, after_step,
-                                 None, True)
+                                 None, True, grads)
     obs = _OBSERVATION(idx=idx, norm_of=norm_of(), loss=value, valid={}, updates=updates, scale=None, sharded=set(),
                        with_grad=with_grad, norms=norms, slices={}, holders={}, pieces={}, ex_parts={}, stale=stale,
                        loss_cause=cause, eval_record=record)

@@ -271,6 +271,8 @@ def joined(parts: Sequence[Tensor]) -> Tensor:
 
 def fetch(parts: Sequence[Tensor]) -> list[float]:
     """Concatenate small device tensors (:func:`joined`) and read them with ONE host transfer."""
+    if len(parts) == 1 and parts[0] is not None and parts[0].dim() == 1 and parts[0].dtype.is_floating_point:
+        return parts[0].tolist()  # (joined() of one flat float vector is itself)
     if any(map(operator.is_, parts, repeat(None))):
         parts = [p for p in parts if p is not None]
     if not parts:
@@ -335,7 +337,7 @@ def read_plain(grads: Sequence[Tensor], plan, loss: Tensor | None = None) -> lis
     pieces = foreach_norms(grads)
     if loss is not None:
         pieces.append(loss)
-    values = torch.stack(pieces).tolist()  # (joined: scalars, floats: one stack)
+    values = fetch([torch.stack(pieces)])  # (joined: scalars, floats: one stack; read at the one transfer point)
     n = len(grads)
     if 0.0 in values[:n] or math.inf in values[:n]:  # (the exact re-check of read(), on no exact kernel yet)
         suspects = list(compress(range(n), map((0.0, math.inf).__contains__, values[:n])))

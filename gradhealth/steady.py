@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
+from collections import deque
+from itertools import compress, starmap
 
 from . import clip, stats
 from .classify import classify_selection
@@ -40,6 +43,7 @@ __all__ = ["complete"]
 _REPORT = quick(Report)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _OK, _INF = Status.OK, math.inf
+_hypot, _ref = math.hypot, weakref.ref
 
 
 class Template:
@@ -48,19 +52,18 @@ class Template:
     selection, the entries with a gradient and every ``requires_grad``; with every norm in (0, inf)
     the decision tree gives the same states again."""
 
-    __slots__ = ("names", "ids", "sel", "with_grad", "requires", "status", "in_opt", "not_ok", "copies", "gnames")
-
-    def fits(self, names, ids, sel, with_grad, requires) -> bool:
-        return (self.names is names and self.ids is ids and self.sel is sel and self.with_grad == with_grad
-                and self.requires == requires)
+    __slots__ = ("names", "ids", "sel", "with_grad", "requires", "status", "in_opt", "not_ok", "copies", "gnames", "runs",
+                 "modules")
 
 
-def _template(names, params, pids, sel, norm_of, norms, with_grad, ids, requires) -> Template:
+def _template(view, sel, norm_of, norms, with_grad, ids, requires) -> Template:
     """The classification of this check (:func:`.classify.classify_selection`, which changes
     nothing), kept: a steady one (nothing FROZEN and every name not OK a copy, NO_GRAD and in no
     optimizer: :mod:`.copies`), or one that is not (``status`` None: the full path runs while its
     inputs hold)."""
-    status, in_opt, not_ok, frozen = classify_selection(names, params, pids, sel.idx, norm_of, ids, norms, None, requires)
+    names = view.names
+    status, in_opt, not_ok, frozen = classify_selection(names, view.params, view.pids, sel.idx, norm_of, ids, norms, None,
+                                                        requires)
     t = Template()
     t.names, t.ids, t.sel, t.with_grad, t.requires = names, ids, sel, list(with_grad), requires
     if frozen or not_ok and (in_opt is None or any(status[n] is not Status.NO_GRAD or in_opt[n] for n in not_ok)):
@@ -68,6 +71,15 @@ def _template(names, params, pids, sel, norm_of, norms, with_grad, ids, requires
         return t
     t.status, t.in_opt, t.not_ok, t.copies = status, in_opt, not_ok, frozenset(not_ok)
     t.gnames = [names[i] for i in with_grad]
+    runs = view.module_runs  # (stats.module_norms: the modules with a gradient, and their runs)
+    if runs is not None:
+        has = [False] * len(view.module_index)
+        for i in with_grad:
+            has[i] = True
+        keep = list(map(any, map(has.__getitem__, runs)))
+        t.runs, t.modules = list(compress(runs, keep)), list(compress(view.modules, keep))
+    else:
+        t.runs = t.modules = None
     return t
 
 
@@ -93,9 +105,9 @@ def ready(m, sel, optimizer, with_grad, norms, norm_of, loss, setup=None) -> Tem
         requires = list(map(_REQUIRES_GRAD, v.params))
     names = v.names
     t = m._template
-    if t is None or not t.fits(names, ids, sel, with_grad, requires):
-        t = m._template = _template(names, v.params, v.pids, sel, norm_of() if callable(norm_of) else norm_of, norms,
-                                    with_grad, ids, requires)
+    if t is None or not (t.names is names and t.ids is ids and t.sel is sel and t.with_grad == with_grad
+                         and t.requires == requires):  # (the inputs it was made for)
+        t = m._template = _template(v, sel, norm_of() if callable(norm_of) else norm_of, norms, with_grad, ids, requires)
     if t.status is None:
         return None
     streaks = carry.streaks
@@ -120,14 +132,17 @@ def complete(m, launch) -> Report | None:
 
 
 def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: list[float], loss, updates, steps_ran,
-           after_step: bool, discarded, sync: bool) -> Report:
+           after_step: bool, discarded, sync: bool, grads=None) -> Report:
     """The steady completion (``ready`` said so): the full path's stages, or what they come to on
-    this input (see the module docstring). ``sync``: the check is read now (not deferred)."""
+    this input (see the module docstring). ``sync``: the check is read now (not deferred);
+    ``grads``: the gradients of ``with_grad`` it read (else read again for the witnesses)."""
     v, carry = m.view, m.carry
     names = v.names
     index = v.optimizer_index(optimizer) if optimizer is not None else None
     grad_norm = dict(zip(t.gnames, norms))
-    report = _REPORT(step=step, status=t.status.copy(), grad_norm=grad_norm, total_grad_norm=stats.combine_norms(norms),
+    # (stats.combine_norms: no NaN among them, so hypot is the norm)
+    total = _hypot(*norms) if len(norms) > 1 else norms[0]
+    report = _REPORT(step=step, status=t.status.copy(), grad_norm=grad_norm, total_grad_norm=total,
                      meta=v.meta, in_optimizer=None if t.in_opt is None else t.in_opt.copy(), loss=loss,
                      valid_counts={}, not_ok=list(t.not_ok), frozen_names=[], optimizer_index=index)
     tracker = m.tracker
@@ -156,12 +171,24 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
     w = m._watch  # (verdict.judge's first return)
     if w is not None and w.probe:
         w.probe = set()
-    report.module_grad_norm = module = stats.module_norms(with_grad, norms, v.module_index, v.modules, v.module_runs)
+    runs = t.runs  # (stats.module_norms: each module's runs of entries, those of modules with a gradient)
+    if runs is not None:
+        if len(norms) == len(v.module_index):
+            full = norms
+        else:
+            full = [0.0] * len(v.module_index)
+            deque(map(full.__setitem__, with_grad, norms), maxlen=0)
+        values = list(starmap(_hypot, map(full.__getitem__, runs)))
+        module = dict(zip(t.modules, values)) if _INF not in values else stats.module_norms(
+            with_grad, norms, v.module_index, v.modules, v.module_runs)
+    else:
+        module = stats.module_norms(with_grad, norms, v.module_index, v.modules, v.module_runs)
+    report.module_grad_norm = module
     history = carry.history_for(index)
     fit = carry.fit
     if history is not None:  # (fit.explain of no findings says nothing: nothing to explain)
-        if not history.quiet(report.total_grad_norm, module):
-            report.findings += fit.explain(history.update(step, report.total_grad_norm, module, streaks.skipping),
+        if not history.quiet(total, module):
+            report.findings += fit.explain(history.update(step, total, module, streaks.skipping),
                                            loss, step)
     fit.add(loss)
     if tracker is not None:  # (GradHealth._arm_next; due_test with nothing frozen: a step that changed nothing)
@@ -171,8 +198,18 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
             carry.armed = None
         else:  # (carry.arm; deferred: the witnesses staged at launch)
             carry.armed = report
-            if sync:
-                carry.witnesses, carry.witness_step = witnesses(v.params, with_grad), step
+            if sync:  # (stale.witnesses of the gradients just read: the first and the last)
+                if grads is None:
+                    carry.witnesses = witnesses(v.params, with_grad)
+                else:
+                    params = v.params
+                    p, g = params[with_grad[0]], grads[0]
+                    seen = [(_ref(p), _ref(g), g._version)]
+                    if len(with_grad) > 1:
+                        p, g = params[with_grad[-1]], grads[-1]
+                        seen.append((_ref(p), _ref(g), g._version))
+                    carry.witnesses = seen
+                carry.witness_step = step
     carry.last_scale = None
     if sync:
         clip.keep(m, report, with_grad, norms, optimizer is None)
