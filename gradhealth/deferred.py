@@ -46,6 +46,7 @@ from torch import Tensor
 from . import skipping
 from .errors import GradHealthError, GradHealthInternalWarning
 from .observe import Pending, failed_observation
+from .report import Report
 from .stale import witnesses
 from .classify import _REQUIRES_GRAD
 from .gradients import grads_of
@@ -76,6 +77,7 @@ class Launch:
     ranks: list | None = None  # (deferred, torch.distributed) what DDP's hooks saw: see ``Monitor._reduce``
     setup: tuple | None = None  # (deferred) the optimizers' ids, all inside, every requires_grad: as launched
     calls: list | None = None  # the loop's calls into the model since the check before (:mod:`.calls`)
+    seen: list | None = None  # (deferred, a plain check's) its gradients' witnesses, taken at launch (:mod:`.quiet`)
 
 
 def due_test(carry, report) -> bool:
@@ -187,7 +189,7 @@ class Deferred:
                 tracker.arm(step, m.optimizers if optimizer is None else [optimizer],
                             last is not None and due_test(m.carry, last) or not all(map(requires.__getitem__, with_grad)))
                 if not launch.after_step:
-                    m.carry.stage(step, witnesses(v.params, with_grad))
+                    m.carry.stage(step, launch.seen if launch.seen is not None else witnesses(v.params, with_grad))
             elif tracker is not None and not launch.reeval and type(pending) is not Pending:  # (failed here alone)
                 tracker.disarm(m.optimizers if optimizer is None else [optimizer])
             if self.guarding:
@@ -264,6 +266,7 @@ class Deferred:
         self._step, pending, values = launch.step, launch.obs, launch.transfer.values()
         if launch.ranks is not None:  # (torch.distributed: the ranks' numbers follow the check's own)
             values = self._split(launch, pending, values)
+        report = None
         if type(pending) is Pending:
             try:
                 launch.obs = pending.complete(values)
@@ -271,7 +274,9 @@ class Deferred:
                 if not m.ranks.active:
                     raise  # (the other ranks must not be left waiting in the collective: joined, flagged)
                 launch.obs, m._failed = failed_observation(m.view, launch.sel, *pending.asked), exc
-        m.last_report = report = m._complete(launch)
+            if type(launch.obs) is Report:  # (a plain steady check's, made at once: :mod:`.quiet`)
+                report, launch.obs = launch.obs, pending
+        m.last_report = report = report if report is not None else m._complete(launch)
         m.carry.checks += 1
         if self.guarding:  # (a poisoned step was skipped at launch: the finding)
             v = m.view

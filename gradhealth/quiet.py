@@ -24,14 +24,111 @@ from . import stats, steady
 from .deferred import Launch
 from .gradients import grads_of
 from .guards import diagnose_loss
-from .observe import Observation
+from .observe import Observation, Pending
 from .quick import quick
 
-__all__ = ["build"]
+__all__ = ["build", "later"]
 
 _LAUNCH = quick(Launch)
 _OBSERVATION = quick(Observation)
 _IS, _NONE = operator.is_, repeat(None)
+_SCALER_FLAG = operator.attrgetter("scaler_flag")
+
+
+def _plain(m) -> bool:
+    """Is this a plain check (see the module docstring)? Nothing changed by asking."""
+    t, carry, v, ranks = m.tracker, m.carry, m.view, m.ranks
+    return not (t is None or t._in_step or t.ran.captured or ranks.active or ranks.ddp is not None or v.stacks
+                or m.scaler is not None or carry.valid or carry.router is not None or carry.window.n
+                or m.unstepped is not None)
+
+
+def later(m, step: int, loss, optimizer) -> Launch | None:
+    """A plain check launched for a later read (``launch.launch(deferred=True)`` on that input: its
+    ``Pending`` observation, completed by ``Deferred.complete``), or None: not a plain check, nothing changed."""
+    if not _plain(m):
+        return None
+    t, carry, v = m.tracker, m.carry, m.view
+    # (launch(): were the armed check's gradients thrown away since? where no step ran since it)
+    discarded = carry._discarded() if not t.steps_since_check or any(map(_SCALER_FLAG, t.pending)) else None
+    sel = v.selection(optimizer)
+    judged = [optimizer] if optimizer is not None else m.optimizers
+    updates, steps_ran, t.pending = t.pending, t.steps_since_check, []
+    t.witness.clear()
+    stale = t.witness.take(v.entries, judged, len(judged) == 1)
+    after_step, _ = t.ran.take(judged)  # (nothing captured: no step inside backward)
+    m._after_step = after_step
+    if m.masters.views:
+        m.masters.checked(after_step)
+    params, idx = v.params, sel.idx
+    grads = grads_of(params if len(idx) == len(params) else [params[i] for i in idx])
+    if any(map(_IS, grads, _NONE)):
+        there = list(map(operator.is_not, grads, _NONE))
+        with_grad, grads = list(compress(idx, there)), list(compress(grads, there))
+    else:
+        with_grad = list(idx)
+    loss_t = loss.detach() if isinstance(loss, Tensor) and loss.numel() == 1 else None
+    parts = [] if loss_t is None else [loss_t]
+    sizes = []
+    for u in updates:  # (Layout.put's parts: a tensor, or several)
+        packed, size = u.packed, u.size
+        sizes.append(size)
+        if isinstance(packed, list):
+            parts += packed
+        elif size:
+            parts.append(packed)
+    launched = stats.Launched(grads, parts, m._plan, later=True)
+    m._plan = launched.plan
+    n = len(params)
+
+    def norm_of(norms: list[float]) -> list:
+        if len(norms) == n:
+            return list(norms)
+        out = [None] * n
+        deque(map(out.__setitem__, with_grad, norms), maxlen=0)
+        return out
+
+    def fetched(flat: list[float]) -> None:
+        k = 0 if loss_t is None else 1
+        for u, size in zip(updates, sizes):
+            u.fetched(flat[k:k + size])
+            k += size
+
+    def finish(norms: list[float], flat: list[float]) -> Observation:  # (observe's, on this input)
+        fetched(flat)
+        return _OBSERVATION(idx=idx, norm_of=norm_of(norms), loss=flat[0] if loss_t is not None else None, valid={},
+                            updates=updates, scale=None, sharded=set(), with_grad=with_grad, norms=norms, slices={},
+                            holders={}, pieces={}, ex_parts={})
+
+    pending = Pending(launched, finish, with_grad, ({}, updates))
+    pending.loss_cause = diagnose_loss(loss, m.model, carry.forward) if loss is not None else None
+    pending.eval_record = carry.take_eval_backward()
+    pending.stale, pending.local = stale, False
+    m._failed = None
+    w = m._watch
+    output_grad, carry.output_grad = carry.output_grad, None
+    launch = _LAUNCH(step=step, sel=sel, optimizer=optimizer, reeval=False, obs=pending, steps_ran=steps_ran,
+                     after_step=after_step, output_grad=output_grad, discarded=discarded, counts=None,
+                     calls=w.calls.take() if w is not None and w.calls is not None else None,
+                     seen=steady.seen(params, with_grad, grads) if with_grad else None)
+
+    def plain(values: list[float]):
+        """The report, where the numbers read back make a steady check (:mod:`.steady`; no Observation
+        is made for it), else None, nothing changed (``Deferred.complete`` completes the observation)."""
+        norms, flat = launched.resolve(values)
+        value = flat[0] if loss_t is not None else None
+        if stale or pending.loss_cause is not None or pending.eval_record is not None \
+                or value is not None and not value - value == 0.0:  # (a finite loss: inf - inf and NaN are NaN)
+            return None
+        template = steady.ready(m, sel, optimizer, with_grad, norms, lambda: norm_of(norms), value, launch.setup)
+        if template is None:
+            return None
+        fetched(flat)
+        return steady.finish(m, template, step, optimizer, with_grad, norms, value, updates, steps_ran, after_step,
+                             discarded, False)
+
+    pending.plain = plain
+    return launch
 
 
 def build(m, step: int, loss, optimizer):
@@ -40,7 +137,7 @@ def build(m, step: int, loss, optimizer):
     t, carry, v, ranks = m.tracker, m.carry, m.view, m.ranks
     if (t is None or t._in_step or t.ran.captured or ranks.active or ranks.ddp is not None or v.stacks
             or m.scaler is not None or carry.valid or carry.router is not None or carry.window.n or m.unstepped is not None):
-        return None
+        return None  # (not _plain(m): the same tests, inline on the synchronous check)
     # (from here on: observe_rank's and observe's work on this input, in their order)
     sel = v.selection(optimizer)
     judged = [optimizer] if optimizer is not None else m.optimizers

@@ -56,6 +56,17 @@ class Template:
                  "modules")
 
 
+def seen(params: list, with_grad: list[int], grads: list) -> list:
+    """``stale.witnesses(params, with_grad)`` from the gradients just read (``grads``, aligned with
+    ``with_grad``, not empty): the first and the last, as they are now."""
+    p, g = params[with_grad[0]], grads[0]
+    out = [(_ref(p), _ref(g), g._version)]
+    if len(with_grad) > 1:
+        p, g = params[with_grad[-1]], grads[-1]
+        out.append((_ref(p), _ref(g), g._version))
+    return out
+
+
 def _template(view, sel, norm_of, norms, with_grad, ids, requires) -> Template:
     """The classification of this check (:func:`.classify.classify_selection`, which changes
     nothing), kept: a steady one (nothing FROZEN and every name not OK a copy, NO_GRAD and in no
@@ -198,17 +209,8 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
             carry.armed = None
         else:  # (carry.arm; deferred: the witnesses staged at launch)
             carry.armed = report
-            if sync:  # (stale.witnesses of the gradients just read: the first and the last)
-                if grads is None:
-                    carry.witnesses = witnesses(v.params, with_grad)
-                else:
-                    params = v.params
-                    p, g = params[with_grad[0]], grads[0]
-                    seen = [(_ref(p), _ref(g), g._version)]
-                    if len(with_grad) > 1:
-                        p, g = params[with_grad[-1]], grads[-1]
-                        seen.append((_ref(p), _ref(g), g._version))
-                    carry.witnesses = seen
+            if sync:
+                carry.witnesses = witnesses(v.params, with_grad) if grads is None else seen(v.params, with_grad, grads)
                 carry.witness_step = step
     carry.last_scale = None
     if sync:
