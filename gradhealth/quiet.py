@@ -14,10 +14,13 @@ completion (``GradHealth._complete``), given the observation the full launch mak
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import deque
+from collections.abc import Sequence
 from itertools import compress, repeat
 
+import torch
 from torch import Tensor
 
 from . import stats, steady
@@ -32,7 +35,46 @@ __all__ = ["build", "later"]
 _LAUNCH = quick(Launch)
 _OBSERVATION = quick(Observation)
 _IS, _NONE = operator.is_, repeat(None)
+_NEW = object.__new__
 _SCALER_FLAG = operator.attrgetter("scaler_flag")
+
+
+def _read(grads: Sequence[Tensor], plan, loss: Tensor | None = None) -> list[float] | None:
+    """``Launched(grads, [loss], plan).read()``'s norms then loss, in one list, for the usual check of
+    a small model (dense real gradients of one device and dtype, under a plan of one fused kernel
+    that fits them; a 0-d float loss or none): the same kernels and transfer, without the general
+    path's packing; None where the plan does not say so (nothing was launched)."""
+    if plan is None or plan.single is not stats.foreach_norms or not plan.plain or plan.later or stats.plan_key(grads) != plan.key \
+            or loss is not None and (loss.dim() or not loss.is_floating_point()):
+        return None
+    pieces = stats.foreach_norms(grads)
+    if loss is not None:
+        pieces.append(loss)
+    values = stats.fetch([torch.stack(pieces)])  # (joined: scalars, floats: one stack; read at the one transfer point)
+    n = len(grads)
+    if 0.0 in values[:n] or math.inf in values[:n]:  # (the exact re-check of read(), on no exact kernel yet)
+        suspects = list(compress(range(n), map((0.0, math.inf).__contains__, values[:n])))
+        for i, v in zip(suspects, stats.exact_norms([grads[i] for i in suspects])):
+            values[i] = v
+        plan.learn(suspects, grads)
+    return values
+
+
+def _launch_later(grads: Sequence[Tensor], plan, loss: Tensor | None = None) -> stats.Launched | None:
+    """``Launched(grads, [loss], plan, later=True)`` for the usual deferred check of a small model
+    (dense real gradients of one device and dtype, under a deferred plan of one exact kernel that
+    fits them; a 0-d float loss or none): the same kernels and packed vector, without the general
+    path's tests; None where the plan does not say so (nothing was launched)."""
+    if plan is None or plan.single is not stats.exact_pieces or not plan.plain or not plan.later or stats.plan_key(grads) != plan.key \
+            or loss is not None and (loss.dim() or not loss.is_floating_point()):
+        return None
+    parts = stats.exact_pieces(grads)
+    if loss is not None:
+        parts.append(loss)
+    out = _NEW(stats.Launched)
+    out.n, out.identity, out.order, out.views, out.plan, out.later = len(grads), True, None, grads, plan, True
+    out.parts, out.packed = parts, stats.joined(parts)
+    return out
 
 
 def _plain(m) -> bool:
@@ -68,17 +110,19 @@ def later(m, step: int, loss, optimizer) -> Launch | None:
     else:
         with_grad = list(idx)
     loss_t = loss.detach() if isinstance(loss, Tensor) and loss.numel() == 1 else None
-    parts = [] if loss_t is None else [loss_t]
     sizes = []
-    for u in updates:  # (Layout.put's parts: a tensor, or several)
-        packed, size = u.packed, u.size
-        sizes.append(size)
-        if isinstance(packed, list):
-            parts += packed
-        elif size:
-            parts.append(packed)
-    launched = stats.Launched(grads, parts, m._plan, later=True)
-    m._plan = launched.plan
+    launched = _launch_later(grads, m._plan, loss_t) if not updates else None  # (the usual check: one kernel)
+    if launched is None:
+        parts = [] if loss_t is None else [loss_t]
+        for u in updates:  # (Layout.put's parts: a tensor, or several)
+            packed, size = u.packed, u.size
+            sizes.append(size)
+            if isinstance(packed, list):
+                parts += packed
+            elif size:
+                parts.append(packed)
+        launched = stats.Launched(grads, parts, m._plan, later=True)
+        m._plan = launched.plan
     n = len(params)
 
     def norm_of(norms: list[float]) -> list:
@@ -120,7 +164,7 @@ def later(m, step: int, loss, optimizer) -> Launch | None:
         if stale or pending.loss_cause is not None or pending.eval_record is not None \
                 or value is not None and not value - value == 0.0:  # (a finite loss: inf - inf and NaN are NaN)
             return None
-        template = steady.ready(m, sel, optimizer, with_grad, norms, lambda: norm_of(norms), value, launch.setup)
+        template = steady.ready(m, sel, optimizer, with_grad, norms, lambda: norm_of(norms), value, launch.setup, True)
         if template is None:
             return None
         fetched(flat)
@@ -156,7 +200,7 @@ def build(m, step: int, loss, optimizer):
     else:
         with_grad = list(idx)
     loss_t = loss.detach() if isinstance(loss, Tensor) and loss.numel() == 1 else None
-    flat = stats.read_plain(grads, m._plan, loss_t) if not updates else None  # (the usual check: one kernel)
+    flat = _read(grads, m._plan, loss_t) if not updates else None  # (the usual check: one kernel)
     if flat is not None:
         norms, value = (flat, None) if loss_t is None else (flat[:-1], flat[-1])
     else:
@@ -178,7 +222,7 @@ def build(m, step: int, loss, optimizer):
             k += size
         value = flat[0] if loss_t is not None else None
     cause = diagnose_loss(loss, m.model, carry.forward) if loss is not None else None
-    record = carry.take_eval_backward()
+    record, carry.eval_backward = carry.eval_backward, None  # (carry.take_eval_backward)
     m._failed = None
     w = m._watch
     output_grad, carry.output_grad = carry.output_grad, None
@@ -192,7 +236,7 @@ def build(m, step: int, loss, optimizer):
         return out
 
     if not stale and cause is None and record is None and (value is None or value - value == 0.0):  # (a finite loss: inf - inf and NaN are NaN)
-        template = steady.ready(m, sel, optimizer, with_grad, norms, norm_of, value)
+        template = steady.ready(m, sel, optimizer, with_grad, norms, norm_of, value, None, True)
         if template is not None:
             return steady.finish(m, template, step, optimizer, with_grad, norms, value, updates, steps_ran, after_step,
                                  None, True, grads)

@@ -326,27 +326,6 @@ def grad_norms(grads: Sequence[Tensor], extras: Sequence[Tensor] = (), plan=None
     return norms, values, launched.plan
 
 
-def read_plain(grads: Sequence[Tensor], plan, loss: Tensor | None = None) -> list[float] | None:
-    """``Launched(grads, [loss], plan).read()``'s norms then loss, in one list, for the usual check of
-    a small model (dense real gradients of one device and dtype, under a plan of one fused kernel
-    that fits them; a 0-d float loss or none): the same kernels and transfer, without the general
-    path's packing; None where the plan does not say so (nothing was launched)."""
-    if plan is None or plan.single is not foreach_norms or not plan.plain or plan.later or plan_key(grads) != plan.key \
-            or loss is not None and (loss.dim() or not loss.is_floating_point()):
-        return None
-    pieces = foreach_norms(grads)
-    if loss is not None:
-        pieces.append(loss)
-    values = fetch([torch.stack(pieces)])  # (joined: scalars, floats: one stack; read at the one transfer point)
-    n = len(grads)
-    if 0.0 in values[:n] or math.inf in values[:n]:  # (the exact re-check of read(), on no exact kernel yet)
-        suspects = list(compress(range(n), map((0.0, math.inf).__contains__, values[:n])))
-        for i, v in zip(suspects, exact_norms([grads[i] for i in suspects])):
-            values[i] = v
-        plan.learn(suspects, grads)
-    return values
-
-
 class Launched:
     """The norms of ``grads`` and the ``extras``, packed on the device, not read yet (no host
     synchronisation here). :meth:`read` reads them now (ONE transfer, then the exact re-check of

@@ -94,16 +94,16 @@ def _template(view, sel, norm_of, norms, with_grad, ids, requires) -> Template:
     return t
 
 
-def ready(m, sel, optimizer, with_grad, norms, norm_of, loss, setup=None) -> Template | None:
+def ready(m, sel, optimizer, with_grad, norms, norm_of, loss, setup=None, plain: bool = False) -> Template | None:
     """The template of a check whose numbers came back healthy (every norm in (0, inf), the loss
     not 0, and, the caller's part of ``verdict._nothing_seen``, nothing else seen by the rank) when
     the monitor's stories allow the steady completion (see the module docstring); else None.
     ``norm_of``: per entry, its norm or None (a list, or a callable that makes it: read only when
-    the template is made again)."""
+    the template is made again; ``plain``: one process, no stacks, no grad scaler: tested already)."""
     if not norms or not (0.0 < min(norms) and sum(norms) < _INF) or loss == 0.0:
         return None
     v, carry = m.view, m.carry
-    if (m.ranks.active or v.stacks or m.scaler is not None or carry.owed or carry.tracer is not None
+    if (not plain and (m.ranks.active or v.stacks or m.scaler is not None) or carry.owed or carry.tracer is not None
             or carry.frozen_norms or carry.norm_eval or not carry.checks or m.options.expect_frozen is not None
             or v.meta_names or m._changes.lazy):
         return None
@@ -157,12 +157,16 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
                      meta=v.meta, in_optimizer=None if t.in_opt is None else t.in_opt.copy(), loss=loss,
                      valid_counts={}, not_ok=list(t.not_ok), frozen_names=[], optimizer_index=index)
     tracker = m.tracker
-    delivery = carry.resolve_step(report, updates, steps_ran, v.params, names, None, False,
-                                  m.options.amp_skip_alarm, after_step, discarded)
-    if delivery is not None:
-        m.publisher.deliver(delivery, report)
-    for u in updates:
-        tracker.settle(u)
+    if not updates and steps_ran and not after_step:  # (Carry.resolve_step of a step that ran, measured by no one)
+        carry.amp_skips = 0
+        carry.amp_settled = carry.amp_settled or False
+    else:
+        delivery = carry.resolve_step(report, updates, steps_ran, v.params, names, None, False,
+                                      m.options.amp_skip_alarm, after_step, discarded)
+        if delivery is not None:
+            m.publisher.deliver(delivery, report)
+        for u in updates:
+            tracker.settle(u)
     # persist(): nothing frozen now or at the last check, no gap open, every name not OK a copy (set
     # aside before the rule: see the module docstring)
     streaks = carry.streaks
@@ -195,7 +199,7 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
     else:
         module = stats.module_norms(with_grad, norms, v.module_index, v.modules, v.module_runs)
     report.module_grad_norm = module
-    history = carry.history_for(index)
+    history = carry.history if index is None else carry.history_for(index)  # (history_for(None) is the one history)
     fit = carry.fit
     if history is not None:  # (fit.explain of no findings says nothing: nothing to explain)
         if not history.quiet(total, module):
@@ -213,6 +217,6 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
                 carry.witnesses = witnesses(v.params, with_grad) if grads is None else seen(v.params, with_grad, grads)
                 carry.witness_step = step
     carry.last_scale = None
-    if sync:
+    if sync and m._clip_source is not False:  # (clip.keep: from the run's first clip on)
         clip.keep(m, report, with_grad, norms, optimizer is None)
     return report

@@ -27,21 +27,27 @@ SYNC, DEFERRED, ONE = "synchronous", "deferred (lag=1)", "one number"
 HEADROOM = 100
 #: instructions per check reached on this code: (synchronous median, its mean over two periods of the
 #: change test, deferred median, its mean); a bound is one of these + HEADROOM. The one number:
-#: 1304 on the MLP and the CNN, 2444 on the transformer, 1364 on DQN's, 1646 on PPO's
+#: 1304 on the MLP and the CNN, 2444 on the transformer, 1364 on DQN's, 1646 on PPO's. (A healthy
+#: steady-state check takes the fast path, `gradhealth.steady` and `gradhealth.quiet`; the means hold
+#: the periodic checks that take the full path: update norms, the change test, the medians' refresh.)
 REACHED = {
-    "6-tensor MLP": (3302, 3422, 3454, 3574),
-    "small CNN (8x3x32x32)": (3302, 3422, 3454, 3574),
-    "2-block transformer": (3302, 3458, 3454, 3610),
-    "SB3 DQN policy (CartPole)": (4074, 4195, 4258, 4379),
-    "SB3 PPO policy (CartPole)": (3411, 3543, 3561, 3693),
+    "6-tensor MLP": (1930, 2069, 2406, 2535),
+    "small CNN (8x3x32x32)": (1930, 2069, 2406, 2535),
+    "2-block transformer": (1930, 2105, 2406, 2570),
+    "SB3 DQN policy (CartPole)": (2275, 2415, 2781, 2910),
+    "SB3 PPO policy (CartPole)": (2033, 2184, 2505, 2645),
 }
 #: the models whose usual check (the median) is within 1.5x the one number, synchronous and deferred
 WITHIN_ONE_AND_A_HALF = {"2-block transformer"}
-#: the deferred check's instructions over the synchronous one's, at most (reached: 150 to 184; the
-#: goal, 0, is not: a deferred check completes the previous launch and launches its own, ~350
-#: instructions of its own (the Pending observation, the Transfer, the launch's setup and arming)
-#: against ~210 the synchronous one alone runs (the read, its exact re-check, arming after the report)
-DEFERRED_EXTRA = 200
+#: ... synchronous only (reached: 1.48x on the MLP and the CNN, 1.24x on PPO's; DQN's 1.67x is not)
+SYNC_WITHIN_ONE_AND_A_HALF = {"6-tensor MLP", "small CNN (8x3x32x32)", "SB3 PPO policy (CartPole)", "2-block transformer"}
+#: the deferred check's instructions over the synchronous one's, at most (reached: 466 to 506; the
+#: goal, 0, is not: the synchronous check's launch and report are one function on the fast path, where
+#: a deferred check still completes the previous launch through ``Deferred.complete`` and launches its
+#: own through ``Deferred.check``: the Pending observation, the Launch, the Transfer, the setup and the
+#: arming at launch, ~480 instructions the synchronous check does not run). Raised from 200 by the fast
+#: path, which took ~1370 instructions off the synchronous check and ~1050 off the deferred one
+DEFERRED_EXTRA = 530
 
 
 def test_every_model_of_the_bench_is_held():
@@ -68,9 +74,11 @@ def test_a_healthy_check_stays_within_its_instructions(label):
     assert counts[DEFERRED]["check_mean"] <= counts[SYNC]["check_mean"] + DEFERRED_EXTRA
     if label in WITHIN_ONE_AND_A_HALF:
         assert max(sync, deferred) <= 1.5 * one, f"{label}: {sync:.0f} / {deferred:.0f} against the one number's {one:.0f}"
-    # the counter counts: the one number's own Python (torch's clip_grad_norm_) is there, and a
-    # check runs more than that
-    assert 500 < one < sync
+    if label in SYNC_WITHIN_ONE_AND_A_HALF:
+        assert sync <= 1.5 * one, f"{label}: synchronous {sync:.0f} against the one number's {one:.0f}"
+    # the counter counts: the one number's own Python (torch's clip_grad_norm_) is there, and so is the
+    # check's (on the transformer's 26 tensors the steady check now runs less than the one number)
+    assert 500 < one and 500 < sync
 
 
 def test_the_count_is_the_same_at_every_run():
