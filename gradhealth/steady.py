@@ -1,25 +1,32 @@
-"""The healthy steady-state check's completion: the report of a check whose every judged parameter
-is trainable, in the optimizers, with a finite non-zero gradient norm, and where nothing else was
-seen, built without the stages that can only speak on a change (``GradHealth._complete``'s fast path).
+"""The healthy steady-state check's report, without the stages that can only speak on a change
+(``GradHealth._complete``'s fast path; :mod:`.quiet` launches and reads a plain check for it).
 
-:func:`complete` first tests, without changing anything, that the check is such a check (each test
-below names the stage it stands for); where one fails it returns None and the monitor runs the full
-path. Where all hold, each stage is the full stage's result on that input, argued from its code:
+:func:`ready` first tests, without changing anything, that the check is such a check: every norm
+read back in (0, inf), the loss not 0, nothing seen by the rank but the numbers, one process, no
+stacked experts, no grad scaler, no NaN tracer, nothing owed, and a kept :class:`Template` of the
+classification for the same names, optimizers' membership, selection, entries with a gradient and
+``requires_grad`` whose states are OK but for tolerated copies (NO_GRAD, in no optimizer: a target
+network's); where one test fails, the monitor runs the full path. Where all hold, :func:`finish`
+gives each stage's result on that input, argued from its code:
 
-* classification (:func:`.classify.classify_selection`): every entry trainable, in the optimizers,
-  with a norm in (0, inf): every state OK, every ``in_optimizer`` True, nothing not OK, nothing FROZEN;
-* :func:`.patience.persist` with nothing not OK and nothing frozen now or at the last check, no gap
-  open: no copy is picked (``Copies.pick``: no name not OK), no gap opens or closes, the faint reader
-  reads then keeps this check's norms, the judging count advances, ``blank`` is 0, the streaks are
-  empty and nothing is said (``Copies.see`` of no copies says nothing);
+* classification (:func:`.classify.classify_selection`): with every norm in (0, inf) and the same
+  inputs, the decision tree gives the template's states again (copies included);
+* :func:`.carry.Carry.resolve_step` of a step that ran and that no one measured: the grad scaler's
+  skip count is reset, nothing is delivered (with updates: the call itself);
+* :func:`.patience.persist` with nothing frozen now or at the last check, no gap open and every
+  name not OK a copy: the copies are set aside before the rule (``Copies.see`` says its info
+  finding, they are tolerated), no gap opens or closes, the faint reader reads then keeps this
+  check's norms, the judging count advances, ``blank`` is 0, the streaks are empty;
 * ``Faint.prefix`` with no streak and a first norm at or above every dtype's smallest normal
-  number and not FROZEN: the lead is emptied, nothing is said;
-* :func:`.verdict.judge`: with nothing not OK, nothing frozen, no experts, one process, no grad
-  scaler and ``_nothing_seen`` (its own test of everything else), it returns at its first test;
-  with no NaN tracer armed, with no findings.
+  number (not FROZEN): the lead is emptied, nothing is said;
+* :func:`.verdict.judge`: with nothing not OK but copies, nothing frozen, no experts, one process,
+  no grad scaler and ``_nothing_seen`` (tested by ``ready`` and its caller), it returns at its
+  first test; with no NaN tracer armed, with no findings;
+* ``fit.explain`` of no findings: none.
 
-The stories that must see every check (the previous step's updates, the pile-up, the norm history,
-the fitted loss, the arming of the next step) run as on the full path, in the same order.
+The stories that must see every check run in the same order: the pile-up (``PileUp.quiet``, else
+``update``), the module norms, the norm history (``NormHistory.quiet``, else ``update``), the
+fitted loss, the arming of the next step (``GradHealth._arm_next``, inline).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from .stale import witnesses
 from .status import Status
 from .underflow import _WIDEST
 
-__all__ = ["complete"]
+__all__ = ["complete", "finish", "ready", "Template"]
 
 _REPORT = quick(Report)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
