@@ -22,7 +22,6 @@ Names are per parameter for models of up to 100 parameter tensors and per module
 
 from __future__ import annotations
 
-import io
 import math
 import os
 
@@ -37,7 +36,7 @@ from gradhealth.report import Report, describe_groups, group_by_module
 from gradhealth.stats import combine_norms
 from gradhealth.status import Status, hint
 
-from .gradient_flow import CODES, WORST, expert_map_image, flow_picture, labelled_experts
+from .gradient_flow import CODES, WORST, Window, expert_map_image, flow_picture, labelled_experts, png
 from .tblayout import RunLayout, layout
 from .tbread import NAMES, read_run
 
@@ -133,8 +132,7 @@ class TensorBoardSink:
         self.norm = norm
         self.close_writer = owned if close_writer is None else close_writer
         self._layout = RunLayout(norm)
-        self._columns: list[dict[str, tuple[float, Status]]] = []
-        self._steps: list[int] = []
+        self._window = Window(heatmap_window)  # the recent checks' columns of the picture
         self._modules: dict[str, None] = {}
         self._checks = 0
         self._pictured = -1  # the check count at the last picture
@@ -161,7 +159,7 @@ class TensorBoardSink:
         self._remember(report)  # every check is a column of the gradient-flow picture
         if self._wanted(report):
             self._write(report)
-        if self.heatmap_every and len(self._steps) and self._checks % self.heatmap_every == 0:
+        if self.heatmap_every and len(self._window) and self._checks % self.heatmap_every == 0:
             self.write_heatmap(report.step)
 
     def _write(self, report: Report) -> None:
@@ -263,20 +261,14 @@ class TensorBoardSink:
 
     def _image(self, tag: str, img: np.ndarray, step: int) -> None:
         """An HxWx3 uint8 picture as ``add_image(..., dataformats="HWC")`` writes it (a PNG in an
-        image summary), encoded here at PNG's fastest level: the same pixels, about a tenth of the
-        time of the writer's conversions and its default compression (a picture of 200 rows is
-        written in a few milliseconds, not a hundred: it comes every ``heatmap_every`` checks)."""
+        image summary), encoded here (:func:`.gradient_flow.png`: the same pixels, a fraction of
+        the time of the writer's conversions and its compression; a picture comes every
+        ``heatmap_every`` checks)."""
         file_writer = getattr(self.writer, "_get_file_writer", None)
-        try:
-            from PIL import Image
-        except ImportError:
-            file_writer = None
         if file_writer is None or img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
             self.writer.add_image(tag, img, step, dataformats="HWC")
             return
-        buf = io.BytesIO()
-        Image.fromarray(img).save(buf, format="PNG", compress_level=1)
-        picture = Summary.Image(height=img.shape[0], width=img.shape[1], colorspace=3, encoded_image_string=buf.getvalue())
+        picture = Summary.Image(height=img.shape[0], width=img.shape[1], colorspace=3, encoded_image_string=png(img))
         file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
 
     def _remember(self, report: Report) -> None:
@@ -293,11 +285,7 @@ class TensorBoardSink:
         except KeyError:
             self._learn(report.status)
             column = self._column(report)
-        self._columns.append(column)
-        self._steps.append(report.step)
-        if len(self._columns) > self.heatmap_window:
-            self._columns.pop(0)
-            self._steps.pop(0)
+        self._window.add(*column, report.step)
 
     def _column(self, report: Report) -> tuple[list[float], list[int]]:
         module_norms = report.module_grad_norm or None
@@ -354,15 +342,14 @@ class TensorBoardSink:
 
     def write_heatmap(self, step: int | None = None) -> None:
         """Write the gradient-flow image of the recent checks now."""
-        if not self._columns:
+        if not len(self._window):
             return
         self._pictured = self._checks
         rows = list(self._modules)
-        n = len(rows)
-        value = np.array([v + [np.nan] * (n - len(v)) for v, _ in self._columns], dtype=np.float64).T
-        state = np.array([s + [-1] * (n - len(s)) for _, s in self._columns], dtype=np.int64).T
-        img = flow_picture(value, state, rows, self._steps)
-        self._image(f"{PREFIX}/gradient_flow", img, self._steps[-1] if step is None else step)
+        value, state = self._window.arrays(len(rows))
+        steps = self._window.steps
+        img = flow_picture(value, state, rows, steps)
+        self._image(f"{PREFIX}/gradient_flow", img, steps[-1] if step is None else step)
         if self._expert_columns:
             self.write_expert_map(step)
 
@@ -383,7 +370,7 @@ class TensorBoardSink:
         self._image(f"{PREFIX}/expert_map", img, self._expert_step if step is None else step)
 
     def flush(self) -> None:
-        if self._columns and self.heatmap_every and self._pictured != self._checks:  # (not the same picture twice)
+        if len(self._window) and self.heatmap_every and self._pictured != self._checks:  # (not the same picture twice)
             self.write_heatmap()
         self.writer.flush()
 
