@@ -13,7 +13,7 @@ import numpy as np
 
 from gradhealth.status import Status
 
-__all__ = ["gradient_flow_image", "flow_picture", "png", "Window", "rows_of", "expert_map_image", "labelled_experts", "CODES", "WORST"]
+__all__ = ["gradient_flow_image", "flow_picture", "png", "Window", "load_font", "rows_of", "expert_map_image", "labelled_experts", "CODES", "WORST"]
 
 # colours of the heatmap: log-norm ramp from dark to bright, and flat colours for the states
 _RAMP = np.array([[13, 8, 135], [126, 3, 168], [204, 71, 120], [248, 149, 64], [240, 249, 33]], dtype=np.float64)
@@ -91,6 +91,14 @@ def _font(size: int):
         return ImageFont.load_default(size=size)  # Pillow >= 10.1 with FreeType: a scalable font
     except (TypeError, OSError, ImportError):
         return None  # older Pillow: the bitmap font, drawn at half size and scaled up
+
+
+def load_font() -> None:
+    """Load the picture's font now (a sink made for pictures: at its start, not at a training step)."""
+    try:
+        _font(FONT)
+    except ImportError:  # (no PIL: pictures without labels)
+        pass
 
 
 def rows_of(modules: list[str], most: int = ROWS) -> tuple[list[str], list[list[int]]]:

@@ -36,8 +36,9 @@ from gradhealth.report import Report, describe_groups, group_by_module
 from gradhealth.stats import combine_norms
 from gradhealth.status import Status, hint
 
-from .gradient_flow import CODES, WORST, Window, expert_map_image, flow_picture, labelled_experts, png
+from .gradient_flow import CODES, WORST, Window, expert_map_image, flow_picture, labelled_experts, load_font, png
 from .tblayout import RunLayout, layout
+from .tbevents import scalar_summary
 from .tbread import NAMES, read_run
 
 __all__ = ["TensorBoardSink", "read_run", "layout"]
@@ -46,10 +47,6 @@ AUTO_PARAM_LIMIT = 100
 
 
 _STATES = list(Status)  # (a state's code -> the state; iterating the enum itself runs Python)
-
-
-def _value(tag: str, number) -> Summary.Value:
-    return Summary.Value(tag=tag, simple_value=number)
 
 
 def _listed(rows, most: int = 256) -> str:
@@ -144,6 +141,8 @@ class TensorBoardSink:
         self._expert_columns: list[tuple[dict, set]] = []  # recent checks: (expert norms, dead experts)
         self._expert_layers: dict[str, list[str]] = {}
         self._expert_step = 0
+        if heatmap_every:
+            load_font()  # (decoding it takes as long as drawing a picture: not in the middle of training)
 
     def _granularity(self, report: Report) -> str:
         if self.granularity is not None:
@@ -252,12 +251,7 @@ class TensorBoardSink:
             for tag, value in metrics.items():
                 self.writer.add_scalar(tag, value, step)
             return
-        try:  # (each value made in C from its tag and number: no Python per scalar but the call)
-            values = list(map(_value, metrics, metrics.values()))
-        except TypeError:  # (a number protobuf does not take as it is: a numpy scalar)
-            values = [Summary.Value(tag=t, simple_value=float(v)) for t, v in metrics.items()]
-        summary = Summary(value=values)
-        file_writer().add_summary(summary, step)
+        file_writer().add_summary(scalar_summary(metrics), step)  # (no Python per scalar: .tbevents)
 
     def _image(self, tag: str, img: np.ndarray, step: int) -> None:
         """An HxWx3 uint8 picture as ``add_image(..., dataformats="HWC")`` writes it (a PNG in an
