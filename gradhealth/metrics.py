@@ -147,18 +147,46 @@ def update_metrics(report: Report, granularity: str = "module", suffix: str = ""
             out[f"{PREFIX}/findings/{f.kind}"] = 1.0
     if not report.update_norm:
         return out
-    upd: dict[str, list[float]] = {}
-    par: dict[str, list[float]] = {}
-    for name, u in report.update_norm.items():
-        r = report.update_ratio.get(name, math.nan)
-        g = group_name(name, granularity)
-        upd.setdefault(g, []).append(u)
-        par.setdefault(g, []).append(u / r if r and math.isfinite(r) and r > 0 else 0.0)
-    out[f"{PREFIX}/update_norm/total{suffix}"] = total = combine_norms([u for us in upd.values() for u in us])
-    theta_total = combine_norms([t for ts in par.values() for t in ts])
+    names = list(report.update_norm)
+    groups, tags = _grouped(names, granularity)
+    us = list(report.update_norm.values())
+    ratio = report.update_ratio
+    rs = list(ratio.values()) if list(ratio) == names else [ratio.get(n, math.nan) for n in names]
+    inf = math.inf
+    ths = [u / r if r > 0 and r != inf else 0.0 for u, r in zip(us, rs)]  # ||θ|| (NaN ratios: 0)
+    upd = [us[g] if g.__class__ is slice else [us[i] for i in g] for g in groups]
+    par = [ths[g] if g.__class__ is slice else [ths[i] for i in g] for g in groups]
+    out[f"{PREFIX}/update_norm/total{suffix}"] = total = combine_norms([u for g in upd for u in g])
+    theta_total = combine_norms([t for g in par for t in g])
     out[f"{PREFIX}/update_ratio/total{suffix}"] = total / theta_total if theta_total > 0 else 0.0
-    for g, us in upd.items():
-        theta = combine_norms(par[g])
-        out[f"{PREFIX}/update_norm/{g}"] = combine_norms(us)
-        out[f"{PREFIX}/update_ratio/{g}"] = combine_norms(us) / theta if theta > 0 else 0.0
+    norms, thetas = _each_norm(upd), _each_norm(par)
+    ratios = [u / t if t > 0 else 0.0 for u, t in zip(norms, thetas)]
+    out.update(zip(tags, [x for pair in zip(norms, ratios) for x in pair]))
+    return out
+
+
+_GROUPS: dict[str, tuple[list[str], list, list[str]]] = {}  # granularity -> (names, groups, tags) last asked for
+
+
+def _grouped(names: list[str], granularity: str) -> tuple[list, list[str]]:
+    """The groups of ``names`` in order of first appearance (each a slice of ``names``' positions
+    when its names are consecutive, else their positions) and the tags ``update_norm/<g>``,
+    ``update_ratio/<g>`` of each in turn: worked out again only when the names change."""
+    memo = _GROUPS.get(granularity)
+    if memo is None or memo[0] != names:
+        at: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            at.setdefault(group_name(name, granularity), []).append(i)
+        groups = [slice(v[0], v[-1] + 1) if v[-1] - v[0] + 1 == len(v) else v for v in at.values()]
+        tags = [t for g in at for t in (f"{PREFIX}/update_norm/{g}", f"{PREFIX}/update_ratio/{g}")]
+        memo = _GROUPS[granularity] = (list(names), groups, tags)
+    return memo[1], memo[2]
+
+
+def _each_norm(groups: list[list[float]]) -> list[float]:
+    """:func:`combine_norms` of each group: ``hypot`` in C, the rule for a NaN that meets an inf
+    applied only where one came out inf."""
+    out = [math.hypot(*g) if len(g) > 1 else g[0] for g in groups]
+    if math.inf in out:
+        out = [combine_norms(g) if h == math.inf else h for g, h in zip(groups, out)]
     return out

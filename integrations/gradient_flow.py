@@ -151,7 +151,7 @@ def flow_picture(value: np.ndarray, state: np.ndarray, modules: list[str], steps
     (:func:`_base`) and copied: a picture draws its title, its cells and its two step numbers."""
     labels, groups = _rows(tuple(modules))
     n = value.shape[1]
-    columns = [list(c) for c in np.array_split(np.arange(n), min(n, COLUMNS))] if n else []
+    columns = _columns(n)
     per = max((len(c) for c in columns), default=1)
     v, s = _squeeze(value, state, groups, columns)
     try:
@@ -181,6 +181,12 @@ def flow_picture(value: np.ndarray, state: np.ndarray, modules: list[str], steps
         text((max(x0, x0 + cw * len(columns) - width(last)), y), last)
     out = np.asarray(canvas)
     return out if u == 1 else np.repeat(np.repeat(out, u, axis=0), u, axis=1)
+
+
+@functools.lru_cache(maxsize=8)
+def _columns(n: int) -> list[list[int]]:
+    """The checks ``0..n-1`` as at most COLUMNS runs, the longer ones first (``np.array_split``)."""
+    return [list(c) for c in np.array_split(np.arange(n), min(n, COLUMNS))] if n else []
 
 
 def _e(x: float) -> str:
