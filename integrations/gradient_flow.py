@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import struct
+from collections import deque
 import zlib
 
 import numpy as np
@@ -296,30 +297,32 @@ class Window:
         self.size = max(0, size)
         self.value = np.full((self.size, 0), np.nan)
         self.state = np.full((self.size, 0), -1, dtype=np.int64)
-        self.steps: list[int] = []  # the steps of the columns held, oldest first
+        self.steps: deque[int] = deque(maxlen=self.size)  # the steps of the columns held, oldest first
+        self._width = 0
         self._next = 0  # the slot of the next column
 
     def __len__(self) -> int:
         return len(self.steps)
 
     def add(self, values: list[float], states: list[int], step: int) -> None:
-        if not self.size:
-            return
-        n, width = len(values), self.value.shape[1]
-        if n > width:  # (a row not seen before: no value, no state in the columns before)
-            self.value = np.concatenate([self.value, np.full((self.size, n - width), np.nan)], axis=1)
-            self.state = np.concatenate([self.state, np.full((self.size, n - width), -1, dtype=np.int64)], axis=1)
-            width = n
         i = self._next
-        self.value[i, :n] = values
-        self.state[i, :n] = states
-        if n < width:
+        if len(values) == self._width and self.size:  # (a column as wide as the ones before: two copies in C)
+            self.value[i] = values
+            self.state[i] = states
+        elif not self.size:
+            return
+        else:
+            n, width = len(values), self._width
+            if n > width:  # (a row not seen before: no value, no state in the columns before)
+                self.value = np.concatenate([self.value, np.full((self.size, n - width), np.nan)], axis=1)
+                self.state = np.concatenate([self.state, np.full((self.size, n - width), -1, dtype=np.int64)], axis=1)
+                self._width = width = n
+            self.value[i, :n] = values
+            self.state[i, :n] = states
             self.value[i, n:] = np.nan
             self.state[i, n:] = -1
-        self._next = (i + 1) % self.size
+        self._next = i + 1 if i + 1 < self.size else 0
         self.steps.append(step)
-        if len(self.steps) > self.size:
-            self.steps.pop(0)
 
     def arrays(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
         """(value, state), ``rows`` x the columns held, oldest first (NaN / -1 where none)."""
@@ -327,7 +330,7 @@ class Window:
         order = np.arange(k) if k < self.size else (np.arange(k) + self._next) % k
         value = np.full((rows, k), np.nan)
         state = np.full((rows, k), -1, dtype=np.int64)
-        width = min(rows, self.value.shape[1])
+        width = min(rows, self._width)
         value[:width] = self.value[order, :width].T
         state[:width] = self.state[order, :width].T
         return value, state

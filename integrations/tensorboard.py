@@ -151,8 +151,9 @@ class TensorBoardSink:
 
     def _wanted(self, report: Report) -> bool:
         self._seen += 1
-        due = report.step % self.every_n == 0 if self.on_steps else (self._seen - 1) % self.every_n == 0
-        return due or not report.ok or any(f.level != "info" for f in report.findings)
+        if (report.step if self.on_steps else self._seen - 1) % self.every_n == 0:
+            return True
+        return bool(report.findings) and any(f.level != "info" for f in report.findings) or not report.ok
 
     def write(self, report: Report) -> None:
         self._remember(report)  # every check is a column of the gradient-flow picture
@@ -303,6 +304,9 @@ class TensorBoardSink:
         worst, code = WORST, _STATES
         if report.not_ok is not None:  # the frozen rows once per set of frozen names, not a walk at each check
             states = self._frozen_rows(report.frozen_names or [])
+            if not report.not_ok:
+                return values, states  # (the frozen rows' column itself: the window copies it)
+            states = states.copy()
             odd = zip(report.not_ok, map(report.status.__getitem__, report.not_ok))
         else:
             states, odd = [CODES[Status.OK]] * len(row), report._odd()
@@ -323,8 +327,9 @@ class TensorBoardSink:
                     self._modules.setdefault(modules[name])
 
     def _frozen_rows(self, frozen: list[str]) -> list[int]:
-        """A column's states with the rows of ``frozen`` FROZEN and the others OK (a copy): worked
-        out again only when the frozen names or the rows change (one C-level comparison a check)."""
+        """A column's states with the rows of ``frozen`` FROZEN and the others OK (the caller copies
+        it to change it): worked out again only when the frozen names or the rows change (one C-level
+        comparison a check)."""
         key, base = self._frozen
         if len(base) != len(self._row) or key != frozen:
             ok, cold, row, modules = CODES[Status.OK], CODES[Status.FROZEN], self._row, self._module_of
@@ -332,7 +337,7 @@ class TensorBoardSink:
             for name in frozen:
                 base[row[modules[name]]] = cold
             self._frozen = (list(frozen), base)
-        return base.copy()
+        return base
 
     def write_heatmap(self, step: int | None = None) -> None:
         """Write the gradient-flow image of the recent checks now."""
@@ -341,7 +346,7 @@ class TensorBoardSink:
         self._pictured = self._checks
         rows = list(self._modules)
         value, state = self._window.arrays(len(rows))
-        steps = self._window.steps
+        steps = list(self._window.steps)
         img = flow_picture(value, state, rows, steps)
         self._image(f"{PREFIX}/gradient_flow", img, steps[-1] if step is None else step)
         if self._expert_columns:
