@@ -135,6 +135,8 @@ class TensorBoardSink:
         self._pictured = -1  # the check count at the last picture
         self._texts: dict[int, set[int]] = {}
         self._states: list[str] = []
+        self._text_key = None  # (the errors, the names) the entries of ``_states`` were made of
+        self._odd_key: tuple = ((), (), None, None)  # (not-OK names, their states, frozen rows, column): the last
         self._module_of: dict[str, str] = {}
         self._row: dict[str, int] = {}
         self._frozen: tuple[list[str], list[int]] = ([], [])  # (frozen names, the column they make)
@@ -191,12 +193,9 @@ class TensorBoardSink:
         if done is None:
             done = self._texts[report.step] = set()
             errors = report.errors
-            by_state: dict[Status, list] = {}
-            for row in group_by_module(report.status, errors) if errors else ():  # (no walk of every name)
-                by_state.setdefault(row[2], []).append(row)
-            # (the names, then what the state means and what to do, as the console warning says it)
-            states = [f"**{state.value}** (error, step {{}}): {describe_groups(rows)}{NAMES}{_listed(rows)}\n\n"
-                      f"{_they(rows)} {hint(state, sum(len(ns) for _, ns, _ in rows))}" for state, rows in by_state.items()]
+            key = (errors, list(report.status)) if errors else None  # (what the entries are made of)
+            states = self._states if key is not None and key == self._text_key else self._state_texts(report, errors)
+            self._text_key = key
             if states != self._states:  # written when they change, not at every step of a long problem
                 self._states = states
                 parts += [t.format(report.step) for t in states]
@@ -209,6 +208,16 @@ class TensorBoardSink:
             self.writer.add_text(f"{PREFIX}/findings_text", "\n\n".join(parts), report.step)
         while len(self._texts) > 8:
             self._texts.pop(next(iter(self._texts)))
+
+    @staticmethod
+    def _state_texts(report: Report, errors) -> list[str]:
+        """An entry per error state: its parameters grouped by module, their names, then what the
+        state means and what to do, as the console warning says it (``{}``: the step)."""
+        by_state: dict[Status, list] = {}
+        for row in group_by_module(report.status, errors) if errors else ():  # (no walk of every name)
+            by_state.setdefault(row[2], []).append(row)
+        return [f"**{state.value}** (error, step {{}}): {describe_groups(rows)}{NAMES}{_listed(rows)}\n\n"
+                f"{_they(rows)} {hint(state, sum(len(ns) for _, ns, _ in rows))}" for state, rows in by_state.items()]
 
     def write_stop(self, step: int | None, message: str) -> None:
         """The error that stops training, as text (``gradhealth/stopped``), flushed to disk."""
@@ -303,17 +312,22 @@ class TensorBoardSink:
                 values[row[m]] = v
         worst, code = WORST, _STATES
         if report.not_ok is not None:  # the frozen rows once per set of frozen names, not a walk at each check
-            states = self._frozen_rows(report.frozen_names or [])
+            base = self._frozen_rows(report.frozen_names or [])
             if not report.not_ok:
-                return values, states  # (the frozen rows' column itself: the window copies it)
-            states = states.copy()
-            odd = zip(report.not_ok, map(report.status.__getitem__, report.not_ok))
+                return values, base  # (the frozen rows' column itself: the window copies it)
+            seen = list(map(report.status.__getitem__, report.not_ok))
+            names, was, last_base, column = self._odd_key
+            if last_base is base and names == report.not_ok and was == seen:  # (a problem that holds)
+                return values, column
+            states, odd = base.copy(), zip(report.not_ok, seen)
         else:
-            states, odd = [CODES[Status.OK]] * len(row), report._odd()
+            base, states, odd = None, [CODES[Status.OK]] * len(row), report._odd()
         for name, state in odd:  # only the parameters that are neither OK nor FROZEN (or all not OK)
             i = row[modules[name]]
             if worst[state] > worst[code[states[i]]]:
                 states[i] = CODES[state]
+        if base is not None:
+            self._odd_key = (list(report.not_ok), seen, base, states)
         return values, states
 
     def _learn(self, names) -> None:
