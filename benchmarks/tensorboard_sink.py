@@ -54,7 +54,8 @@ ALL_SHAPES = {
     "84M params, 80 tensors (width 2048)": (lambda: build_model(20, 2048), 2048),
     "10,000 small tensors (Linear(8) side by side)": (lambda: Wide(10000), 8),
 }
-WARM, CHECKS = 64, 100  # the counted checks: two pictures, ten writes, after the first checks' warm-up
+WARM, CHECKS = 150, 100  # the counted checks: two pictures, ten writes, one with update norms; after the
+# first of each (the tag layouts, the picture's labels): a long run's steady state
 
 
 def measure_sink(make_model, width: int, rounds: int, block: int = BLOCK, batch: int = 8) -> dict:
