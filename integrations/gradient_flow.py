@@ -174,7 +174,8 @@ def flow_picture(value: np.ndarray, state: np.ndarray, modules: list[str], steps
     each = f"{fewest}" if fewest == per else f"{fewest}-{per}"
     text((pad, pad // 2), f"gradient flow, {span}" + (f", {each} checks a column" if per > 1 else ""))
     x0 = label_w + pad
-    canvas.paste(Image.fromarray(image(v, s, (cw, row_h))), (x0, title_h))
+    cells = Image.fromarray(image(v, s, (1, 1)))  # (a pixel a cell, scaled up in C: each copied cw x row_h)
+    canvas.paste(cells.resize((cw * v.shape[1], row_h * v.shape[0]), Image.NEAREST), (x0, title_h))
     y = title_h + row_h * len(labels) + pad // 2
     if steps:
         text((x0, y), f"{steps[0]}")
