@@ -53,7 +53,10 @@ def scalar_summary(metrics: dict[str, float]) -> Summary:
         made = _LAYOUTS[tags] = _layout(tags)
     template, where = made
     with np.errstate(over="ignore"):  # (as protobuf: a number beyond float32 is inf)
-        numbers = np.array(list(metrics.values()), dtype=np.float32)
+        try:
+            numbers = np.array(list(metrics.values()), dtype=np.float32)
+        except (TypeError, ValueError, RuntimeError):  # (a value numpy does not take as it is: its float)
+            numbers = np.array([float(v) for v in metrics.values()], dtype=np.float32)
     data = template.copy()
     data[where] = numbers.astype("<f4").view(np.uint8)
     return Summary.FromString(data.tobytes())
