@@ -37,6 +37,8 @@ describe. ``suffix`` (``"_opt1"``) tells several optimizers' totals and counts a
 from __future__ import annotations
 
 import math
+from itertools import chain, starmap
+from operator import truediv
 
 from .findings import FindingKind
 from .naming import module_of
@@ -147,18 +149,65 @@ def update_metrics(report: Report, granularity: str = "module", suffix: str = ""
             out[f"{PREFIX}/findings/{f.kind}"] = 1.0
     if not report.update_norm:
         return out
-    upd: dict[str, list[float]] = {}
-    par: dict[str, list[float]] = {}
-    for name, u in report.update_norm.items():
-        r = report.update_ratio.get(name, math.nan)
-        g = group_name(name, granularity)
-        upd.setdefault(g, []).append(u)
-        par.setdefault(g, []).append(u / r if r and math.isfinite(r) and r > 0 else 0.0)
-    out[f"{PREFIX}/update_norm/total{suffix}"] = total = combine_norms([u for us in upd.values() for u in us])
-    theta_total = combine_norms([t for ts in par.values() for t in ts])
+    names = list(report.update_norm)
+    groups, tags, ordered, singles = _grouped(names, granularity)
+    us = list(report.update_norm.values())
+    ratio = report.update_ratio
+    rs = list(ratio.values()) if list(ratio) == names else [ratio.get(n, math.nan) for n in names]
+    ths = _divided(us, rs)  # each ||θ|| (0 where the ratio is not a positive finite number)
+    total = combine_norms(us if ordered else list(chain.from_iterable(_parts(us, groups))))
+    theta_total = combine_norms(ths if ordered else list(chain.from_iterable(_parts(ths, groups))))
+    out[f"{PREFIX}/update_norm/total{suffix}"] = total
     out[f"{PREFIX}/update_ratio/total{suffix}"] = total / theta_total if theta_total > 0 else 0.0
-    for g, us in upd.items():
-        theta = combine_norms(par[g])
-        out[f"{PREFIX}/update_norm/{g}"] = combine_norms(us)
-        out[f"{PREFIX}/update_ratio/{g}"] = combine_norms(us) / theta if theta > 0 else 0.0
+    norms, thetas = _each_norm(us, groups, singles), _each_norm(ths, groups, singles)
+    out.update(zip(tags, chain.from_iterable(zip(norms, _divided(norms, thetas, finite=False)))))
+    return out
+
+
+_GROUPS: dict[str, tuple] = {}  # granularity -> (names, groups, tags, ordered, singles) last asked for
+
+
+def _grouped(names: list[str], granularity: str) -> tuple:
+    """The groups of ``names`` in order of first appearance (each a slice of ``names``' positions
+    when its names are consecutive, else a list of their positions), the tags ``update_norm/<g>``,
+    ``update_ratio/<g>`` of each in turn, whether the groups are ``names`` in order, and the groups
+    of one name (index of the group, position of the name): worked out again only when the names
+    change."""
+    memo = _GROUPS.get(granularity)
+    if memo is None or memo[0] != names:
+        at: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            at.setdefault(group_name(name, granularity), []).append(i)
+        groups = [slice(v[0], v[-1] + 1) if v[-1] - v[0] + 1 == len(v) else v for v in at.values()]
+        tags = [t for g in at for t in (f"{PREFIX}/update_norm/{g}", f"{PREFIX}/update_ratio/{g}")]
+        ordered = [i for v in at.values() for i in v] == list(range(len(names)))
+        singles = [(k, v[0]) for k, v in enumerate(at.values()) if len(v) == 1]
+        memo = _GROUPS[granularity] = (list(names), groups, tags, ordered, singles)
+    return memo[1:]
+
+
+def _parts(values: list[float], groups: list) -> list[list[float]]:
+    return [values[g] if g.__class__ is slice else [values[i] for i in g] for g in groups]
+
+
+def _divided(a: list[float], b: list[float], finite: bool = True) -> list[float]:
+    """``x / y`` where ``y`` is a positive (``finite``: and finite) number, else 0.0 (in C when every
+    ``y`` is)."""
+    top = math.inf if finite else math.nan  # (no float equals NaN: any positive y passes)
+    if b and min(b) > 0 and max(b) != top and not any(map(math.isnan, b)):
+        return list(map(truediv, a, b))
+    return [x / y if y > 0 and y != top else 0.0 for x, y in zip(a, b)]
+
+
+def _each_norm(values: list[float], groups: list, singles: list) -> list[float]:
+    """:func:`combine_norms` of each group of ``values``: ``hypot`` in C (a group of one: its value),
+    the rule for a NaN that meets an inf applied only where one came out inf."""
+    if len(singles) == len(groups) and all(g.__class__ is slice for g in groups):
+        out = [values[g.start] for g in groups]
+    else:
+        out = list(starmap(math.hypot, _parts(values, groups)))
+        for k, i in singles:
+            out[k] = values[i]
+    if math.inf in out:
+        out = [combine_norms(g) if h == math.inf else h for g, h in zip(_parts(values, groups), out)]
     return out

@@ -22,7 +22,6 @@ Names are per parameter for models of up to 100 parameter tensors and per module
 
 from __future__ import annotations
 
-import io
 import math
 import os
 
@@ -37,8 +36,9 @@ from gradhealth.report import Report, describe_groups, group_by_module
 from gradhealth.stats import combine_norms
 from gradhealth.status import Status, hint
 
-from .gradient_flow import CODES, WORST, expert_map_image, flow_picture, labelled_experts
+from .gradient_flow import CODES, WORST, Window, expert_map_image, flow_picture, labelled_experts, load_font, png
 from .tblayout import RunLayout, layout
+from .tbevents import scalar_summary
 from .tbread import NAMES, read_run
 
 __all__ = ["TensorBoardSink", "read_run", "layout"]
@@ -47,10 +47,6 @@ AUTO_PARAM_LIMIT = 100
 
 
 _STATES = list(Status)  # (a state's code -> the state; iterating the enum itself runs Python)
-
-
-def _value(tag: str, number) -> Summary.Value:
-    return Summary.Value(tag=tag, simple_value=number)
 
 
 def _listed(rows, most: int = 256) -> str:
@@ -133,19 +129,22 @@ class TensorBoardSink:
         self.norm = norm
         self.close_writer = owned if close_writer is None else close_writer
         self._layout = RunLayout(norm)
-        self._columns: list[dict[str, tuple[float, Status]]] = []
-        self._steps: list[int] = []
+        self._window = Window(heatmap_window)  # the recent checks' columns of the picture
         self._modules: dict[str, None] = {}
         self._checks = 0
         self._pictured = -1  # the check count at the last picture
         self._texts: dict[int, set[int]] = {}
         self._states: list[str] = []
+        self._text_key = None  # (the errors, the names) the entries of ``_states`` were made of
+        self._odd_key: tuple = ((), (), None, None)  # (not-OK names, their states, frozen rows, column): the last
         self._module_of: dict[str, str] = {}
         self._row: dict[str, int] = {}
         self._frozen: tuple[list[str], list[int]] = ([], [])  # (frozen names, the column they make)
         self._expert_columns: list[tuple[dict, set]] = []  # recent checks: (expert norms, dead experts)
         self._expert_layers: dict[str, list[str]] = {}
         self._expert_step = 0
+        if heatmap_every:
+            load_font()  # (decoding it takes as long as drawing a picture: not in the middle of training)
 
     def _granularity(self, report: Report) -> str:
         if self.granularity is not None:
@@ -154,14 +153,15 @@ class TensorBoardSink:
 
     def _wanted(self, report: Report) -> bool:
         self._seen += 1
-        due = report.step % self.every_n == 0 if self.on_steps else (self._seen - 1) % self.every_n == 0
-        return due or not report.ok or any(f.level != "info" for f in report.findings)
+        if (report.step if self.on_steps else self._seen - 1) % self.every_n == 0:
+            return True
+        return bool(report.findings) and any(f.level != "info" for f in report.findings) or not report.ok
 
     def write(self, report: Report) -> None:
         self._remember(report)  # every check is a column of the gradient-flow picture
         if self._wanted(report):
             self._write(report)
-        if self.heatmap_every and len(self._steps) and self._checks % self.heatmap_every == 0:
+        if self.heatmap_every and len(self._window) and self._checks % self.heatmap_every == 0:
             self.write_heatmap(report.step)
 
     def _write(self, report: Report) -> None:
@@ -193,12 +193,9 @@ class TensorBoardSink:
         if done is None:
             done = self._texts[report.step] = set()
             errors = report.errors
-            by_state: dict[Status, list] = {}
-            for row in group_by_module(report.status, errors) if errors else ():  # (no walk of every name)
-                by_state.setdefault(row[2], []).append(row)
-            # (the names, then what the state means and what to do, as the console warning says it)
-            states = [f"**{state.value}** (error, step {{}}): {describe_groups(rows)}{NAMES}{_listed(rows)}\n\n"
-                      f"{_they(rows)} {hint(state, sum(len(ns) for _, ns, _ in rows))}" for state, rows in by_state.items()]
+            key = (errors, list(report.status)) if errors else None  # (what the entries are made of)
+            states = self._states if key is not None and key == self._text_key else self._state_texts(report, errors)
+            self._text_key = key
             if states != self._states:  # written when they change, not at every step of a long problem
                 self._states = states
                 parts += [t.format(report.step) for t in states]
@@ -211,6 +208,16 @@ class TensorBoardSink:
             self.writer.add_text(f"{PREFIX}/findings_text", "\n\n".join(parts), report.step)
         while len(self._texts) > 8:
             self._texts.pop(next(iter(self._texts)))
+
+    @staticmethod
+    def _state_texts(report: Report, errors) -> list[str]:
+        """An entry per error state: its parameters grouped by module, their names, then what the
+        state means and what to do, as the console warning says it (``{}``: the step)."""
+        by_state: dict[Status, list] = {}
+        for row in group_by_module(report.status, errors) if errors else ():  # (no walk of every name)
+            by_state.setdefault(row[2], []).append(row)
+        return [f"**{state.value}** (error, step {{}}): {describe_groups(rows)}{NAMES}{_listed(rows)}\n\n"
+                f"{_they(rows)} {hint(state, sum(len(ns) for _, ns, _ in rows))}" for state, rows in by_state.items()]
 
     def write_stop(self, step: int | None, message: str) -> None:
         """The error that stops training, as text (``gradhealth/stopped``), flushed to disk."""
@@ -254,29 +261,18 @@ class TensorBoardSink:
             for tag, value in metrics.items():
                 self.writer.add_scalar(tag, value, step)
             return
-        try:  # (each value made in C from its tag and number: no Python per scalar but the call)
-            values = list(map(_value, metrics, metrics.values()))
-        except TypeError:  # (a number protobuf does not take as it is: a numpy scalar)
-            values = [Summary.Value(tag=t, simple_value=float(v)) for t, v in metrics.items()]
-        summary = Summary(value=values)
-        file_writer().add_summary(summary, step)
+        file_writer().add_summary(scalar_summary(metrics), step)  # (no Python per scalar: .tbevents)
 
     def _image(self, tag: str, img: np.ndarray, step: int) -> None:
         """An HxWx3 uint8 picture as ``add_image(..., dataformats="HWC")`` writes it (a PNG in an
-        image summary), encoded here at PNG's fastest level: the same pixels, about a tenth of the
-        time of the writer's conversions and its default compression (a picture of 200 rows is
-        written in a few milliseconds, not a hundred: it comes every ``heatmap_every`` checks)."""
+        image summary), encoded here (:func:`.gradient_flow.png`: the same pixels, a fraction of
+        the time of the writer's conversions and its compression; a picture comes every
+        ``heatmap_every`` checks)."""
         file_writer = getattr(self.writer, "_get_file_writer", None)
-        try:
-            from PIL import Image
-        except ImportError:
-            file_writer = None
         if file_writer is None or img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
             self.writer.add_image(tag, img, step, dataformats="HWC")
             return
-        buf = io.BytesIO()
-        Image.fromarray(img).save(buf, format="PNG", compress_level=1)
-        picture = Summary.Image(height=img.shape[0], width=img.shape[1], colorspace=3, encoded_image_string=buf.getvalue())
+        picture = Summary.Image(height=img.shape[0], width=img.shape[1], colorspace=3, encoded_image_string=png(img))
         file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=picture)]), step)
 
     def _remember(self, report: Report) -> None:
@@ -293,11 +289,7 @@ class TensorBoardSink:
         except KeyError:
             self._learn(report.status)
             column = self._column(report)
-        self._columns.append(column)
-        self._steps.append(report.step)
-        if len(self._columns) > self.heatmap_window:
-            self._columns.pop(0)
-            self._steps.pop(0)
+        self._window.add(*column, report.step)
 
     def _column(self, report: Report) -> tuple[list[float], list[int]]:
         module_norms = report.module_grad_norm or None
@@ -320,14 +312,22 @@ class TensorBoardSink:
                 values[row[m]] = v
         worst, code = WORST, _STATES
         if report.not_ok is not None:  # the frozen rows once per set of frozen names, not a walk at each check
-            states = self._frozen_rows(report.frozen_names or [])
-            odd = zip(report.not_ok, map(report.status.__getitem__, report.not_ok))
+            base = self._frozen_rows(report.frozen_names or [])
+            if not report.not_ok:
+                return values, base  # (the frozen rows' column itself: the window copies it)
+            seen = list(map(report.status.__getitem__, report.not_ok))
+            names, was, last_base, column = self._odd_key
+            if last_base is base and names == report.not_ok and was == seen:  # (a problem that holds)
+                return values, column
+            states, odd = base.copy(), zip(report.not_ok, seen)
         else:
-            states, odd = [CODES[Status.OK]] * len(row), report._odd()
+            base, states, odd = None, [CODES[Status.OK]] * len(row), report._odd()
         for name, state in odd:  # only the parameters that are neither OK nor FROZEN (or all not OK)
             i = row[modules[name]]
             if worst[state] > worst[code[states[i]]]:
                 states[i] = CODES[state]
+        if base is not None:
+            self._odd_key = (list(report.not_ok), seen, base, states)
         return values, states
 
     def _learn(self, names) -> None:
@@ -341,8 +341,9 @@ class TensorBoardSink:
                     self._modules.setdefault(modules[name])
 
     def _frozen_rows(self, frozen: list[str]) -> list[int]:
-        """A column's states with the rows of ``frozen`` FROZEN and the others OK (a copy): worked
-        out again only when the frozen names or the rows change (one C-level comparison a check)."""
+        """A column's states with the rows of ``frozen`` FROZEN and the others OK (the caller copies
+        it to change it): worked out again only when the frozen names or the rows change (one C-level
+        comparison a check)."""
         key, base = self._frozen
         if len(base) != len(self._row) or key != frozen:
             ok, cold, row, modules = CODES[Status.OK], CODES[Status.FROZEN], self._row, self._module_of
@@ -350,19 +351,18 @@ class TensorBoardSink:
             for name in frozen:
                 base[row[modules[name]]] = cold
             self._frozen = (list(frozen), base)
-        return base.copy()
+        return base
 
     def write_heatmap(self, step: int | None = None) -> None:
         """Write the gradient-flow image of the recent checks now."""
-        if not self._columns:
+        if not len(self._window):
             return
         self._pictured = self._checks
         rows = list(self._modules)
-        n = len(rows)
-        value = np.array([v + [np.nan] * (n - len(v)) for v, _ in self._columns], dtype=np.float64).T
-        state = np.array([s + [-1] * (n - len(s)) for _, s in self._columns], dtype=np.int64).T
-        img = flow_picture(value, state, rows, self._steps)
-        self._image(f"{PREFIX}/gradient_flow", img, self._steps[-1] if step is None else step)
+        value, state = self._window.arrays(len(rows))
+        steps = list(self._window.steps)
+        img = flow_picture(value, state, rows, steps)
+        self._image(f"{PREFIX}/gradient_flow", img, steps[-1] if step is None else step)
         if self._expert_columns:
             self.write_expert_map(step)
 
@@ -383,7 +383,7 @@ class TensorBoardSink:
         self._image(f"{PREFIX}/expert_map", img, self._expert_step if step is None else step)
 
     def flush(self) -> None:
-        if self._columns and self.heatmap_every and self._pictured != self._checks:  # (not the same picture twice)
+        if len(self._window) and self.heatmap_every and self._pictured != self._checks:  # (not the same picture twice)
             self.write_heatmap()
         self.writer.flush()
 

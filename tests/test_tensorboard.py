@@ -453,3 +453,22 @@ def test_the_module_tags_follow_the_modules(tmp_path):
         got = report_metrics(report(norms))
         assert {k.rsplit("/", 1)[1]: v for k, v in got.items() if k.startswith("gradhealth/grad_norm/")
                 and not k.endswith("/total")} == norms
+
+
+def test_the_scalars_summary_is_the_one_protobuf_builds_byte_for_byte():
+    """``tbevents.scalar_summary`` lays the bytes out itself: the same message as protobuf's
+    ``Summary.Value`` objects make, for long and non-ASCII tags (two-byte lengths), numbers beyond
+    float32, NaN, infinities, ints, bools and numpy scalars, and a tag list seen again."""
+    import numpy as np
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    from gradhealth.integrations.tbevents import scalar_summary
+
+    metrics = {"gradhealth/grad_norm/" + "x" * 200: 1.5, "gradhealth/grad_norm/ü.é": math.nan, "a": 1e300, "b": -1e300,
+               "c": 3, "d": True, "e": np.float32(2.5), "f": np.int64(4), "g": 1e-50, "h": -0.0, "i": -math.inf,
+               "j" * 20000: 0.1}
+    for numbers in (list(metrics.values()), [float(k) for k in range(len(metrics))]):
+        given = dict(zip(metrics, numbers))
+        expected = Summary(value=[Summary.Value(tag=t, simple_value=v) for t, v in given.items()])
+        assert scalar_summary(given).SerializeToString() == expected.SerializeToString()
+    assert scalar_summary({}).SerializeToString() == b""
