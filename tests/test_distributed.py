@@ -20,7 +20,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # (two ranks a test, about a hundred tests). The server forks, so it holds no thread (OMP_NUM_THREADS=1).
 PRELOAD = ["dist_workers", "replica_workers", "mesh_workers", "clip_workers", "accum_workers", "reduce_workers",
            "nanochat_port", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-           "torch.distributed.device_mesh", "torch.nn.parallel"]
+           "torch.distributed.device_mesh", "torch.nn.parallel",
+           # (gradhealth's public names load at first use: loaded here, not again in every rank)
+           *(f"gradhealth.{m}" for m in ("monitor", "brief", "classify", "replay", "testing", "trace", "history"))]
 
 
 def _fork_server():
