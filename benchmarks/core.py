@@ -392,7 +392,12 @@ def _spawned(worker, world: int, rounds: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = os.path.join(tempfile.mkdtemp(), "timings.json")
-    mp.spawn(worker, args=(world, port, out, rounds), nprocs=world, join=True)
+    # (forked from a server that imported this module once, where there is one: not a spawned interpreter
+    # importing torch and gradhealth again in every rank; the timings are taken after start-up either way)
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    if method == "forkserver":
+        mp.set_forkserver_preload([__name__, "torch.distributed.fsdp", "torch.distributed.device_mesh"])
+    mp.start_processes(worker, args=(world, port, out, rounds), nprocs=world, join=True, start_method=method)
     with open(out) as f:
         return json.load(f)
 

@@ -43,7 +43,7 @@ from operator import truediv
 from .findings import FindingKind
 from .naming import module_of
 from .report import Report
-from .stats import combine_norms
+from .combine import combine_norms  # (torch-free: the report command reads a log without torch)
 
 __all__ = ["report_metrics", "update_metrics", "clip_metrics", "expert_metrics", "suffix", "PREFIX", "TROUBLE", "group_name", "in_trouble"]
 

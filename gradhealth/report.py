@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .findings import Finding
 from .naming import plural, terminal_safe
-from .stats import combine_norms
+from .combine import combine_norms  # (torch-free: the report command reads a log without torch)
 from .status import Status
 
 __all__ = ["Finding", "Report", "ParamMeta", "group_by_module", "describe_groups", "describe_names", "is_problem",

@@ -3,7 +3,7 @@ checkout (no install needed).
 
     python scripts/gpu_check.py            # on a CUDA device
     python scripts/gpu_check.py --cpu      # the same script on the CPU (CUDA-only sections say so)
-    python scripts/gpu_check.py --tiny     # tiny sizes, few rounds: a smoke test
+    python scripts/gpu_check.py --tiny     # tiny sizes, few rounds: a smoke test (section 2: its smallest shape)
 
 Each section runs on its own: a failure prints its traceback and the next section runs; the exit
 status is 1 when any section failed (2 without a CUDA device and without ``--cpu``). With ``--cpu``
@@ -355,7 +355,9 @@ def core_bench() -> None:
     from gradhealth.benchmarks.core import main as bench
 
     print("2. core benchmark, absolute times:", flush=True)
-    assert bench(["--device", DEV.type, "--rounds", "1" if ARGS.tiny else "5", "--sections", "checks"]) == 0
+    # (--tiny: its smallest shape, 400 small tensors; the 26M- and 84M-parameter ones on a real run)
+    tiny = ["--rounds", "1", "--shapes", "0"] if ARGS.tiny else ["--rounds", "5"]
+    assert bench(["--device", DEV.type, *tiny, "--sections", "checks"]) == 0
 
 
 # ----------------------------------------------------------------------------- the whole-step table
@@ -526,7 +528,8 @@ def main(argv=None) -> int:
     global DEV
     ap = argparse.ArgumentParser(description="gradhealth's GPU check")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (the CUDA-only sections say they are skipped)")
-    ap.add_argument("--tiny", action="store_true", help="tiny sizes and few rounds (a smoke test)")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes and few rounds (a smoke test; "
+                                                               "section 2 times only the core benchmark's smallest shape)")
     ap.add_argument("--sections", default="", help="comma-separated section numbers (default: all)")
     ap.add_argument("--shapes", default="", help="the whole-step table's shapes, comma-separated indexes (default: all)")
     ARGS.__dict__.update(vars(ap.parse_args(argv)))

@@ -10,11 +10,19 @@ import procs
 # DeepSpeed's ops come from the checkout's own cache (built by scripts/ensure-deps test), for this
 # process and every process the suite starts: the user's ~/.cache/torch_extensions is never touched.
 os.environ["TORCH_EXTENSIONS_DIR"] = str(deepspeed_ops.CACHE)
+# One intra-op thread in the test processes and in every process they start (inherited): the suite's
+# models are tiny and `make test` runs two workers on two cores, so a second OpenMP thread per process
+# only oversubscribes them, and its spin-waits burn CPU (a section of scripts/gpu_check.py: 17 s of
+# CPU on two threads, 3 s on one, on the busy 2-core machine). A value the user set is kept.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import gradhealth as gh  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # (in case torch was imported before this file)
 
 warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
 

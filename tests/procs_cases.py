@@ -37,3 +37,19 @@ def test_a_launcher_hangs():
 def test_spawned_ranks_hang():
     ctx = procs.spawn(write_pid_and_sleep, args=(os.environ["GH_PIDS"],), nprocs=2)
     procs.join(ctx, 600)
+
+
+def test_forked_ranks_hang():
+    """The distributed tests' ranks (tests/test_distributed.py's spawn): forked by multiprocessing's
+    fork server, which is this process's child; its pid written to ``$GH_PIDS.server``."""
+    import multiprocessing.forkserver as forkserver
+
+    from test_distributed import _fork_server
+
+    _fork_server()
+    path = os.environ["GH_PIDS"]
+    with open(f"{path}.server.tmp", "w") as f:
+        f.write(str(forkserver._forkserver._forkserver_pid))
+    os.replace(f"{path}.server.tmp", f"{path}.server")
+    ctx = procs.spawn(write_pid_and_sleep, args=(path,), nprocs=2, start_method="forkserver")
+    procs.join(ctx, 600)

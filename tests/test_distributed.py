@@ -13,8 +13,40 @@ from test_deferred import same
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+# What a rank imports (torch, torch.distributed, gradhealth, the workers, FSDP2 and DTensor), imported
+# once in multiprocessing's fork server; each rank is forked from it: a fresh process that has run
+# nothing yet (the server only imports), without the seconds of CPU a spawned rank spends importing
+# (two ranks a test, about a hundred tests). The server forks, so it holds no thread (OMP_NUM_THREADS=1).
+PRELOAD = ["dist_workers", "replica_workers", "mesh_workers", "clip_workers", "accum_workers", "reduce_workers",
+           "nanochat_port", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+           "torch.distributed.device_mesh", "torch.nn.parallel",
+           # (gradhealth's public names load at first use: loaded here, not again in every rank)
+           *(f"gradhealth.{m}" for m in ("monitor", "brief", "classify", "replay", "testing", "trace", "history"))]
+
+
+def _fork_server():
+    """The fork server, started with the workers preloaded (Python 3.11's server takes no sys.path:
+    tests/ on its PYTHONPATH while it starts; the ranks get this process's sys.path anyway)."""
+    import multiprocessing
+    import multiprocessing.forkserver as forkserver
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([HERE] + ([before] if before else []))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 def spawn(scenario, tmp_path, world=2, limit=180):
-    ctx = procs.spawn(dist_workers.run, args=(world, free_port(), str(tmp_path), scenario), nprocs=world)
+    _fork_server()
+    ctx = procs.spawn(dist_workers.run, args=(world, free_port(), str(tmp_path), scenario), nprocs=world,
+                      start_method="forkserver")
     if not procs.join(ctx, limit):  # (killed on a hang, a failure, a timeout or Ctrl-C)
         pytest.fail(f"{scenario}: the ranks did not finish in {limit}s (a hang)")
     out = []

@@ -84,3 +84,36 @@ def test_no_import_cycle_in_the_core():
         if m not in state:
             visit(m, [m])
     assert not cycles, cycles
+
+
+def test_the_report_command_reads_a_log_without_importing_torch(tmp_path):
+    """``gradhealth report`` needs no torch (2 s of CPU a command otherwise): the package's public
+    names load at their first use, and the report's modules import none of torch's."""
+    code = ("import sys; from gradhealth.cli import main; rc = main(['report', sys.argv[1]]); "
+            "print('torch' in sys.modules, file=sys.stderr); sys.exit(0)")
+    res = procs.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert res.stderr.strip().splitlines()[-1] == "False", res.stderr[-2000:]
+
+
+def test_every_public_name_resolves_lazily_and_as_before():
+    """What ``import gradhealth`` offered when it imported every module: each name of ``__all__``
+    (``from gradhealth import *`` too), the submodules as attributes, and ``gh.brief`` /
+    ``gh.classify`` the functions even after their modules were imported; an unknown name says so."""
+    code = """
+import gradhealth as gh, gradhealth.brief, gradhealth.classify, types
+assert callable(gh.brief) and not isinstance(gh.brief, types.ModuleType)
+assert callable(gh.classify) and not isinstance(gh.classify, types.ModuleType)
+ns = {}
+exec("from gradhealth import *", ns)
+assert all(ns[n] is getattr(gh, n) for n in gh.__all__)
+assert gh.GradHealth.__module__ == "gradhealth.monitor" and gh.monitor.GradHealth is gh.GradHealth
+assert set(gh.__all__) <= set(dir(gh))
+try:
+    gh.no_such_name
+except AttributeError as e:
+    assert "no_such_name" in str(e)
+else:
+    raise AssertionError("gh.no_such_name resolved")
+"""
+    res = procs.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -74,12 +74,15 @@ def test_a_test_timed_out_by_pytest_timeout_leaves_no_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case,count", [("test_a_launcher_hangs", 3), ("test_spawned_ranks_hang", 2)])
+@pytest.mark.parametrize("case,count", [("test_a_launcher_hangs", 3), ("test_spawned_ranks_hang", 2),
+                                        ("test_forked_ranks_hang", 3)])
 def test_ctrl_c_on_a_sleeping_multi_process_test_leaves_no_process(tmp_path, case, count):
     pids_file = tmp_path / "pids"
     with _inner_pytest(case, pids_file) as run:
-        if case == "test_spawned_ranks_hang":
+        if case in ("test_spawned_ranks_hang", "test_forked_ranks_hang"):
             pids = [_pids(Path(f"{pids_file}.{rank}"))[0] for rank in range(2)]
+            if case == "test_forked_ranks_hang":  # (and the fork server they were forked from)
+                pids += _pids(Path(f"{pids_file}.server"))
         else:
             pids = _pids(pids_file)
         assert len(pids) == count and all(procs.alive(p) for p in pids)  # the premise: they run
