@@ -1,6 +1,7 @@
 """DeepSpeed on the CPU (gloo), as its users write the loop: ``deepspeed.initialize``, then
 ``engine.backward(loss)``, ``monitor.check(loss=loss)``, ``engine.step()``, at ZeRO stages 0-3 in
-fp32 and bf16, on one process and on two. The runs are tests/deepspeed_cases.py in processes of
+fp32 and bf16, on one process and on two. The runs are tests/deepspeed_cases.py (and its siblings, all
+one launch a world size: tests/deepspeed_many.py) in processes of
 their own (DeepSpeed initialises torch.distributed); each case's premise is asserted before the
 verdict: the healthy loss falls on a held-out batch, the planted bug is there (the engine's own
 skipped-step count, masters that never move, a learning rate of 0, a frozen layer).
@@ -8,11 +9,9 @@ skipped-step count, masters that never move, a learning rate of 0, a frozen laye
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,47 +40,57 @@ def _env() -> dict:
     return env
 
 
-def _run(cmd: list[str], out: Path, ranks: int) -> list[dict]:
+def _launch(root: Path, ranks: int, scripts: dict[str, list[str]]) -> dict[str, list[dict]]:
+    """The scripts' cases in one launch (tests/deepspeed_many.py: one process, or one torchrun with two
+    ranks, importing DeepSpeed once for all of them); each script's results, one dict a rank."""
+    outs = {name: root / f"{name}.json" for name in scripts}
+    argv = [a for name, cases in scripts.items() for a in ("--", name, str(outs[name]), *cases)][1:]
+    launcher = [sys.executable] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port())]
     env = dict(_env(), MASTER_PORT=str(free_port()))  # (a free port: other DeepSpeed runs may share the machine)
-    proc = procs.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = procs.run([*launcher, str(HERE / "deepspeed_many.py"), *argv], env=env, capture_output=True, text=True,
+                     timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    paths = [out] + [Path(f"{out}.rank{r}") for r in range(1, ranks)]
-    return [json.loads(p.read_text()) for p in paths]
+    return {name: [json.loads(p.read_text()) for p in [out] + [Path(f"{out}.rank{r}") for r in range(1, ranks)]]
+            for name, out in outs.items()}
 
 
 @pytest.fixture(scope="module")
-def one(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ds") / "one.json"
-    return _run([sys.executable, str(HERE / "deepspeed_cases.py"), str(out), *ONE], out, 1)[0]
+def single(tmp_path_factory):
+    """The one-process cases of this file (deepspeed_cases.py's, then deepspeed_accum_cases.py's) in one process."""
+    return _launch(tmp_path_factory.mktemp("ds1"), 1, {"deepspeed_cases": ONE,
+                                                        "deepspeed_accum_cases": [*ACCUM, *ACCUM_BUGS, "experts-1"]})
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ds2") / "two.json"
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-                 str(HERE / "deepspeed_cases.py"), str(out), *TWO], out, 2)
+def pair(tmp_path_factory):
+    """The two-rank cases of this file (deepspeed_cases.py's, deepspeed_accum_cases.py's, deepspeed_window.py's)
+    in one torchrun of two ranks."""
+    return _launch(tmp_path_factory.mktemp("ds2"), 2, {"deepspeed_cases": TWO, "deepspeed_accum_cases": ACCUM_TWO,
+                                                        "deepspeed_window": WINDOW})
+
+
+@pytest.fixture(scope="module")
+def one(single):
+    return single["deepspeed_cases"][0]
+
+
+@pytest.fixture(scope="module")
+def two(pair):
+    return pair["deepspeed_cases"]
 
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    """One process per case (Accelerate allows one DeepSpeed Accelerator a process), two at a time."""
+    """One process per case (Accelerate allows one DeepSpeed Accelerator a process), two at a time, each
+    forked from one that imported DeepSpeed, Transformers and Accelerate (tests/deepspeed_forks.py)."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    root, results = tmp_path_factory.mktemp("dshf"), {}
-    for pair in (HF[k:k + 2] for k in range(0, len(HF), 2)):
-        with contextlib.ExitStack() as running:  # (both killed, with their groups, when the pair is done)
-            started = []
-            for k, case in enumerate(pair):
-                out = root / f"{case}.json"
-                env = dict(_env(), MASTER_PORT=str(free_port()))
-                started.append((out, running.enter_context(procs.popen(
-                    [sys.executable, str(HERE / "deepspeed_hf.py"), str(out), case], env=env, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, text=True))))
-            for out, proc in started:
-                log = proc.communicate(timeout=600)[0]
-                assert proc.returncode == 0, log[-6000:]
-                results.update(json.loads(out.read_text()))
-    return results
+    root = tmp_path_factory.mktemp("dshf")
+    proc = procs.run([sys.executable, str(HERE / "deepspeed_forks.py"), str(root), *(f"{c}@{free_port()}" for c in HF)],
+                     env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    return {k: v for case in HF for k, v in json.loads((root / f"{case}.json").read_text()).items()}
 
 
 def _kinds(case: dict, kind: str) -> list[tuple]:
@@ -253,17 +262,13 @@ GAS, WINDOWS, INF_AT = 4, 6, 5
 
 
 @pytest.fixture(scope="module")
-def accum(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dsacc") / "accum.json"
-    return _run([sys.executable, str(HERE / "deepspeed_accum_cases.py"), str(out), *ACCUM, *ACCUM_BUGS, "experts-1"],
-                out, 1)[0]
+def accum(single):
+    return single["deepspeed_accum_cases"][0]
 
 
 @pytest.fixture(scope="module")
-def accum_two(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dsacc2") / "accum.json"
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-                 str(HERE / "deepspeed_accum_cases.py"), str(out), *ACCUM_TWO], out, 2)
+def accum_two(pair):
+    return pair["deepspeed_accum_cases"]
 
 
 def _windows(case: dict) -> None:
@@ -379,10 +384,8 @@ WINDOW = ["healthy", "nan", "empty", "empty-tracked", "nan-boundary"]
 
 
 @pytest.fixture(scope="module")
-def window_two(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dswin") / "window.json"
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-                 str(HERE / "deepspeed_window.py"), str(out), *WINDOW], out, 2)
+def window_two(pair):
+    return pair["deepspeed_window"]
 
 
 def _window_said(ranks: list[dict], case: str) -> dict:

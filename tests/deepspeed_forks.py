@@ -1,0 +1,60 @@
+"""tests/deepspeed_hf.py's cases, each in a process of its own, forked from this one after it has
+imported DeepSpeed, Transformers and Accelerate (and run nothing else): ``python tests/deepspeed_forks.py
+ROOT CASE@PORT ...``, two cases at a time, each writing ROOT/CASE.json, its output in ROOT/CASE.log (the
+logs of the cases that failed printed, and the exit status 1). Each case process is as fresh as
+``python tests/deepspeed_hf.py ROOT/CASE.json CASE`` would be, without importing the stack again
+(about 4 s of CPU a case); DeepSpeed's ``init_distributed``, gloo and the engine run in it alone, on
+its own MASTER_PORT (PORT). They share this process's session: a test that kills
+the session (tests/procs.py) kills them too."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+import warnings
+
+warnings.simplefilter("ignore")
+import deepspeed_hf  # noqa: E402  (sets the distributed environment's defaults first)
+import deepspeed  # noqa: E402,F401
+import deepspeed.runtime.engine  # noqa: E402,F401
+import accelerate  # noqa: E402,F401
+import transformers  # noqa: E402,F401
+import transformers.trainer  # noqa: E402,F401
+
+
+def _fork(root: str, case: str, port: int) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        log = os.open(os.path.join(root, f"{case}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.environ["MASTER_PORT"] = str(port)
+        deepspeed_hf.main([os.path.join(root, f"{case}.json"), case])
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main(argv: list[str]) -> int:
+    root, cases, failed = argv[0], [a.split("@") for a in argv[1:]], []
+    for k in range(0, len(cases), 2):
+        pids = {_fork(root, case, int(port)): case for case, port in cases[k:k + 2]}
+        for pid, case in pids.items():
+            if os.waitpid(pid, 0)[1]:
+                failed.append(case)
+    for case in failed:
+        with open(os.path.join(root, f"{case}.log")) as f:
+            print(f"--- {case} failed:\n{f.read()[-6000:]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

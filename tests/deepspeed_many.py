@@ -1,0 +1,27 @@
+"""Several DeepSpeed case scripts in one process (one launch, one import of DeepSpeed and one load of
+its ops for all of them, rather than one a script): ``python tests/deepspeed_many.py SCRIPT OUT CASE ...
+-- SCRIPT OUT CASE ...`` (under ``torchrun`` as well), each script's ``main([OUT, CASE, ...])`` run in
+turn, as its own command line would run it: every case builds its own engine from its own seed, and
+each script writes its own results (OUT, OUT.rank<r>)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import deepspeed_cases  # noqa: F401  (sets the distributed environment's defaults first)
+
+
+def main(argv: list[str]) -> None:
+    groups = [[]]
+    for arg in argv:
+        if arg == "--":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    for name, *args in groups:
+        importlib.import_module(name).main(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
