@@ -143,42 +143,46 @@ def later(m, step: int, loss, optimizer, d) -> Launch | None:
     m._failed = None
     w = m._watch
     output_grad, carry.output_grad = carry.output_grad, None
-    launch = _LAUNCH(step=step, sel=sel, optimizer=optimizer, reeval=False, obs=None, steps_ran=steps_ran,
-                     after_step=after_step, output_grad=output_grad, discarded=discarded, counts=None,
-                     calls=w.calls.take() if w is not None and w.calls is not None else None,
-                     seen=steady.seen(params, with_grad, grads) if with_grad else None)
+    calls = w.calls.take() if w is not None and w.calls is not None else None
+    seen = steady.seen(params, with_grad, grads) if with_grad else None
     seen_nothing = not stale and cause is None and record is None  # (else the full completion: the rank saw something)
+    # (Deferred.check's part after a plain launch: one process, no DDP hooks' numbers)
+    requires = list(map(_REQUIRES_GRAD, params))
+    setup = (v.optimizer_ids(), v.all_inside, requires) if optimizer is None else (sel.opt_ids, None, requires)
+    # the Launch in flight: what its completion, its guard and ``Deferred.launched_at`` read; the rest of its
+    # fields are given where its numbers do not make a steady check (``lean``), before the full completion
+    launch = _NEW(Launch)
+    launch.step, launch.sel, launch.optimizer, launch.obs, launch.ranks = step, sel, optimizer, None, None
+    launch.transfer = deferred.Transfer(launched.packed, d.pinned)
 
     def lean(values: list[float]):
         """The report where the numbers read back make a steady check (:mod:`.steady`; no Observation
         is made for it), else the observation (``Pending.complete``'s, on this input) that the full
-        completion judges."""
+        completion judges, the launch's fields given."""
         k = launched.n  # (launched.resolve(values))
         norms = values[:k] if launched.identity else launched._order(values)
         value = values[k] if loss_t is not None else None
         if seen_nothing and (value is None or value - value == 0.0):  # (a finite loss: inf - inf and NaN are NaN)
             template = steady.ready(m, sel, optimizer, with_grad, norms, lambda: _norm_of(norms, n, with_grad), value,
-                                    launch.setup, True)
+                                    setup, True)
             if template is not None:
                 if updates:
                     _fetched(values[k:], loss_t is not None, updates, sizes)
                 return steady.finish(m, template, step, optimizer, with_grad, norms, value, updates, steps_ran,
                                      after_step, discarded, False)
         _fetched(values[k:], loss_t is not None, updates, sizes)  # (observe's, on this input)
+        launch.__dict__.update(reeval=False, steps_ran=steps_ran, after_step=after_step, output_grad=output_grad,
+                               discarded=discarded, counts=None, setup=setup, calls=calls, seen=seen, lean=lean)
         return _OBSERVATION(idx=idx, norm_of=_norm_of(norms, n, with_grad), loss=value, valid={}, updates=updates,
                             scale=None, sharded=set(), with_grad=with_grad, norms=norms, slices={}, holders={}, pieces={},
                             ex_parts={}, loss_cause=cause, eval_record=record, stale=stale, local=False)
 
     launch.lean = lean
-    # (Deferred.check's part after a plain launch: one process, no DDP hooks' numbers)
-    launch.transfer = deferred.Transfer(launched.packed, d.pinned)
-    requires = list(map(_REQUIRES_GRAD, params))
-    launch.setup = (v.optimizer_ids(), v.all_inside, requires) if optimizer is None else (sel.opt_ids, None, requires)
     last = m.last_report  # (due_test: a steady report's frozen_names is [])
     t.arm(step, judged, last is not None and (carry.still > 0 or last.frozen_names != [] and due_test(carry, last))
           or not all(map(requires.__getitem__, with_grad)))
     if not after_step:  # (carry.stage)
-        carry.witnesses, carry.witness_step = launch.seen if with_grad else witnesses(params, with_grad), step
+        carry.witnesses, carry.witness_step = seen if with_grad else witnesses(params, with_grad), step
     if d.guarding:  # (Deferred._guard: decided on the device at launch)
         d._guard(launch, launched.norms_part())
     return launch
