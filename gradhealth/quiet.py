@@ -10,6 +10,12 @@ that already ran on these gradients, the loss's cause, an eval-mode backward), a
 test fails it returns None and the full launch runs. Its numbers are then judged by :mod:`.steady`
 where they are healthy (no ``Observation`` or ``Launch`` is made for them), else by the full
 completion (``GradHealth._complete``), given the observation the full launch makes.
+
+:func:`later` is the same for a plain deferred check (``lag=1``), fused with ``Deferred.check``'s part
+after the launch (the copy to the host, the setup, the arming of its step, the staged witnesses,
+the step guard): it keeps one closure, ``Launch.lean``, that ``Deferred.complete`` calls with the
+numbers read back at the next check: the steady report, else the observation the full completion
+judges (no ``Pending`` is made for a plain check).
 """
 
 from __future__ import annotations
