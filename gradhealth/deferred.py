@@ -78,6 +78,7 @@ class Launch:
     setup: tuple | None = None  # (deferred) the optimizers' ids, all inside, every requires_grad: as launched
     calls: list | None = None  # the loop's calls into the model since the check before (:mod:`.calls`)
     seen: list | None = None  # (deferred, a plain check's) its gradients' witnesses, taken at launch (:mod:`.quiet`)
+    lean: object = None  # (deferred, a plain check's; obs None) values -> its report where steady, else its observation (:mod:`.quiet`)
 
 
 def due_test(carry, report) -> bool:
@@ -170,6 +171,10 @@ class Deferred:
                     raise
                 except Exception as exc:  # (as a synchronous check's failure: said, and training goes on)
                     _said(self._step, exc, 5)
+            launch = m._later(step, loss, optimizer, self) if m._steady else None  # (a plain check, all of it: `gradhealth.quiet`)
+            if launch is not None:
+                self.inflight = launch
+                return done
             launch = m._launch(step, loss, optimizer, deferred=True)
             pending = launch.obs  # (not a Pending: this rank's observation failed; it joins the ranks flagged, later)
             if type(pending) is Pending:
@@ -263,26 +268,36 @@ class Deferred:
     def complete(self):
         """The report of the check in flight (its numbers read now: their copy finished long ago)."""
         launch, self.inflight, m = self.inflight, None, self.monitor
-        self._step, pending, values = launch.step, launch.obs, launch.transfer.values()
-        if launch.ranks is not None:  # (torch.distributed: the ranks' numbers follow the check's own)
-            values = self._split(launch, pending, values)
-        report = None
-        if type(pending) is Pending:
-            try:
-                launch.obs = pending.complete(values)
-            except Exception as exc:
-                if not m.ranks.active:
-                    raise  # (the other ranks must not be left waiting in the collective: joined, flagged)
-                launch.obs, m._failed = failed_observation(m.view, launch.sel, *pending.asked), exc
-            if type(launch.obs) is Report:  # (a plain steady check's, made at once: :mod:`.quiet`)
-                report, launch.obs = launch.obs, pending
+        self._step, pending, transfer = launch.step, launch.obs, launch.transfer
+        values = transfer.values()  # (the one transfer point)
+        lean = launch.lean  # (a plain check's, launched by `gradhealth.quiet`: one process)
+        if lean is not None:
+            report = lean(values)  # (a steady check's report, else its observation)
+            if type(report) is not Report:
+                launch.obs, report = report, None
+        else:
+            report = None
+            if launch.ranks is not None:  # (torch.distributed: the ranks' numbers follow the check's own)
+                values = self._split(launch, pending, values)
+            if type(pending) is Pending:
+                try:
+                    launch.obs = pending.complete(values)
+                except Exception as exc:
+                    if not m.ranks.active:
+                        raise  # (the other ranks must not be left waiting in the collective: joined, flagged)
+                    launch.obs, m._failed = failed_observation(m.view, launch.sel, *pending.asked), exc
         m.last_report = report = report if report is not None else m._complete(launch)
         m.carry.checks += 1
-        if self.guarding:  # (a poisoned step was skipped at launch: the finding)
-            v = m.view
-            skipping.guard(report, m.options, m.carry, None, [v.params[i] for i in launch.sel.idx], False, None,
-                           drop=False, kept=all(map(fused, [launch.optimizer] if launch.optimizer else m.optimizers)))
+        if self.guarding:
+            self._guard_finding(report, launch)
         return report
+
+    def _guard_finding(self, report, launch: Launch) -> None:
+        """A poisoned step was skipped at launch: the finding."""
+        m = self.monitor
+        v = m.view
+        skipping.guard(report, m.options, m.carry, None, [v.params[i] for i in launch.sel.idx], False, None,
+                       drop=False, kept=all(map(fused, [launch.optimizer] if launch.optimizer else m.optimizers)))
 
     @staticmethod
     def _split(launch: Launch, pending, values: list[float]) -> list[float]:

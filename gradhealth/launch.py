@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import operator
 
-from . import quiet
 from .deferred import Launch
 from .guards import diagnose_loss
 from .observe import failed_observation, observe
@@ -26,10 +25,6 @@ _LAUNCH = quick(Launch)  # (a Launch as Launch(...) makes it, without its __init
 def launch(self, step: int, loss, optimizer, deferred: bool = False) -> Launch:
     """Everything a check takes from this moment: the device numbers (read now, or later when
     ``deferred``: :mod:`.deferred`) and what the rank saw besides them."""
-    if deferred and self._steady:  # (a plain check: `gradhealth.quiet`)
-        plain = quiet.later(self, step, loss, optimizer)
-        if plain is not None:
-            return plain
     sel = self.view.selection(optimizer)
     # a closure's later evaluation inside one step (LBFGS): judged, but it neither resolves nor arms a step
     reeval = self.tracker is not None and self.tracker.reevaluation()

@@ -317,6 +317,7 @@ class GradHealth:
         return report if report is not None else self._complete(self._launch(step, loss, optimizer))
 
     _launch = launch  # (:mod:`.launch`: the device numbers and what the rank saw)
+    _later = quiet.later  # (a plain deferred check's launch and what follows it: :mod:`.quiet`)
 
     def _complete(self, launch: Launch) -> Report:
         """The report of a launched check, from its numbers on the host (a healthy steady-state one: `gradhealth.steady`)."""

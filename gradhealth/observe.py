@@ -239,22 +239,16 @@ class Pending:
     """An observation whose numbers are on their way to the host (:mod:`.deferred`). (A plain
     class: made at every deferred check, it costs the host no more than it holds.)"""
 
-    __slots__ = ("launched", "finish", "with_grad", "asked", "loss_cause", "eval_record", "stale", "local", "plain")
+    __slots__ = ("launched", "finish", "with_grad", "asked", "loss_cause", "eval_record", "stale", "local")
 
     def __init__(self, launched: stats.Launched, finish, with_grad: list[int], asked: tuple):
         self.launched, self.finish = launched, finish  # (finish: (norms, extras) -> Observation)
         self.with_grad = with_grad  # the judged entries with a gradient
         self.asked = asked  # (valid masks, measured steps): what a failed completion still joins the ranks with
-        self.plain = None  # (a plain check's: values -> its report where it is a steady one, else None: `gradhealth.quiet`)
         # (``loss_cause``, ``eval_record``, ``stale``, ``local``: what the rank saw besides numbers, set at launch)
 
-    def complete(self, values: list[float]):
-        """The observation of ``values`` read back; a plain check's (``plain``, :mod:`.quiet`): its
-        report where the numbers make a steady check (:mod:`.steady`, no observation made)."""
-        if self.plain is not None:
-            report = self.plain(values)
-            if report is not None:
-                return report
+    def complete(self, values: list[float]) -> Observation:
+        """The observation of ``values`` read back (a plain check's is made by :mod:`.quiet`)."""
         obs = self.finish(*self.launched.resolve(values))
         obs.loss_cause, obs.eval_record, obs.stale, obs.local = self.loss_cause, self.eval_record, self.stale, self.local
         return obs

@@ -11,6 +11,8 @@ carries every step. Checks of different optimizers (``check(optimizer=...)``) ar
 
 from __future__ import annotations
 
+import operator
+
 from dataclasses import dataclass, field
 
 from . import saved as checked
@@ -54,11 +56,7 @@ class Said:
 _INFO = "info"
 
 
-def _all_info(findings) -> bool:
-    for f in findings:
-        if f.level != _INFO:
-            return False
-    return True
+_ONLY_INFO, _LEVEL = frozenset((_INFO,)), operator.attrgetter("level")  # (every finding's level "info": tested in C)
 
 
 _SILENT = Said()  # (what most checks get: shared, never changed)
@@ -77,7 +75,7 @@ class Once:
         if len(steps) > _KEPT:
             del steps[: len(steps) - _KEPT]
         before = self._open.get(key, {})
-        if not before and (not report.findings or _all_info(report.findings)) and (report.not_ok == [] or (  # (no errors: every name not OK tolerated)
+        if not before and (not report.findings or _ONLY_INFO.issuperset(map(_LEVEL, report.findings))) and (report.not_ok == [] or (  # (no errors: every name not OK tolerated)
                 report.tolerated.issuperset(report.not_ok) if report.not_ok is not None else not report.errors)):
             return _SILENT  # (nothing open, nothing now: tolerated states and info findings are no problem, see problems_of)
         now = problems_of(report)

@@ -205,8 +205,8 @@ class ModelChanges:
         if self.lazy and lazy_names(self.model) != self.lazy:
             self.dirty = True
         try:  # (a model that cannot be walked or looked up now: judged as it is, the run goes on)
-            if not self.dirty and report is not None and report.not_ok:
-                self._verify(report, view)
+            if not self.dirty and report is not None and report.not_ok and not self._verified.issuperset(report.not_ok):
+                self._verify(report, view)  # (every name looked up already: nothing new to look up)
             if self.newcomers.data and self.newcomers:  # (a forward's temporary containers are gone by now: usually
                 # none left; the WeakSet's raw set first: its own len() runs Python)
                 ours = _module_ids(self.model)

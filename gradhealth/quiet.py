@@ -10,6 +10,12 @@ that already ran on these gradients, the loss's cause, an eval-mode backward), a
 test fails it returns None and the full launch runs. Its numbers are then judged by :mod:`.steady`
 where they are healthy (no ``Observation`` or ``Launch`` is made for them), else by the full
 completion (``GradHealth._complete``), given the observation the full launch makes.
+
+:func:`later` is the same for a plain deferred check (``lag=1``), fused with ``Deferred.check``'s part
+after the launch (the copy to the host, the setup, the arming of its step, the staged witnesses,
+the step guard): it keeps one closure, ``Launch.lean``, that ``Deferred.complete`` calls with the
+numbers read back at the next check: the steady report, else the observation the full completion
+judges (no ``Pending`` is made for a plain check).
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ from itertools import compress, repeat
 import torch
 from torch import Tensor
 
-from . import stats, steady
-from .deferred import Launch
+from . import deferred, stats, steady
+from .classify import _REQUIRES_GRAD
+from .deferred import Launch, due_test
 from .gradients import grads_of
 from .guards import diagnose_loss
-from .observe import Observation, Pending
+from .observe import Observation
 from .quick import quick
+from .stale import witnesses
 
 __all__ = ["build", "later"]
 
@@ -77,20 +85,32 @@ def _launch_later(grads: Sequence[Tensor], plan, loss: Tensor | None = None) -> 
     return out
 
 
-def _plain(m) -> bool:
-    """Is this a plain check (see the module docstring)? Nothing changed by asking."""
-    t, carry, v, ranks = m.tracker, m.carry, m.view, m.ranks
-    return not (t is None or t._in_step or t.ran.captured or ranks.active or ranks.ddp is not None or v.stacks
-                or m.scaler is not None or carry.valid or carry.router is not None or carry.window.n
-                or m.unstepped is not None)
+def _norm_of(norms: list[float], n: int, with_grad: list[int]) -> list:
+    """Per entry of the view (``n``), its norm or None (``with_grad``: the entries ``norms`` are of)."""
+    if len(norms) == n:
+        return list(norms)
+    out = [None] * n
+    deque(map(out.__setitem__, with_grad, norms), maxlen=0)
+    return out
 
 
-def later(m, step: int, loss, optimizer) -> Launch | None:
+def _fetched(flat: list[float], loss: bool, updates: list, sizes: list[int]) -> None:
+    """The pending updates' numbers, after the loss's (``loss``: one is there) in ``flat``."""
+    k = 1 if loss else 0
+    for u, size in zip(updates, sizes):
+        u.fetched(flat[k:k + size])
+        k += size
+
+
+def later(m, step: int, loss, optimizer, d) -> Launch | None:
     """A plain check launched for a later read (``launch.launch(deferred=True)`` on that input: its
-    ``Pending`` observation, completed by ``Deferred.complete``), or None: not a plain check, nothing changed."""
-    if not _plain(m):
-        return None
-    t, carry, v = m.tracker, m.carry, m.view
+    ``Pending`` observation, completed by ``Deferred.complete``), or None: not a plain check, nothing changed.
+    ``d``: the :class:`.deferred.Deferred` launching it, whose part after the launch (``Deferred.check``:
+    the transfer, the setup, the arming of its step, the witnesses staged) is done here too, on this input."""
+    t, carry, v, ranks = m.tracker, m.carry, m.view, m.ranks
+    if (t is None or t._in_step or t.ran.captured or ranks.active or ranks.ddp is not None or v.stacks
+            or m.scaler is not None or carry.valid or carry.router is not None or carry.window.n or m.unstepped is not None):
+        return None  # (not a plain check)
     # (launch(): were the armed check's gradients thrown away since? where no step ran since it)
     discarded = carry._discarded() if not t.steps_since_check or any(map(_SCALER_FLAG, t.pending)) else None
     sel = v.selection(optimizer)
@@ -124,54 +144,53 @@ def later(m, step: int, loss, optimizer) -> Launch | None:
         launched = stats.Launched(grads, parts, m._plan, later=True)
         m._plan = launched.plan
     n = len(params)
-
-    def norm_of(norms: list[float]) -> list:
-        if len(norms) == n:
-            return list(norms)
-        out = [None] * n
-        deque(map(out.__setitem__, with_grad, norms), maxlen=0)
-        return out
-
-    def fetched(flat: list[float]) -> None:
-        k = 0 if loss_t is None else 1
-        for u, size in zip(updates, sizes):
-            u.fetched(flat[k:k + size])
-            k += size
-
-    def finish(norms: list[float], flat: list[float]) -> Observation:  # (observe's, on this input)
-        fetched(flat)
-        return _OBSERVATION(idx=idx, norm_of=norm_of(norms), loss=flat[0] if loss_t is not None else None, valid={},
-                            updates=updates, scale=None, sharded=set(), with_grad=with_grad, norms=norms, slices={},
-                            holders={}, pieces={}, ex_parts={})
-
-    pending = Pending(launched, finish, with_grad, ({}, updates))
-    pending.loss_cause = diagnose_loss(loss, m.model, carry.forward) if loss is not None else None
-    pending.eval_record = carry.take_eval_backward()
-    pending.stale, pending.local = stale, False
+    cause = diagnose_loss(loss, m.model, carry.forward) if loss is not None else None
+    record, carry.eval_backward = carry.eval_backward, None  # (carry.take_eval_backward)
     m._failed = None
     w = m._watch
     output_grad, carry.output_grad = carry.output_grad, None
-    launch = _LAUNCH(step=step, sel=sel, optimizer=optimizer, reeval=False, obs=pending, steps_ran=steps_ran,
-                     after_step=after_step, output_grad=output_grad, discarded=discarded, counts=None,
-                     calls=w.calls.take() if w is not None and w.calls is not None else None,
-                     seen=steady.seen(params, with_grad, grads) if with_grad else None)
+    calls = w.calls.take() if w is not None and w.calls is not None else None
+    seen = steady.seen(params, with_grad, grads) if with_grad else None
+    seen_nothing = not stale and cause is None and record is None  # (else the full completion: the rank saw something)
+    # (Deferred.check's part after a plain launch: one process, no DDP hooks' numbers)
+    requires = list(map(_REQUIRES_GRAD, params))
+    setup = (v.optimizer_ids(), v.all_inside, requires) if optimizer is None else (sel.opt_ids, None, requires)
+    # the Launch in flight: what its completion, its guard and ``Deferred.launched_at`` read; the rest of its
+    # fields are given where its numbers do not make a steady check (``lean``), before the full completion
+    launch = _NEW(Launch)
+    launch.step, launch.sel, launch.optimizer, launch.obs, launch.ranks = step, sel, optimizer, None, None
+    launch.transfer = deferred.Transfer(launched.packed, d.pinned)
 
-    def plain(values: list[float]):
-        """The report, where the numbers read back make a steady check (:mod:`.steady`; no Observation
-        is made for it), else None, nothing changed (``Deferred.complete`` completes the observation)."""
-        norms, flat = launched.resolve(values)
-        value = flat[0] if loss_t is not None else None
-        if stale or pending.loss_cause is not None or pending.eval_record is not None \
-                or value is not None and not value - value == 0.0:  # (a finite loss: inf - inf and NaN are NaN)
-            return None
-        template = steady.ready(m, sel, optimizer, with_grad, norms, lambda: norm_of(norms), value, launch.setup, True)
-        if template is None:
-            return None
-        fetched(flat)
-        return steady.finish(m, template, step, optimizer, with_grad, norms, value, updates, steps_ran, after_step,
-                             discarded, False)
+    def lean(values: list[float]):
+        """The report where the numbers read back make a steady check (:mod:`.steady`; no Observation
+        is made for it), else the observation (``Pending.complete``'s, on this input) that the full
+        completion judges, the launch's fields given."""
+        k = launched.n  # (launched.resolve(values))
+        norms = values[:k] if launched.identity else launched._order(values)
+        value = values[k] if loss_t is not None else None
+        if seen_nothing and (value is None or value - value == 0.0):  # (a finite loss: inf - inf and NaN are NaN)
+            template = steady.ready(m, sel, optimizer, with_grad, norms, lambda: _norm_of(norms, n, with_grad), value,
+                                    setup, True)
+            if template is not None:
+                if updates:
+                    _fetched(values[k:], loss_t is not None, updates, sizes)
+                return steady.finish(m, template, step, optimizer, with_grad, norms, value, updates, steps_ran,
+                                     after_step, discarded, False)
+        _fetched(values[k:], loss_t is not None, updates, sizes)  # (observe's, on this input)
+        launch.__dict__.update(reeval=False, steps_ran=steps_ran, after_step=after_step, output_grad=output_grad,
+                               discarded=discarded, counts=None, setup=setup, calls=calls, seen=seen, lean=lean)
+        return _OBSERVATION(idx=idx, norm_of=_norm_of(norms, n, with_grad), loss=value, valid={}, updates=updates,
+                            scale=None, sharded=set(), with_grad=with_grad, norms=norms, slices={}, holders={}, pieces={},
+                            ex_parts={}, loss_cause=cause, eval_record=record, stale=stale, local=False)
 
-    pending.plain = plain
+    launch.lean = lean
+    last = m.last_report  # (due_test: a steady report's frozen_names is [])
+    t.arm(step, judged, last is not None and (carry.still > 0 or last.frozen_names != [] and due_test(carry, last))
+          or not all(map(requires.__getitem__, with_grad)))
+    if not after_step:  # (carry.stage)
+        carry.witnesses, carry.witness_step = seen if with_grad else witnesses(params, with_grad), step
+    if d.guarding:  # (Deferred._guard: decided on the device at launch)
+        d._guard(launch, launched.norms_part())
     return launch
 
 
@@ -181,7 +200,7 @@ def build(m, step: int, loss, optimizer):
     t, carry, v, ranks = m.tracker, m.carry, m.view, m.ranks
     if (t is None or t._in_step or t.ran.captured or ranks.active or ranks.ddp is not None or v.stacks
             or m.scaler is not None or carry.valid or carry.router is not None or carry.window.n or m.unstepped is not None):
-        return None  # (not _plain(m): the same tests, inline on the synchronous check)
+        return None  # (not a plain check)
     # (from here on: observe_rank's and observe's work on this input, in their order)
     sel = v.selection(optimizer)
     judged = [optimizer] if optimizer is not None else m.optimizers

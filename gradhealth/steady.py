@@ -156,7 +156,7 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
     ``grads``: the gradients of ``with_grad`` it read (else read again for the witnesses)."""
     v, carry = m.view, m.carry
     names = v.names
-    index = v.optimizer_index(optimizer) if optimizer is not None else None
+    index = None if optimizer is None else 0 if v.optimizers[0] is optimizer else v.optimizer_index(optimizer)
     grad_norm = dict(zip(t.gnames, norms))
     # (stats.combine_norms: no NaN among them, so hypot is the norm)
     total = _hypot(*norms) if len(norms) > 1 else norms[0]
@@ -206,7 +206,9 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
     else:
         module = stats.module_norms(with_grad, norms, v.module_index, v.modules, v.module_runs)
     report.module_grad_norm = module
-    history = carry.history if index is None else carry.history_for(index)  # (history_for(None) is the one history)
+    history = carry.history  # (carry.history_for(index): the one history, else that optimizer's, once made)
+    if index is not None and history is not None:
+        history = carry.histories.get(index) or carry.history_for(index)
     fit = carry.fit
     if history is not None:  # (fit.explain of no findings says nothing: nothing to explain)
         if not history.quiet(total, module):

@@ -453,19 +453,20 @@ def test_a_deferred_check_that_fails_inside_is_said_and_the_next_one_still_launc
     """A failure while completing the check in flight (its numbers read back) is said as a
     synchronous check's failure is; the check of this step is still launched (not lost with it),
     and a failure inside ``flush()`` is said too, never raised into the loop."""
-    from gradhealth import observe
+    from gradhealth import deferred
 
-    complete, calls = observe.Pending.complete, {"n": 0}
+    # (planted where every completion passes, a plain steady check's too: its numbers read back)
+    values, calls = deferred.Transfer.values, {"n": 0}
 
     def fails_at(*which):
-        def planted(self, values):
+        def planted(self):
             calls["n"] += 1
             if calls["n"] in which:
                 raise RuntimeError("planted failure")
-            return complete(self, values)
+            return values(self)
         return planted
 
-    monkeypatch.setattr(observe.Pending, "complete", fails_at(2, 6))
+    monkeypatch.setattr(deferred.Transfer, "values", fails_at(2, 6))
     torch.manual_seed(0)
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)

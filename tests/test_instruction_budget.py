@@ -31,23 +31,24 @@ HEADROOM = 100
 #: steady-state check takes the fast path, `gradhealth.steady` and `gradhealth.quiet`; the means hold
 #: the periodic checks that take the full path: update norms, the change test, the medians' refresh.)
 REACHED = {
-    "6-tensor MLP": (1930, 2069, 2406, 2535),
-    "small CNN (8x3x32x32)": (1930, 2069, 2406, 2535),
-    "2-block transformer": (1930, 2105, 2406, 2570),
-    "SB3 DQN policy (CartPole)": (2275, 2415, 2781, 2910),
-    "SB3 PPO policy (CartPole)": (2033, 2184, 2505, 2645),
+    "6-tensor MLP": (1930, 2069, 2150, 2282),
+    "small CNN (8x3x32x32)": (1930, 2069, 2150, 2282),
+    "2-block transformer": (1930, 2105, 2150, 2318),
+    "SB3 DQN policy (CartPole)": (2208, 2348, 2458, 2591),
+    "SB3 PPO policy (CartPole)": (2009, 2160, 2225, 2368),
 }
 #: the models whose usual check (the median) is within 1.5x the one number, synchronous and deferred
-WITHIN_ONE_AND_A_HALF = {"2-block transformer"}
-#: ... synchronous only (reached: 1.48x on the MLP and the CNN, 1.24x on PPO's; DQN's 1.67x is not)
+WITHIN_ONE_AND_A_HALF = {"2-block transformer", "SB3 PPO policy (CartPole)"}
+#: ... synchronous only (reached: 1.48x on the MLP and the CNN, 1.22x on PPO's; DQN's 1.62x is not)
 SYNC_WITHIN_ONE_AND_A_HALF = {"6-tensor MLP", "small CNN (8x3x32x32)", "SB3 PPO policy (CartPole)", "2-block transformer"}
-#: the deferred check's instructions over the synchronous one's, at most (reached: 466 to 506; the
-#: goal, 0, is not: the synchronous check's launch and report are one function on the fast path, where
-#: a deferred check still completes the previous launch through ``Deferred.complete`` and launches its
-#: own through ``Deferred.check``: the Pending observation, the Launch, the Transfer, the setup and the
-#: arming at launch, ~480 instructions the synchronous check does not run). Raised from 200 by the fast
-#: path, which took ~1370 instructions off the synchronous check and ~1050 off the deferred one
-DEFERRED_EXTRA = 530
+#: the deferred check's instructions over the synchronous one's, at most (reached: +216 to +250 on the
+#: median, +209 to +243 on the mean; the goal, 0, is not). A plain deferred check is fused
+#: (``quiet.later``: the launch, the transfer, the setup, the arming and the witnesses in one function, and
+#: one closure that completes it: a steady report, else the observation for the full path); what is left
+#: is what a check split over two calls costs: the Launch kept in flight and its Transfer, the closure
+#: (~30 instructions: its ~25 captured names), ``Deferred.check`` and ``Deferred.complete`` (~100), the
+#: setup and the arming at launch. Lowered from 530 (reached then: 466 to 506)
+DEFERRED_EXTRA = 270
 
 
 def test_every_model_of_the_bench_is_held():

@@ -26,11 +26,11 @@ PLAN = {26: "freeze", 27: "frozen", 28: "frozen", 29: "thaw", 33: "nan", 38: "no
 STEPS = 56
 
 
-def _run(lag: int, fast: bool, counted: dict):
+def _run(lag: int, fast: bool, counted: dict, guard: bool = False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=2e-2, momentum=0.9)
-    monitor = gh.GradHealth(model, opt, on_problem="ignore", lag=lag)
+    monitor = gh.GradHealth(model, opt, on_problem="ignore", lag=lag, skip_nonfinite=guard)
     monitor._steady = fast
     g = torch.Generator().manual_seed(1)
     reports, naive, losses = [], {}, []
@@ -85,8 +85,8 @@ def _seen(r) -> list:
             dict(r.update_ratio), [(f.kind, f.level, f.message, f.params, f.step) for f in r.findings], r.ok))
 
 
-@pytest.mark.parametrize("lag", [0, 1])
-def test_the_fast_path_reports_what_the_full_path_reports(monkeypatch, lag):
+@pytest.mark.parametrize("lag,guard", [(0, False), (1, False), (1, True)])  # (guard: lag=1's step guard, decided at launch)
+def test_the_fast_path_reports_what_the_full_path_reports(monkeypatch, lag, guard):
     counted = {"finish": 0}
     finish = steady.finish
 
@@ -95,9 +95,9 @@ def test_the_fast_path_reports_what_the_full_path_reports(monkeypatch, lag):
         return finish(*args, **kwargs)
 
     monkeypatch.setattr(steady, "finish", counting)
-    fast, naive, losses, used = _run(lag, True, counted)
+    fast, naive, losses, used = _run(lag, True, counted, guard)
     counted["finish"] = 0
-    full, naive_full, losses_full, unused = _run(lag, False, counted)
+    full, naive_full, losses_full, unused = _run(lag, False, counted, guard)
     # the premises: the two runs are the same run; it trains while healthy; each problem is there
     assert _plain(losses) == _plain(losses_full) and naive == naive_full
     assert losses[25] < losses[0] and losses[-1] < losses[0]
@@ -113,7 +113,77 @@ def test_the_fast_path_reports_what_the_full_path_reports(monkeypatch, lag):
         assert a.status == naive[a.step], a.step  # (the oracle: the naive per-parameter loop)
     # what the problems were called, the same on both paths
     said = {r.step: {f.kind for f in r.findings} for r in fast}
-    assert not fast[33].ok and fast[33].status["0.weight"] is gh.Status.NON_FINITE_GRAD
+    assert fast[33].status["0.weight"] is gh.Status.NON_FINITE_GRAD
+    # (the guard skipped the poisoned step: said, and the report is handled; without it, a problem)
+    assert (fast[33].ok, fast[33].skipped) == ((True, "nonfinite") if guard else (False, None))
     assert fast[27].status["0.weight"] is gh.Status.FROZEN
     assert fast[44].status["4.bias"] is gh.Status.NOT_IN_OPTIMIZER and not fast[44].ok
     assert said[20] == set() and said[STEPS - 1] == set()  # (healthy before and after)
+
+
+class _QNet(nn.Module):
+    """A DQN-style pair: the online network, trained, and its target network, a copy that gets no
+    gradient, in no optimizer, loaded from the online one now and then."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.target = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.target.load_state_dict(self.q.state_dict())
+
+
+def _run_copies(lag: int, fast: bool, counted: dict):
+    torch.manual_seed(0)
+    model = _QNet()
+    opt = torch.optim.Adam(model.q.parameters(), lr=1e-2)
+    monitor = gh.GradHealth(model, opt, on_problem="ignore", lag=lag)
+    monitor._steady = fast
+    g = torch.Generator().manual_seed(1)
+    reports, naive, losses = [], {}, []
+    for step in range(40):
+        x = torch.randn(32, 8, generator=g)
+        with torch.no_grad():
+            bootstrap = 0.1 * model.target(x)
+        loss = nn.functional.mse_loss(model.q(x), x[:, :1].sin() + bootstrap)
+        loss.backward()
+        naive[step] = naive_classify(model, opt)
+        r = monitor.check(loss=loss, optimizer=opt)  # (as SB3's DQN adapter checks: its optimizer's step)
+        if r is not None:
+            reports.append(r)
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        if step % 15 == 14:
+            model.target.load_state_dict(model.q.state_dict())
+    monitor.close()
+    if monitor.last_report is not reports[-1]:
+        reports.append(monitor.last_report)
+    return reports, naive, losses, counted["finish"]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_target_network_copies_on_the_fast_path_as_on_the_full_path(monkeypatch, lag):
+    """``check(optimizer=...)`` beside a target network's tolerated copies (NO_GRAD, in no optimizer),
+    loaded from the online network twice: the same reports, the naive states, fast path or not."""
+    counted = {"finish": 0}
+    finish = steady.finish
+
+    def counting(*args, **kwargs):
+        counted["finish"] += 1
+        return finish(*args, **kwargs)
+
+    monkeypatch.setattr(steady, "finish", counting)
+    fast, naive, losses, used = _run_copies(lag, True, counted)
+    counted["finish"] = 0
+    full, naive_full, losses_full, unused = _run_copies(lag, False, counted)
+    assert _plain(losses) == _plain(losses_full) and naive == naive_full
+    assert losses[-1] < losses[0]  # (the premise: it trains)
+    assert all(naive[5][n] is gh.Status.NO_GRAD for n in naive[5] if n.startswith("target."))  # (the copies are there)
+    assert used >= 30 and unused == 0
+    assert len(fast) == len(full) == 40
+    for a, b in zip(fast, full):
+        assert _seen(a) == _seen(b), a.step
+        assert a.status == naive[a.step], a.step
+        assert a.ok and a.optimizer_index == 0, a.step
+    kinds = {f.kind for r in fast for f in r.findings}
+    assert gh.FindingKind.TARGET_COPY in kinds, kinds  # (said as info, tolerated)
