@@ -22,6 +22,7 @@ logged in the same hook.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import time
@@ -199,16 +200,26 @@ def count_model(label: str, checks: int = 16, warm: int = 30, runs_out: dict | N
             for _ in range(warm):
                 r.step()
         whole = {}
-        for v, r in runs.items():
-            inside, steps = [], []
-            for _ in range(checks):
-                r.before()
-                inside.append(instructions(r.watch))
-                r.after()
-            for _ in range(checks):
-                steps.append(instructions(r.step))
-            whole[v] = statistics.fmean(steps)
-            out[v] = {"check": statistics.median(inside), "check_mean": statistics.fmean(inside)}
+        # (no garbage collection inside a counted call: one there runs the finalizers of whatever died
+        # in a cycle before, an earlier test's monitors or an earlier count's (a WeakSet's removals, ~95
+        # instructions), not the check's work; what is garbage now is collected first, the rest after)
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            for v, r in runs.items():
+                inside, steps = [], []
+                for _ in range(checks):
+                    r.before()
+                    inside.append(instructions(r.watch))
+                    r.after()
+                for _ in range(checks):
+                    steps.append(instructions(r.step))
+                whole[v] = statistics.fmean(steps)
+                out[v] = {"check": statistics.median(inside), "check_mean": statistics.fmean(inside)}
+        finally:
+            if collecting:
+                gc.enable()
         for v in VARIANTS:
             out[v]["step"] = whole[v] - whole["plain"]
     if runs_out is not None:

@@ -192,7 +192,7 @@ class NormHistory:
         return findings
 
     def quiet(self, total: float, module_norms: dict[str, float]) -> bool:
-        """:meth:`update` of a check it judges and finds nothing in, where that is sure before anything
+        """``update`` of a check it judges and finds nothing in, where that is sure before anything
         else changes (no ceiling, past the warm-up, the same modules as every row, finite norms, no
         module under its floor, no spike against the median): True, and the check added to the
         baseline as ``update`` adds it; else False, and nothing changed but the module medians

@@ -66,7 +66,7 @@ class PileUp:
         self._bridge: dict = {}  # name -> its streak, at a load: held over the first check after it
 
     def quiet(self, keys: list[str], vals: list[float], params: list, tracker) -> bool:
-        """:meth:`update` of a check whose parameters with gradients (``keys``, their norms ``vals``)
+        """``update`` of a check whose parameters with gradients (``keys``, their norms ``vals``)
         are the last check's, every one OK with a finite norm (the factors of those tests are 1),
         with no streak kept past the history nor bridged over a load, where no streak reaches
         ``PILE`` (nothing to say): True, the streaks advanced as ``update`` advances them; else False,

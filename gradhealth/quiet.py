@@ -184,7 +184,7 @@ def later(m, step: int, loss, optimizer, d) -> Launch | None:
                             ex_parts={}, loss_cause=cause, eval_record=record, stale=stale, local=False)
 
     launch.lean = lean
-    last = m.last_report  # (due_test: a steady report's frozen_names is [])
+    last = m.last_report  # (due_test: a steady report's frozen names have no gradient)
     t.arm(step, judged, last is not None and (carry.still > 0 or last.frozen_names != [] and due_test(carry, last))
           or not all(map(requires.__getitem__, with_grad)))
     if not after_step:  # (carry.stage)

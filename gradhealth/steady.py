@@ -6,22 +6,33 @@ read back in (0, inf), the loss not 0, nothing seen by the rank but the numbers,
 stacked experts, no grad scaler, no NaN tracer, nothing owed, and a kept :class:`Template` of the
 classification for the same names, optimizers' membership, selection, entries with a gradient and
 ``requires_grad`` whose states are OK but for tolerated copies (NO_GRAD, in no optimizer: a target
-network's); where one test fails, the monitor runs the full path. Where all hold, :func:`finish`
+network's) and FROZEN entries without a gradient (a LoRA base's), the FROZEN set the last check's
+(nothing thawed or frozen anew); where one test fails, the monitor runs the full path. Where all hold, :func:`finish`
 gives each stage's result on that input, argued from its code:
 
 * classification (:func:`.classify.classify_selection`): with every norm in (0, inf) and the same
-  inputs, the decision tree gives the template's states again (copies included);
+  inputs, the decision tree gives the template's states again (copies included; FROZEN is decided
+  by ``requires_grad`` alone, the same list, so the same frozen names, ``frozen_names`` included);
 * :func:`.carry.Carry.resolve_step` of a step that ran and that no one measured: the grad scaler's
   skip count is reset, nothing is delivered (with updates: the call itself);
-* :func:`.patience.persist` with nothing frozen now or at the last check, no gap open and every
-  name not OK a copy: the copies are set aside before the rule (``Copies.see`` says its info
+* :func:`.patience.persist` with the same FROZEN set now as at the last check (``Persistence.frozen``),
+  no gap open and every name not OK a copy: ``update`` finds the set unchanged (nothing enters
+  ``thawed``, ``frozen`` kept), no FROZEN name is among ``not_ok``, so none is missing and ``blank``
+  is 0 whatever the trainable count; the copies are set aside before the rule (``Copies.see`` says its info
   finding, they are tolerated), no gap opens or closes, the faint reader reads then keeps this
   check's norms, the judging count advances, ``blank`` is 0, the streaks are empty;
 * ``Faint.prefix`` with no streak and a first norm at or above every dtype's smallest normal
   number (not FROZEN): the lead is emptied, nothing is said;
-* :func:`.verdict.judge`: with nothing not OK but copies, nothing frozen, no experts, one process,
-  no grad scaler and ``_nothing_seen`` (tested by ``ready`` and its caller), it returns at its
-  first test; with no NaN tracer armed, with no findings;
+* :func:`.verdict.judge`: with nothing not OK but copies, no experts, one process, no grad scaler
+  and ``_nothing_seen`` (tested by ``ready`` and its caller), it returns at its first test with
+  nothing frozen; with FROZEN names it goes on and says nothing either: the grads are finite,
+  ``errors`` is empty (no NO_GRAD to probe: the probe set emptied, as here), ``carry.frozen_norms``
+  is empty (tested), the first check's frozen summary is past (``carry.checks``), no
+  ``expect_frozen``, no meta or lazy parameters, no tracer; with no NaN tracer armed, no findings;
+* the change test's arming (``deferred.due_test``): the FROZEN names have no gradient, so it is
+  due only after a step that changed nothing (``carry.still``), as armed here; the report's
+  ``frozen_names`` are the full path's, so the next check's ``FROZEN_BUT_CHANGED`` test
+  (``Carry._measured``) looks at the same names;
 * ``fit.explain`` of no findings: none.
 
 The stories that must see every check run in the same order: the pile-up (``PileUp.quiet``, else
@@ -59,8 +70,8 @@ class Template:
     selection, the entries with a gradient and every ``requires_grad``; with every norm in (0, inf)
     the decision tree gives the same states again."""
 
-    __slots__ = ("names", "ids", "sel", "with_grad", "requires", "status", "in_opt", "not_ok", "copies", "gnames", "runs",
-                 "modules")
+    __slots__ = ("names", "ids", "sel", "with_grad", "requires", "status", "in_opt", "not_ok", "copies", "frozen", "cold",
+                 "gnames", "runs", "modules")
 
 
 def seen(params: list, with_grad: list[int], grads: list) -> list:
@@ -76,18 +87,20 @@ def seen(params: list, with_grad: list[int], grads: list) -> list:
 
 def _template(view, sel, norm_of, norms, with_grad, ids, requires) -> Template:
     """The classification of this check (:func:`.classify.classify_selection`, which changes
-    nothing), kept: a steady one (nothing FROZEN and every name not OK a copy, NO_GRAD and in no
-    optimizer: :mod:`.copies`), or one that is not (``status`` None: the full path runs while its
+    nothing), kept: a steady one (every FROZEN entry without a gradient and every name not OK a
+    copy, NO_GRAD and in no optimizer: :mod:`.copies`), or one that is not (``status`` None: the full path runs while its
     inputs hold)."""
     names = view.names
     status, in_opt, not_ok, frozen = classify_selection(names, view.params, view.pids, sel.idx, norm_of, ids, norms, None,
                                                         requires)
     t = Template()
     t.names, t.ids, t.sel, t.with_grad, t.requires = names, ids, sel, list(with_grad), requires
-    if frozen or not_ok and (in_opt is None or any(status[n] is not Status.NO_GRAD or in_opt[n] for n in not_ok)):
+    if frozen and not all(map(requires.__getitem__, with_grad)) or not_ok and (
+            in_opt is None or any(status[n] is not Status.NO_GRAD or in_opt[n] for n in not_ok)):
         t.status = None  # (not a steady classification: the full path decides while these inputs hold)
         return t
     t.status, t.in_opt, t.not_ok, t.copies = status, in_opt, not_ok, frozenset(not_ok)
+    t.frozen, t.cold = frozen, set(frozen)  # (FROZEN: requires_grad False and no gradient, a LoRA base's)
     t.gnames = [names[i] for i in with_grad]
     runs = view.module_runs  # (stats.module_norms: the modules with a gradient, and their runs)
     if runs is not None:
@@ -129,7 +142,7 @@ def ready(m, sel, optimizer, with_grad, norms, norm_of, loss, setup=None, plain:
     if t.status is None:
         return None
     streaks = carry.streaks
-    if streaks.frozen or streaks.open or streaks.faint_reader.streak or norms[0] < _WIDEST:
+    if streaks.frozen != t.cold or streaks.open or streaks.faint_reader.streak or norms[0] < _WIDEST:
         return None
     return t
 
@@ -162,7 +175,7 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
     total = _hypot(*norms) if len(norms) > 1 else norms[0]
     report = _REPORT(step=step, status=t.status.copy(), grad_norm=grad_norm, total_grad_norm=total,
                      meta=v.meta, in_optimizer=None if t.in_opt is None else t.in_opt.copy(), loss=loss,
-                     valid_counts={}, not_ok=list(t.not_ok), frozen_names=[], optimizer_index=index)
+                     valid_counts={}, not_ok=list(t.not_ok), frozen_names=list(t.frozen), optimizer_index=index)
     tracker = m.tracker
     if not updates and steps_ran and not after_step:  # (Carry.resolve_step of a step that ran, measured by no one)
         carry.amp_skips = 0
@@ -174,7 +187,7 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
             m.publisher.deliver(delivery, report)
         for u in updates:
             tracker.settle(u)
-    # persist(): nothing frozen now or at the last check, no gap open, every name not OK a copy (set
+    # persist(): the same FROZEN set now as at the last check, no gap open, every name not OK a copy (set
     # aside before the rule: see the module docstring)
     streaks = carry.streaks
     reader = streaks.faint_reader
@@ -215,7 +228,7 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
             report.findings += fit.explain(history.update(step, total, module, streaks.skipping),
                                            loss, step)
     fit.add(loss)
-    if tracker is not None:  # (GradHealth._arm_next; due_test with nothing frozen: a step that changed nothing)
+    if tracker is not None:  # (GradHealth._arm_next; due_test: FROZEN ones have no gradient)
         if sync:  # (a deferred check armed its step when it was launched)
             tracker.arm(step, [optimizer] if optimizer is not None else m.optimizers, carry.still > 0)
         if after_step:

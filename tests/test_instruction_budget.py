@@ -85,9 +85,11 @@ def test_a_healthy_check_stays_within_its_instructions(label):
 def test_the_count_is_the_same_at_every_run():
     a = count_model("6-tensor MLP", checks=8, warm=24)
     b = count_model("6-tensor MLP", checks=8, warm=24)
-    # the median check's count (the number the bounds hold) is exact from run to run; the mean and a whole
-    # step's count vary by a few instructions with what ran before in the process (a module's first
-    # import, a garbage collection, autograd's caches in the model's own forward and backward): within 1%
+    # the median check's count (the number the bounds hold) is exact from run to run, whatever ran before
+    # in the process (count_model collects garbage before it counts and not while it counts: a collection
+    # inside a check ran an earlier run's finalizers, a WeakSet's removals, there); the mean and a whole
+    # step's count vary by a few instructions (a module's first import, autograd's caches in the model's
+    # own forward and backward): within 1%
     assert {k: v["check"] for k, v in a.items()} == {k: v["check"] for k, v in b.items()}
     assert all(abs(a[k][m] - b[k][m]) <= 0.01 * a[k][m] for k in a for m in ("check_mean", "step"))
     assert torch.get_num_threads() == 1

@@ -187,3 +187,74 @@ def test_target_network_copies_on_the_fast_path_as_on_the_full_path(monkeypatch,
         assert a.ok and a.optimizer_index == 0, a.step
     kinds = {f.kind for r in fast for f in r.findings}
     assert gh.FindingKind.TARGET_COPY in kinds, kinds  # (said as info, tolerated)
+
+
+#: the LoRA-shaped run: step -> what is planted at it (healthy elsewhere)
+LORA = {20: "thaw", 30: "refreeze"}
+
+
+def _run_lora(lag: int, fast: bool, counted: dict):
+    """A frozen base (``requires_grad`` False, in no optimizer: a LoRA fine-tune's) under a trainable
+    head; one base layer thawed (``requires_grad`` True, added to the optimizer), later frozen again."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+    model = nn.Sequential(base, nn.Linear(16, 1))
+    base.requires_grad_(False)
+    opt = torch.optim.SGD(model[1].parameters(), lr=2e-2, momentum=0.9)
+    monitor = gh.GradHealth(model, opt, on_problem="ignore", lag=lag)
+    monitor._steady = fast
+    g = torch.Generator().manual_seed(1)
+    reports, naive, losses = [], {}, []
+    for step in range(45):
+        event = LORA.get(step)
+        if event == "thaw":
+            base[2].requires_grad_(True)
+            opt.add_param_group({"params": list(base[2].parameters())})
+        if event == "refreeze":
+            base[2].weight.requires_grad_(False)  # (its bias trains on; the weight stays in the optimizer)
+        x = torch.randn(32, 8, generator=g)
+        loss = nn.functional.mse_loss(model(x), x[:, :1].sin() + 0.5 * x[:, 1:2])
+        loss.backward()
+        naive[step] = naive_classify(model, opt)
+        r = monitor.check(loss=loss)
+        if r is not None:
+            reports.append(r)
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    monitor.close()
+    if monitor.last_report is not reports[-1]:
+        reports.append(monitor.last_report)
+    return reports, naive, losses, counted["finish"]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_frozen_base_on_the_fast_path_as_on_the_full_path(monkeypatch, lag):
+    """A LoRA-shaped model (a frozen base, a trainable head): healthy, a base layer thawed and added to
+    the optimizer, its weight frozen again, healthy: the same reports fast path or not, the naive
+    states; the fast path runs while the frozen set holds, the full path where it changes."""
+    counted = {"finish": 0, "frozen": 0}
+    finish = steady.finish
+
+    def counting(m, t, *args, **kwargs):
+        counted["finish"] += 1
+        counted["frozen"] += bool(t.frozen)
+        return finish(m, t, *args, **kwargs)
+
+    monkeypatch.setattr(steady, "finish", counting)
+    fast, naive, losses, used = _run_lora(lag, True, counted)
+    on_frozen, counted["finish"] = counted["frozen"], 0
+    full, naive_full, losses_full, unused = _run_lora(lag, False, counted)
+    assert _plain(losses) == _plain(losses_full) and naive == naive_full
+    assert losses[-1] < losses[0]  # (the premise: it trains)
+    # (the premises: the base is frozen, then one layer of it trains, then its weight is frozen again)
+    assert naive[10]["0.0.weight"] is gh.Status.FROZEN and naive[10]["0.2.weight"] is gh.Status.FROZEN
+    assert naive[10]["1.weight"] is gh.Status.OK
+    assert naive[25]["0.2.weight"] is gh.Status.OK and naive[25]["0.0.weight"] is gh.Status.FROZEN
+    assert naive[35]["0.2.weight"] is gh.Status.FROZEN and naive[35]["0.2.bias"] is gh.Status.OK
+    assert used >= 38 and on_frozen == used and unused == 0  # (every fast check beside a frozen base)
+    assert len(fast) == len(full) == 45
+    for a, b in zip(fast, full):
+        assert _seen(a) == _seen(b), a.step
+        assert a.status == naive[a.step], a.step
+    assert all(r.ok for r in fast if r.step not in LORA and r.step - 1 not in LORA), [r.step for r in fast if not r.ok]
