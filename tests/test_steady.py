@@ -85,16 +85,23 @@ def _seen(r) -> list:
             dict(r.update_ratio), [(f.kind, f.level, f.message, f.params, f.step) for f in r.findings], r.ok))
 
 
-@pytest.mark.parametrize("lag,guard", [(0, False), (1, False), (1, True)])  # (guard: lag=1's step guard, decided at launch)
-def test_the_fast_path_reports_what_the_full_path_reports(monkeypatch, lag, guard):
-    counted = {"finish": 0}
+@pytest.fixture
+def counted(monkeypatch) -> dict:
+    """How many checks took the fast path (``steady.finish``), and how many of them beside a frozen set."""
+    counted = {"finish": 0, "frozen": 0}
     finish = steady.finish
 
-    def counting(*args, **kwargs):
+    def counting(m, t, *args, **kwargs):
         counted["finish"] += 1
-        return finish(*args, **kwargs)
+        counted["frozen"] += bool(t.frozen)
+        return finish(m, t, *args, **kwargs)
 
     monkeypatch.setattr(steady, "finish", counting)
+    return counted
+
+
+@pytest.mark.parametrize("lag,guard", [(0, False), (1, False), (1, True)])  # (guard: lag=1's step guard, decided at launch)
+def test_the_fast_path_reports_what_the_full_path_reports(counted, lag, guard):
     fast, naive, losses, used = _run(lag, True, counted, guard)
     counted["finish"] = 0
     full, naive_full, losses_full, unused = _run(lag, False, counted, guard)
@@ -162,17 +169,9 @@ def _run_copies(lag: int, fast: bool, counted: dict):
 
 
 @pytest.mark.parametrize("lag", [0, 1])
-def test_target_network_copies_on_the_fast_path_as_on_the_full_path(monkeypatch, lag):
+def test_target_network_copies_on_the_fast_path_as_on_the_full_path(counted, lag):
     """``check(optimizer=...)`` beside a target network's tolerated copies (NO_GRAD, in no optimizer),
     loaded from the online network twice: the same reports, the naive states, fast path or not."""
-    counted = {"finish": 0}
-    finish = steady.finish
-
-    def counting(*args, **kwargs):
-        counted["finish"] += 1
-        return finish(*args, **kwargs)
-
-    monkeypatch.setattr(steady, "finish", counting)
     fast, naive, losses, used = _run_copies(lag, True, counted)
     counted["finish"] = 0
     full, naive_full, losses_full, unused = _run_copies(lag, False, counted)
@@ -229,19 +228,10 @@ def _run_lora(lag: int, fast: bool, counted: dict):
 
 
 @pytest.mark.parametrize("lag", [0, 1])
-def test_a_frozen_base_on_the_fast_path_as_on_the_full_path(monkeypatch, lag):
+def test_a_frozen_base_on_the_fast_path_as_on_the_full_path(counted, lag):
     """A LoRA-shaped model (a frozen base, a trainable head): healthy, a base layer thawed and added to
     the optimizer, its weight frozen again, healthy: the same reports fast path or not, the naive
     states; the fast path runs while the frozen set holds, the full path where it changes."""
-    counted = {"finish": 0, "frozen": 0}
-    finish = steady.finish
-
-    def counting(m, t, *args, **kwargs):
-        counted["finish"] += 1
-        counted["frozen"] += bool(t.frozen)
-        return finish(m, t, *args, **kwargs)
-
-    monkeypatch.setattr(steady, "finish", counting)
     fast, naive, losses, used = _run_lora(lag, True, counted)
     on_frozen, counted["finish"] = counted["frozen"], 0
     full, naive_full, losses_full, unused = _run_lora(lag, False, counted)
