@@ -45,6 +45,7 @@ _OBSERVATION = quick(Observation)
 _IS, _NONE = operator.is_, repeat(None)
 _NEW = object.__new__
 _SCALER_FLAG = operator.attrgetter("scaler_flag")
+_STACK = torch.stack
 
 
 def _read(grads: Sequence[Tensor], plan, loss: Tensor | None = None) -> list[float] | None:
@@ -68,21 +69,19 @@ def _read(grads: Sequence[Tensor], plan, loss: Tensor | None = None) -> list[flo
     return values
 
 
-def _launch_later(grads: Sequence[Tensor], plan, loss: Tensor | None = None) -> stats.Launched | None:
-    """``Launched(grads, [loss], plan, later=True)`` for the usual deferred check of a small model
+def _launch_later(grads: Sequence[Tensor], plan, loss: Tensor | None = None) -> Tensor | None:
+    """``Launched(grads, [loss], plan, later=True).packed`` for the usual deferred check of a small model
     (dense real gradients of one device and dtype, under a deferred plan of one exact kernel that
-    fits them; a 0-d float loss or none): the same kernels and packed vector, without the general
-    path's tests; None where the plan does not say so (nothing was launched)."""
+    fits them; a 0-d float loss or none): the same kernels and packed vector (the float64 norms, the
+    loss after them: ``stack`` promotes it exactly), without the general path's tests and object;
+    None where the plan does not say so (nothing was launched)."""
     if plan is None or plan.single is not stats.exact_pieces or not plan.plain or not plan.later or stats.plan_key(grads) != plan.key \
             or loss is not None and (loss.dim() or not loss.is_floating_point()):
         return None
     parts = stats.exact_pieces(grads)
     if loss is not None:
         parts.append(loss)
-    out = _NEW(stats.Launched)
-    out.n, out.identity, out.order, out.views, out.plan, out.later = len(grads), True, None, grads, plan, True
-    out.parts, out.packed = parts, stats.joined(parts)
-    return out
+    return _STACK(parts)
 
 
 def _norm_of(norms: list[float], n: int, with_grad: list[int]) -> list:
@@ -131,8 +130,8 @@ def later(m, step: int, loss, optimizer, d) -> Launch | None:
         with_grad = list(idx)
     loss_t = loss.detach() if isinstance(loss, Tensor) and loss.numel() == 1 else None
     sizes = []
-    launched = _launch_later(grads, m._plan, loss_t) if not updates else None  # (the usual check: one kernel)
-    if launched is None:
+    packed = _launch_later(grads, m._plan, loss_t) if not updates else None  # (the usual check: one kernel)
+    if packed is None:
         parts = [] if loss_t is None else [loss_t]
         for u in updates:  # (Layout.put's parts: a tensor, or several)
             packed, size = u.packed, u.size
@@ -142,7 +141,10 @@ def later(m, step: int, loss, optimizer, d) -> Launch | None:
             elif size:
                 parts.append(packed)
         launched = stats.Launched(grads, parts, m._plan, later=True)
-        m._plan = launched.plan
+        m._plan, packed = launched.plan, launched.packed
+    else:
+        launched = None  # (the norms first, in order, then the loss)
+    k = len(grads)
     n = len(params)
     cause = diagnose_loss(loss, m.model, carry.forward) if loss is not None else None
     record, carry.eval_backward = carry.eval_backward, None  # (carry.take_eval_backward)
@@ -159,14 +161,13 @@ def later(m, step: int, loss, optimizer, d) -> Launch | None:
     # fields are given where its numbers do not make a steady check (``lean``), before the full completion
     launch = _NEW(Launch)
     launch.step, launch.sel, launch.optimizer, launch.obs, launch.ranks = step, sel, optimizer, None, None
-    launch.transfer = deferred.Transfer(launched.packed, d.pinned)
+    launch.transfer = deferred.Transfer(packed, d.pinned)
 
     def lean(values: list[float]):
         """The report where the numbers read back make a steady check (:mod:`.steady`; no Observation
         is made for it), else the observation (``Pending.complete``'s, on this input) that the full
         completion judges, the launch's fields given."""
-        k = launched.n  # (launched.resolve(values))
-        norms = values[:k] if launched.identity else launched._order(values)
+        norms = values[:k] if launched is None or launched.identity else launched._order(values)  # (launched.resolve)
         value = values[k] if loss_t is not None else None
         if seen_nothing and (value is None or value - value == 0.0):  # (a finite loss: inf - inf and NaN are NaN)
             template = steady.ready(m, sel, optimizer, with_grad, norms, lambda: _norm_of(norms, n, with_grad), value,
@@ -190,7 +191,7 @@ def later(m, step: int, loss, optimizer, d) -> Launch | None:
     if not after_step:  # (carry.stage)
         carry.witnesses, carry.witness_step = seen if with_grad else witnesses(params, with_grad), step
     if d.guarding:  # (Deferred._guard: decided on the device at launch)
-        d._guard(launch, launched.norms_part())
+        d._guard(launch, packed[:k])  # (launched.norms_part(): a view, no kernel)
     return launch
 
 

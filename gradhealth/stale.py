@@ -86,6 +86,7 @@ class StaleWatch:
         #: one of its two ends had a gradient: the usual step re-arms those, nothing else
         self._same: dict[int, tuple | None] = {}
         self._said: set = set()
+        self._states: list[list] = []  # every witness's state, of every optimizer (:meth:`clear` disarms them)
 
     def arm(self, opt, idx: list[int], entries) -> list[tuple[weakref.ref, weakref.ref, int]]:
         """After ``opt``'s step: watch a few of its consumed gradients (``idx``: its entries).
@@ -114,6 +115,7 @@ class StaleWatch:
             for i in chosen:
                 if i not in watch:
                     watch[i] = self._hook(entries[i][1], id(opt))
+            self._states = [state for w in self._watch.values() for _, state, _ in w.values()]
         seen = []
         for i in chosen:
             _, state, param = watch[i]
@@ -156,9 +158,8 @@ class StaleWatch:
 
     def clear(self) -> None:
         """Disarm every witness (at a check: the backward they watch is over)."""
-        for watch in self._watch.values():
-            for _, state, _ in watch.values():
-                state[0] = False
+        for state in self._states:
+            state[0] = False
 
     def close(self) -> None:
         """Remove every hook."""
@@ -167,6 +168,7 @@ class StaleWatch:
                 handle.remove()
         self._watch.clear()
         self._same.clear()
+        self._states = []
 
     def take(self, entries, judged, before_step: bool = False) -> set[int]:
         """Entry indices of the parameters (with gradients) of the ``judged`` optimizers found
@@ -176,6 +178,8 @@ class StaleWatch:
         if before_step:
             for opt in judged:
                 self.confirm(opt)
+        if not self.stale:  # (the usual check: none found)
+            return set()
         found = self.stale & {id(o) for o in judged}
         self.stale -= found
         out: set[int] = set()
