@@ -46,7 +46,6 @@ from torch import Tensor
 from . import skipping
 from .errors import GradHealthError, GradHealthInternalWarning
 from .observe import Pending, failed_observation
-from .report import Report
 from .stale import witnesses
 from .classify import _REQUIRES_GRAD
 from .gradients import grads_of
@@ -78,7 +77,7 @@ class Launch:
     setup: tuple | None = None  # (deferred) the optimizers' ids, all inside, every requires_grad: as launched
     calls: list | None = None  # the loop's calls into the model since the check before (:mod:`.calls`)
     seen: list | None = None  # (deferred, a plain check's) its gradients' witnesses, taken at launch (:mod:`.quiet`)
-    lean: object = None  # (deferred, a plain check's; obs None) values -> its report where steady, else its observation (:mod:`.quiet`)
+    lean: object = None  # (deferred, a plain check's; obs None) values -> its report where steady, else None and ``obs`` made (:mod:`.quiet`)
 
 
 def due_test(carry, report) -> bool:
@@ -268,15 +267,13 @@ class Deferred:
     def complete(self):
         """The report of the check in flight (its numbers read now: their copy finished long ago)."""
         launch, self.inflight, m = self.inflight, None, self.monitor
-        self._step, pending, transfer = launch.step, launch.obs, launch.transfer
-        values = transfer.values()  # (the one transfer point)
+        self._step = launch.step
         lean = launch.lean  # (a plain check's, launched by `gradhealth.quiet`: one process)
-        if lean is not None:
-            report = lean(values)  # (a steady check's report, else its observation)
-            if type(report) is not Report:
-                launch.obs, report = report, None
+        if lean is not None:  # (a steady check's report, else None: its observation made, ``launch.obs``)
+            report = lean(launch.transfer.values())  # (the one transfer point)
         else:
-            report = None
+            report, pending = None, launch.obs
+            values = launch.transfer.values()  # (the one transfer point)
             if launch.ranks is not None:  # (torch.distributed: the ranks' numbers follow the check's own)
                 values = self._split(launch, pending, values)
             if type(pending) is Pending:

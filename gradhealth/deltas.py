@@ -43,7 +43,7 @@ from .errors import GradHealthInternalWarning
 from .hooks import step_hooks
 from .compare import Packed, apply, flat, in_turn, norms, sample_view, versions_tell, water_fill
 from .lrstory import LrStory, all_positive
-from .rules import rule_norms, rule_of
+from .rules import _RULES, rule_norms, rule_of
 from .ranon import RanOn
 from .stale import WITNESSES, StaleWatch
 from .host import host_to
@@ -197,19 +197,21 @@ class UpdateTracker(checked.TrackerState):
         ``update_every``) of the step after check ``step``; the others are counted, their lrs read."""
         self.armed_step = step
         self.steps_since_check = 0
-        self._inflight.clear()
+        inflight, arms = self._inflight, self._arms
+        inflight.clear()
         if self.mode == "off":
             return
-        exact, forced = self.mode == "exact", due
+        exact, forced, every = self.mode == "exact", due, self.update_every
         for opt in optimizers:  # counted per optimizer: two that take turns (a GAN) both get turns
-            k = self._arms.get(id(opt), 0)
-            self._arms[id(opt)] = k + 1
-            measure = exact or k % self.update_every == 0 or 2 * k <= self.update_every and not k & (k - 1)
-            # a group at lr 0 under an optimizer whose rule is not known here: the change test
-            # decides this step (lr 0 is judged at every step, not only at the periodic tests)
-            zero = rule_of(opt) is None and not all_positive(opt) and not self.lrs.quiet(opt)
+            key = id(opt)
+            k = arms.get(key, 0)
+            arms[key] = k + 1
+            measure = exact or k % every == 0 or 2 * k <= every and not k & (k - 1)
+            # a group at lr 0 under an optimizer whose rule is not known here (rule_of None): the change
+            # test decides this step (lr 0 is judged at every step, not only at the periodic tests)
+            zero = type(opt) not in _RULES and not all_positive(opt) and not self.lrs.quiet(opt)
             if not (forced or measure or zero or k % self.change_every == 0):  # a light step: the plan is not even re-validated
-                self._inflight[id(opt)] = _LIGHT
+                inflight[key] = _LIGHT
                 continue
             tests = self._tests[id(opt)] = self._tests.get(id(opt), -1) + 1
             plan = self._plan(opt)

@@ -165,8 +165,8 @@ def later(m, step: int, loss, optimizer, d) -> Launch | None:
 
     def lean(values: list[float]):
         """The report where the numbers read back make a steady check (:mod:`.steady`; no Observation
-        is made for it), else the observation (``Pending.complete``'s, on this input) that the full
-        completion judges, the launch's fields given."""
+        is made for it), else None: ``launch.obs`` is then the observation (``Pending.complete``'s, on
+        this input) that the full completion judges, the launch's fields given."""
         norms = values[:k] if launched is None or launched.identity else launched._order(values)  # (launched.resolve)
         value = values[k] if loss_t is not None else None
         if seen_nothing and (value is None or value - value == 0.0):  # (a finite loss: inf - inf and NaN are NaN)
@@ -180,9 +180,10 @@ def later(m, step: int, loss, optimizer, d) -> Launch | None:
         _fetched(values[k:], loss_t is not None, updates, sizes)  # (observe's, on this input)
         launch.__dict__.update(reeval=False, steps_ran=steps_ran, after_step=after_step, output_grad=output_grad,
                                discarded=discarded, counts=None, setup=setup, calls=calls, seen=seen, lean=lean)
-        return _OBSERVATION(idx=idx, norm_of=_norm_of(norms, n, with_grad), loss=value, valid={}, updates=updates,
+        launch.obs = _OBSERVATION(idx=idx, norm_of=_norm_of(norms, n, with_grad), loss=value, valid={}, updates=updates,
                             scale=None, sharded=set(), with_grad=with_grad, norms=norms, slices={}, holders={}, pieces={},
                             ex_parts={}, loss_cause=cause, eval_record=record, stale=stale, local=False)
+        return None
 
     launch.lean = lean
     last = m.last_report  # (due_test: a steady report's frozen names have no gradient)

@@ -39,11 +39,10 @@ KNOWN = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 def rule_of(opt) -> str | None:
     """'sgd', 'adam', or None for an optimizer whose rule is not known here (exact types only:
     a subclass may change the rule)."""
-    if type(opt) is torch.optim.SGD:
-        return "sgd"
-    if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
-        return "adam"
-    return None
+    return _RULES.get(type(opt))
+
+
+_RULES = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
 
 
 def _on_host(t: Tensor) -> bool:
