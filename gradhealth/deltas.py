@@ -197,11 +197,11 @@ class UpdateTracker(checked.TrackerState):
         ``update_every``) of the step after check ``step``; the others are counted, their lrs read."""
         self.armed_step = step
         self.steps_since_check = 0
-        inflight, arms = self._inflight, self._arms
+        inflight, arms, every = self._inflight, self._arms, self.update_every
         inflight.clear()
         if self.mode == "off":
             return
-        exact, forced, every = self.mode == "exact", due, self.update_every
+        exact = self.mode == "exact"
         for opt in optimizers:  # counted per optimizer: two that take turns (a GAN) both get turns
             key = id(opt)
             k = arms.get(key, 0)
@@ -210,7 +210,7 @@ class UpdateTracker(checked.TrackerState):
             # a group at lr 0 under an optimizer whose rule is not known here (rule_of None): the change
             # test decides this step (lr 0 is judged at every step, not only at the periodic tests)
             zero = type(opt) not in _RULES and not all_positive(opt) and not self.lrs.quiet(opt)
-            if not (forced or measure or zero or k % self.change_every == 0):  # a light step: the plan is not even re-validated
+            if not (due or measure or zero or k % self.change_every == 0):  # a light step: the plan is not even re-validated
                 inflight[key] = _LIGHT
                 continue
             tests = self._tests[id(opt)] = self._tests.get(id(opt), -1) + 1
