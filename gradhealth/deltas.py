@@ -207,8 +207,7 @@ class UpdateTracker(checked.TrackerState):
             k = arms.get(key, 0)
             arms[key] = k + 1
             measure = exact or k % every == 0 or 2 * k <= every and not k & (k - 1)
-            # a group at lr 0 under an optimizer whose rule is not known here (rule_of None): the change
-            # test decides this step (lr 0 is judged at every step, not only at the periodic tests)
+            # lr 0 under a rule not known here (rule_of None): the change test decides this step (lr 0: judged at every step)
             zero = type(opt) not in _RULES and not all_positive(opt) and not self.lrs.quiet(opt)
             if not (due or measure or zero or k % self.change_every == 0):  # a light step: the plan is not even re-validated
                 inflight[key] = _LIGHT
