@@ -23,6 +23,8 @@ from .findings import Finding, FindingKind
 
 __all__ = ["NormHistory", "MAD_TO_SIGMA"]
 
+_INF, _LT, _insort, _bisect_left = math.inf, operator.lt, bisect.insort, bisect.bisect_left
+
 #: the MAD times this estimates the standard deviation of normally distributed values
 MAD_TO_SIGMA = 1.4826
 
@@ -198,13 +200,14 @@ class NormHistory:
         baseline as ``update`` adds it; else False, and nothing changed but the module medians
         refreshed when due, as ``update`` refreshes them (``update`` decides)."""
         seen = self.seen
-        if self.ceiling is not None or seen < self.warmup or not 0.0 <= total < math.inf:
+        if self.ceiling is not None or seen < self.warmup or not 0.0 <= total < _INF:
             return False
         row = list(module_norms.values())  # (norms: >= 0, so a sum below inf holds no inf nor NaN)
-        if not sum(row) < math.inf or list(module_norms) != self.modules:
+        if not sum(row) < _INF or list(module_norms) != self.modules:
             return False
-        self._module_medians()  # (refreshed when due, as update refreshes them at a check it judges)
-        if any(map(operator.lt, row, self._floors)):
+        if self._medians_at < 0 or seen - self._medians_at >= self.refresh:
+            self._module_medians()  # (refreshed when due, as update refreshes them at a check it judges)
+        if any(map(_LT, row, self._floors)):
             return False
         ordered = self._sorted
         n = len(ordered)
@@ -214,10 +217,11 @@ class NormHistory:
                 return False
             self._spiked = False
         self.seen = seen + 1
-        if len(self.total) == self.window:  # (the oldest leaves the window)
-            del ordered[bisect.bisect_left(ordered, self.total[0])]
-        self.total.append(total)
-        bisect.insort(ordered, total)
+        totals = self.total
+        if len(totals) == self.window:  # (the oldest leaves the window)
+            del ordered[_bisect_left(ordered, totals[0])]
+        totals.append(total)
+        _insort(ordered, total)
         self._rows.append(row)
         return True
 
