@@ -71,7 +71,7 @@ class Template:
     the decision tree gives the same states again."""
 
     __slots__ = ("names", "ids", "sel", "with_grad", "requires", "status", "in_opt", "not_ok", "copies", "frozen", "cold",
-                 "gnames", "runs", "modules")
+                 "gnames", "runs", "modules", "pos")
 
 
 def seen(params: list, with_grad: list[int], grads: list) -> list:
@@ -109,8 +109,15 @@ def _template(view, sel, norm_of, norms, with_grad, ids, requires) -> Template:
             has[i] = True
         keep = list(map(any, map(has.__getitem__, runs)))
         t.runs, t.modules = list(compress(runs, keep)), list(compress(view.modules, keep))
+        # the kept modules' runs in ``norms`` (with_grad's order) where each holds a gradient in every entry
+        # (the usual case): hypot of the same numbers, the zeros of entries without a gradient left out
+        # (a 0 adds exactly nothing to hypot)
+        at = {e: k for k, e in enumerate(with_grad)}
+        t.pos = ([slice(at[r.start], at[r.start] + r.stop - r.start) for r in t.runs]
+                 if all(map(operator.lt, with_grad, with_grad[1:]))
+                 and all(all(map(has.__getitem__, range(r.start, r.stop))) for r in t.runs) else None)
     else:
-        t.runs = t.modules = None
+        t.runs = t.modules = t.pos = None
     return t
 
 
@@ -208,12 +215,12 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
         w.probe = set()
     runs = t.runs  # (stats.module_norms: each module's runs of entries, those of modules with a gradient)
     if runs is not None:
-        if len(norms) == len(v.module_index):
-            full = norms
+        if t.pos is not None:  # (every entry of those modules with a gradient: their runs in ``norms``)
+            values = list(starmap(_hypot, map(norms.__getitem__, t.pos)))
         else:
             full = [0.0] * len(v.module_index)
             deque(map(full.__setitem__, with_grad, norms), maxlen=0)
-        values = list(starmap(_hypot, map(full.__getitem__, runs)))
+            values = list(starmap(_hypot, map(full.__getitem__, runs)))
         module = dict(zip(t.modules, values)) if _INF not in values else stats.module_norms(
             with_grad, norms, v.module_index, v.modules, v.module_runs)
     else:
