@@ -23,7 +23,7 @@ from itertools import chain, compress, repeat
 import torch
 from torch import Tensor
 
-__all__ = ["grad_of", "grads_of", "is_fragment"]
+__all__ = ["grad_of", "grads_of", "grads_there", "is_fragment"]
 
 _GRAD = operator.attrgetter("grad")
 
@@ -79,6 +79,28 @@ def grads_of(params) -> list:
     return grads
 
 
+def grads_there(params) -> tuple[list, list[bool] | None]:
+    """``grads_of(params)`` and which of them are there (None where every one is): what a check
+    reads first, in one pass where every gradient is in ``.grad``."""
+    grads = list(map(_GRAD, params))
+    if not any(map(operator.is_, grads, _NONES)):
+        return grads, None
+    there = list(map(operator.is_not, grads, _NONES))
+    bare = list(compress(params, map(operator.not_, there)))
+    n = len(bare)
+    if any(map(hasattr, bare * len(_ELSEWHERE), _ASKED.get(n) or _asked(n))):
+        grads = [g if g is not None else grad_of(p) for g, p in zip(grads, params)]
+        there = list(map(operator.is_not, grads, _NONES))
+    return grads, there
+
+
+def _asked(n: int) -> tuple:
+    """Each attribute of ``_ELSEWHERE`` ``n`` times (beside ``n`` bare parameters once per attribute)."""
+    out = _ASKED[n] = tuple(chain.from_iterable(map(repeat, _ELSEWHERE, repeat(n))))
+    return out
+
+
+_NONES, _ASKED = repeat(None), {}
 #: the attributes one of which a parameter holds where its gradient is kept outside ``.grad``
 #: (Megatron's ``main_grad``, a ZeRO fragment's mapping or partition: see :func:`grad_of`)
 _ELSEWHERE = ("main_grad", "_hp_mapping", "ds_id")

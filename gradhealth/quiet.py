@@ -32,7 +32,7 @@ from torch import Tensor
 from . import deferred, stats, steady
 from .classify import _REQUIRES_GRAD
 from .deferred import Launch, due_test
-from .gradients import grads_of
+from .gradients import grads_there
 from .guards import diagnose_loss
 from .observe import Observation
 from .quick import quick
@@ -122,9 +122,8 @@ def later(m, step: int, loss, optimizer, d) -> Launch | None:
     if m.masters.views:
         m.masters.checked(after_step)
     params, idx = v.params, sel.idx
-    grads = grads_of(params if len(idx) == len(params) else [params[i] for i in idx])
-    if any(map(_IS, grads, _NONE)):
-        there = list(map(operator.is_not, grads, _NONE))
+    grads, there = grads_there(params if len(idx) == len(params) else [params[i] for i in idx])
+    if there is not None:
         with_grad, grads = list(compress(idx, there)), list(compress(grads, there))
     else:
         with_grad = list(idx)
@@ -214,9 +213,8 @@ def build(m, step: int, loss, optimizer):
     if m.masters.views:
         m.masters.checked(after_step)
     params, idx = v.params, sel.idx
-    grads = grads_of(params if len(idx) == len(params) else [params[i] for i in idx])
-    if any(map(_IS, grads, _NONE)):
-        there = list(map(operator.is_not, grads, _NONE))
+    grads, there = grads_there(params if len(idx) == len(params) else [params[i] for i in idx])
+    if there is not None:
         with_grad, grads = list(compress(idx, there)), list(compress(grads, there))
     else:
         with_grad = list(idx)

@@ -58,5 +58,10 @@ class RanOn:
             return False, captured
         if captured:
             return True, captured
-        consumed = self.consumed()  # (the usual check: none, the next backward made new gradients)
+        for _, seen in self._consumed.values():  # (the usual check: none, the next backward made new gradients)
+            if seen and not discarded(seen, exact=True):
+                break
+        else:
+            return False, captured
+        consumed = self.consumed()
         return bool(consumed) and {id(o) for o in consumed} >= {id(o) for o in judged}, captured
