@@ -22,7 +22,6 @@ findings, so the policy acts on them at check N+1 at the latest.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 
@@ -57,7 +56,6 @@ __all__ = ["GradHealth"]
 
 log = logging.getLogger("gradhealth")
 _REPORT = quick(Report)  # (a Report as Report(...) makes it, without its __init__'s per-field tests)
-_NO_CONTEXT = contextlib.nullcontext()  # (reusable)
 
 
 class GradHealth:
@@ -152,9 +150,14 @@ class GradHealth:
         if s is None:
             return None
         try:  # (inside inference_mode, the check's own tensors must be ordinary ones: they are updated later)
-            with torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NO_CONTEXT:
-                if self._deferred is not None:  # (lag=1: this check launched, the previous one's report)
-                    return self._deferred.check(s, loss, optimizer)
+            if torch.is_inference_mode_enabled():
+                with torch.inference_mode(False):
+                    if self._deferred is not None:
+                        return self._deferred.check(s, loss, optimizer)
+                    report = self._build(s, loss, optimizer)
+            elif self._deferred is not None:  # (lag=1: this check launched, the previous one's report)
+                return self._deferred.check(s, loss, optimizer)
+            else:
                 report = self._build(s, loss, optimizer)
         except GradHealthError:  # said on purpose: a verdict, or the user's own mistake named
             raise
