@@ -12,6 +12,7 @@ carries every step. Checks of different optimizers (``check(optimizer=...)``) ar
 from __future__ import annotations
 
 import operator
+from collections import deque
 
 from dataclasses import dataclass, field
 
@@ -70,14 +71,17 @@ class Once:
 
     def update(self, report) -> Said:
         key = report.optimizer_index
-        steps = self._steps.setdefault(key, [])
+        steps = self._steps.get(key)
+        if steps is None:
+            steps = self._steps[key] = deque(maxlen=_KEPT)
         steps.append(report.step)
-        if len(steps) > _KEPT:
-            del steps[: len(steps) - _KEPT]
-        before = self._open.get(key, {})
-        if not before and (not report.findings or _ONLY_INFO.issuperset(map(_LEVEL, report.findings))) and (report.not_ok == [] or (  # (no errors: every name not OK tolerated)
-                report.tolerated.issuperset(report.not_ok) if report.not_ok is not None else not report.errors)):
-            return _SILENT  # (nothing open, nothing now: tolerated states and info findings are no problem, see problems_of)
+        before = self._open.get(key)
+        if not before:
+            findings, not_ok = report.findings, report.not_ok
+            if (not findings or _ONLY_INFO.issuperset(map(_LEVEL, findings))) and (not_ok == [] or (  # (no errors: every
+                    report.tolerated.issuperset(not_ok) if not_ok is not None else not report.errors)):  # name not OK tolerated)
+                return _SILENT  # (nothing open, nothing now: tolerated states and info findings are no problem, see problems_of)
+            before = {}
         now = problems_of(report)
         held = self._held.setdefault(key, set())
         gone = [p for p in before if p[0] == "finding" and p[1] in _CONFIRMED and p not in now]
@@ -136,7 +140,7 @@ class Once:
             path = f"state['once']['steps'][{k!r}]"
             if not isinstance(v, list) or len(v) > _KEPT or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
                 raise TypeError(f"{path} must be a list of at most {_KEPT} steps")
-            steps[checked.key_of(k, f"{path} key", optimizers)] = list(v)
+            steps[checked.key_of(k, f"{path} key", optimizers)] = deque(v, maxlen=_KEPT)
         self._open, self._steps = opened, steps
 
 
