@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from . import saved as checked
 
-__all__ = ["Once", "Said", "problems_of"]
+__all__ = ["Once", "Said", "SILENT", "problems_of"]
 
 
 def problems_of(report) -> dict[tuple, str]:
@@ -60,7 +60,7 @@ _INFO = "info"
 _ONLY_INFO, _LEVEL = frozenset((_INFO,)), operator.attrgetter("level")  # (every finding's level "info": tested in C)
 
 
-_SILENT = Said()  # (what most checks get: shared, never changed)
+SILENT = Said()  # (what most checks get: nothing open, nothing now; shared, never changed)
 
 
 class Once:
@@ -80,7 +80,7 @@ class Once:
             findings, not_ok = report.findings, report.not_ok
             if (not findings or _ONLY_INFO.issuperset(map(_LEVEL, findings))) and (not_ok == [] or (  # (no errors: every
                     report.tolerated.issuperset(not_ok) if not_ok is not None else not report.errors)):  # name not OK tolerated)
-                return _SILENT  # (nothing open, nothing now: tolerated states and info findings are no problem, see problems_of)
+                return SILENT  # (nothing open, nothing now: tolerated states and info findings are no problem, see problems_of)
             before = {}
         now = problems_of(report)
         held = self._held.setdefault(key, set())

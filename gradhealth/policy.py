@@ -9,7 +9,7 @@ import warnings
 from .errors import GradHealthError, GradHealthInternalWarning, GradHealthWarning
 from .report import LONG, Report, describe_groups, group_by_module
 from .naming import terminal_safe
-from .once import Once
+from .once import SILENT, Once
 from .patience import ALPHA
 from .status import NO_BACKWARD, Status, hint
 
@@ -110,7 +110,7 @@ class Publisher:
         for i, sink in enumerate(self.sinks):
             self._call(i, sink, "write", report, stacklevel + 2)
         said = self.once.update(report)  # (said once: new, reminders at growing intervals, resolved)
-        if self.on_problem == "ignore":
+        if said is SILENT or self.on_problem == "ignore":  # (SILENT: nothing open, nothing now: no alarm, no warning)
             return
         loud = alarm(report)
         if not loud and not (report.findings and any(f.level == "warning" for f in report.findings)):
