@@ -91,11 +91,11 @@ class Copies:
                 if self.values is not None and values != self.values:
                     self.moved, self._words = step, ""
                 self.values = self.values if self.values is not None else values
-        if not self._words:
-            self._words = self._say(status, names)
+        if not self._words:  # (emptied at any change of the set or of what was seen: the finding made again)
+            self._words, self._said = self._say(status, names), None
             log.info("gradhealth step %d: %s", step, self._words)  # (said once per change of what was seen)
         last = self._said
-        if last is not None and last.message is self._words and last.params is self.ordered:
+        if last is not None:  # (its words and names are the current ones)
             # the same finding at this step (a frozen dataclass: its fields set as its __init__ sets them, which
             # on these, already checked, changes nothing; a fresh ``data``, as its default is)
             f = _NEW(Finding)
