@@ -31,24 +31,26 @@ HEADROOM = 100
 #: steady-state check takes the fast path, `gradhealth.steady` and `gradhealth.quiet`; the means hold
 #: the periodic checks that take the full path: update norms, the change test, the medians' refresh.)
 REACHED = {
-    "6-tensor MLP": (1930, 2069, 2150, 2282),
-    "small CNN (8x3x32x32)": (1930, 2069, 2150, 2282),
-    "2-block transformer": (1930, 2105, 2150, 2318),
-    "SB3 DQN policy (CartPole)": (2208, 2348, 2458, 2591),
-    "SB3 PPO policy (CartPole)": (2009, 2160, 2225, 2368),
+    "6-tensor MLP": (1811, 1952, 1943, 2087),
+    "small CNN (8x3x32x32)": (1811, 1952, 1943, 2087),
+    "2-block transformer": (1811, 1988, 1943, 2123),
+    "SB3 DQN policy (CartPole)": (2033, 2174, 2195, 2339),
+    "SB3 PPO policy (CartPole)": (1877, 2029, 2005, 2160),
 }
 #: the models whose usual check (the median) is within 1.5x the one number, synchronous and deferred
-WITHIN_ONE_AND_A_HALF = {"2-block transformer", "SB3 PPO policy (CartPole)"}
-#: ... synchronous only (reached: 1.48x on the MLP and the CNN, 1.22x on PPO's; DQN's 1.62x is not)
-SYNC_WITHIN_ONE_AND_A_HALF = {"6-tensor MLP", "small CNN (8x3x32x32)", "SB3 PPO policy (CartPole)", "2-block transformer"}
-#: the deferred check's instructions over the synchronous one's, at most (reached: +216 to +250 on the
-#: median, +209 to +243 on the mean; the goal, 0, is not). A plain deferred check is fused
+#: (reached: 1.39x / 1.49x on the MLP and the CNN, 0.74x / 0.80x on the transformer, 1.14x / 1.22x on PPO's)
+WITHIN_ONE_AND_A_HALF = {"6-tensor MLP", "small CNN (8x3x32x32)", "2-block transformer", "SB3 PPO policy (CartPole)"}
+#: ... synchronous only (DQN's: 1.49x synchronous; deferred 1.61x is not: its target network's six tensors,
+#: judged at every check, cost ~250 instructions the MLP's check has not, the copies' finding most of them)
+SYNC_WITHIN_ONE_AND_A_HALF = set(REACHED)
+#: the deferred check's instructions over the synchronous one's, at most (reached: +128 to +162 on the
+#: median, +131 to +165 on the mean; the goal, 0, is not). A plain deferred check is fused
 #: (``quiet.later``: the launch, the transfer, the setup, the arming and the witnesses in one function, and
 #: one closure that completes it: a steady report, else the observation for the full path); what is left
 #: is what a check split over two calls costs: the Launch kept in flight and its Transfer, the closure
-#: (~30 instructions: its ~25 captured names), ``Deferred.check`` and ``Deferred.complete`` (~100), the
-#: setup and the arming at launch. Lowered from 530 (reached then: 466 to 506)
-DEFERRED_EXTRA = 270
+#: (~30 instructions: its ~25 captured names), ``Deferred.check`` and ``Deferred.complete``, the setup
+#: and the arming at launch. Lowered from 530 (reached then: 466 to 506), then 270 (216 to 250)
+DEFERRED_EXTRA = 180
 
 
 def test_every_model_of_the_bench_is_held():
