@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import operator
-from collections import deque
 from collections.abc import Sequence
 from itertools import compress, repeat
 
@@ -82,15 +81,6 @@ def _launch_later(grads: Sequence[Tensor], plan, loss: Tensor | None = None) -> 
     if loss is not None:
         parts.append(loss)
     return _STACK(parts)
-
-
-def _norm_of(norms: list[float], n: int, with_grad: list[int]) -> list:
-    """Per entry of the view (``n``), its norm or None (``with_grad``: the entries ``norms`` are of)."""
-    if len(norms) == n:
-        return list(norms)
-    out = [None] * n
-    deque(map(out.__setitem__, with_grad, norms), maxlen=0)
-    return out
 
 
 def _fetched(flat: list[float], loss: bool, updates: list, sizes: list[int]) -> None:
@@ -169,7 +159,7 @@ def later(m, step: int, loss, optimizer, d) -> Launch | None:
         norms = values[:k] if launched is None or launched.identity else launched._order(values)  # (launched.resolve)
         value = values[k] if loss_t is not None else None
         if seen_nothing and (value is None or value - value == 0.0):  # (a finite loss: inf - inf and NaN are NaN)
-            template = steady.ready(m, sel, optimizer, with_grad, norms, lambda: _norm_of(norms, n, with_grad), value,
+            template = steady.ready(m, sel, optimizer, with_grad, norms, None, value,
                                     setup, True)
             if template is not None:
                 if updates:
@@ -179,7 +169,7 @@ def later(m, step: int, loss, optimizer, d) -> Launch | None:
         _fetched(values[k:], loss_t is not None, updates, sizes)  # (observe's, on this input)
         launch.__dict__.update(reeval=False, steps_ran=steps_ran, after_step=after_step, output_grad=output_grad,
                                discarded=discarded, counts=None, setup=setup, calls=calls, seen=seen, lean=lean)
-        launch.obs = _OBSERVATION(idx=idx, norm_of=_norm_of(norms, n, with_grad), loss=value, valid={}, updates=updates,
+        launch.obs = _OBSERVATION(idx=idx, norm_of=steady.entry_norms(norms, n, with_grad), loss=value, valid={}, updates=updates,
                             scale=None, sharded=set(), with_grad=with_grad, norms=norms, slices={}, holders={}, pieces={},
                             ex_parts={}, loss_cause=cause, eval_record=record, stale=stale, local=False)
         return None
@@ -187,7 +177,7 @@ def later(m, step: int, loss, optimizer, d) -> Launch | None:
     launch.lean = lean
     last = m.last_report  # (due_test: a steady report's frozen names have no gradient)
     t.arm(step, judged, last is not None and (carry.still > 0 or last.frozen_names != [] and due_test(carry, last))
-          or not all(map(requires.__getitem__, with_grad)))
+          or False in requires and not all(map(requires.__getitem__, with_grad)))
     if not after_step:  # (carry.stage)
         carry.witnesses, carry.witness_step = seen if with_grad else witnesses(params, with_grad), step
     if d.guarding:  # (Deferred._guard: decided on the device at launch)
@@ -247,19 +237,12 @@ def build(m, step: int, loss, optimizer):
     output_grad, carry.output_grad = carry.output_grad, None
     calls = w.calls.take() if w is not None and w.calls is not None else None
 
-    def norm_of():
-        if len(norms) == len(params):  # every entry has a gradient
-            return list(norms)
-        out = [None] * len(params)
-        deque(map(out.__setitem__, with_grad, norms), maxlen=0)
-        return out
-
     if not stale and cause is None and record is None and (value is None or value - value == 0.0):  # (a finite loss: inf - inf and NaN are NaN)
-        template = steady.ready(m, sel, optimizer, with_grad, norms, norm_of, value, None, True)
+        template = steady.ready(m, sel, optimizer, with_grad, norms, None, value, None, True)
         if template is not None:
             return steady.finish(m, template, step, optimizer, with_grad, norms, value, updates, steps_ran, after_step,
                                  None, True, grads)
-    obs = _OBSERVATION(idx=idx, norm_of=norm_of(), loss=value, valid={}, updates=updates, scale=None, sharded=set(),
+    obs = _OBSERVATION(idx=idx, norm_of=steady.entry_norms(norms, len(params), with_grad), loss=value, valid={}, updates=updates, scale=None, sharded=set(),
                        with_grad=with_grad, norms=norms, slices={}, holders={}, pieces={}, ex_parts={}, stale=stale,
                        loss_cause=cause, eval_record=record)
     return m._complete(_LAUNCH(step=step, sel=sel, optimizer=optimizer, reeval=False, obs=obs, steps_ran=steps_ran,

@@ -56,7 +56,7 @@ from .stale import witnesses
 from .status import Status
 from .underflow import _WIDEST
 
-__all__ = ["complete", "finish", "ready", "Template"]
+__all__ = ["complete", "entry_norms", "finish", "ready", "Template"]
 
 _REPORT = quick(Report)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -82,6 +82,15 @@ def seen(params: list, with_grad: list[int], grads: list) -> list:
     if len(with_grad) > 1:
         p, g = params[with_grad[-1]], grads[-1]
         out.append((_ref(p), _ref(g), g._version))
+    return out
+
+
+def entry_norms(norms: list[float], n: int, with_grad: list[int]) -> list:
+    """Per entry of a view of ``n``, its norm or None (``with_grad``: the entries ``norms`` are of)."""
+    if len(norms) == n:
+        return list(norms)
+    out = [None] * n
+    deque(map(out.__setitem__, with_grad, norms), maxlen=0)
     return out
 
 
@@ -125,7 +134,7 @@ def ready(m, sel, optimizer, with_grad, norms, norm_of, loss, setup=None, plain:
     """The template of a check whose numbers came back healthy (every norm in (0, inf), the loss
     not 0, and, the caller's part of ``verdict._nothing_seen``, nothing else seen by the rank) when
     the monitor's stories allow the steady completion (see the module docstring); else None.
-    ``norm_of``: per entry, its norm or None (a list, or a callable that makes it: read only when
+    ``norm_of``: per entry, its norm or None (a list, or None: made from ``norms`` only when
     the template is made again; ``plain``: one process, no stacks, no grad scaler: tested already)."""
     if not norms or not (0.0 < min(norms) and sum(norms) < _INF) or loss == 0.0:
         return None
@@ -145,7 +154,8 @@ def ready(m, sel, optimizer, with_grad, norms, norm_of, loss, setup=None, plain:
     t = m._template
     if t is None or not (t.names is names and t.ids is ids and t.sel is sel and t.with_grad == with_grad
                          and t.requires == requires):  # (the inputs it was made for)
-        t = m._template = _template(v, sel, norm_of() if callable(norm_of) else norm_of, norms, with_grad, ids, requires)
+        t = m._template = _template(v, sel, norm_of if norm_of is not None else entry_norms(norms, len(v.params), with_grad),
+                                    norms, with_grad, ids, requires)
     if t.status is None:
         return None
     streaks = carry.streaks
