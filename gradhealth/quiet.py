@@ -80,7 +80,7 @@ def _launch_later(grads: Sequence[Tensor], plan, loss: Tensor | None = None) -> 
     parts = stats.exact_pieces(grads)
     if loss is not None:
         parts.append(loss)
-    return _STACK(parts)
+    return _STACK(parts) if not parts[0].dim() else stats.joined(parts)  # (float64 gradients: one vector of norms)
 
 
 def _fetched(flat: list[float], loss: bool, updates: list, sizes: list[int]) -> None:

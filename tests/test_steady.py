@@ -26,9 +26,9 @@ PLAN = {26: "freeze", 27: "frozen", 28: "frozen", 29: "thaw", 33: "nan", 38: "no
 STEPS = 56
 
 
-def _run(lag: int, fast: bool, counted: dict, guard: bool = False):
+def _run(lag: int, fast: bool, counted: dict, guard: bool = False, dtype=torch.float32):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=2e-2, momentum=0.9)
     monitor = gh.GradHealth(model, opt, on_problem="ignore", lag=lag, skip_nonfinite=guard)
     monitor._steady = fast
@@ -37,7 +37,7 @@ def _run(lag: int, fast: bool, counted: dict, guard: bool = False):
     bias = model[4].bias
     for step in range(STEPS):
         event = PLAN.get(step)
-        x = torch.randn(32, 8, generator=g)
+        x = torch.randn(32, 8, generator=g).to(dtype)
         y = x[:, :1].sin() + 0.5 * x[:, 1:2]
         if event == "nan":
             x[0, 0] = math.nan
@@ -100,11 +100,14 @@ def counted(monkeypatch) -> dict:
     return counted
 
 
-@pytest.mark.parametrize("lag,guard", [(0, False), (1, False), (1, True)])  # (guard: lag=1's step guard, decided at launch)
-def test_the_fast_path_reports_what_the_full_path_reports(counted, lag, guard):
-    fast, naive, losses, used = _run(lag, True, counted, guard)
+# (guard: lag=1's step guard, decided at launch; float64: its gradients' norms come back as one vector, not scalars)
+@pytest.mark.parametrize("lag,guard,dtype", [(0, False, torch.float32), (1, False, torch.float32),
+                                             (1, True, torch.float32), (0, False, torch.float64), (1, False, torch.float64)],
+                         ids=["lag0", "lag1", "lag1-guard", "lag0-float64", "lag1-float64"])
+def test_the_fast_path_reports_what_the_full_path_reports(counted, lag, guard, dtype):
+    fast, naive, losses, used = _run(lag, True, counted, guard, dtype)
     counted["finish"] = 0
-    full, naive_full, losses_full, unused = _run(lag, False, counted, guard)
+    full, naive_full, losses_full, unused = _run(lag, False, counted, guard, dtype)
     # the premises: the two runs are the same run; it trains while healthy; each problem is there
     assert _plain(losses) == _plain(losses_full) and naive == naive_full
     assert losses[25] < losses[0] and losses[-1] < losses[0]
