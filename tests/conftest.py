@@ -54,9 +54,30 @@ def pytest_sessionstart(session):
 
 def pytest_configure(config):
     """SIGTERM (a CI job cancelled, `timeout`) ends the run as Ctrl-C does, so its cleanup runs: the
-    default action would end pytest at once and leave every process group a test started running."""
+    default action would end pytest at once and leave every process group a test started running.
+    Under ``--dist loadfile`` xdist hands out files in the order the workers collected them (this
+    file's pytest_collection_modifyitems: longest first), not re-sorted by their count of tests."""
     if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _interrupt)
+    if getattr(config.option, "dist", "no") in ("loadfile", "loadscope"):
+        config.option.loadscopereorder = False  # (xdist's default: files with the most tests first)
+
+
+#: Seconds each test file took (the sum of its tests' durations in a `make test` run on 2 busy cores;
+#: a file not listed counts DEFAULT_SECONDS). Only their order matters: longest first.
+FILE_SECONDS = {
+}
+DEFAULT_SECONDS = 5.0
+
+
+def pytest_collection_modifyitems(config, items):
+    """In xdist's workers, the test files longest first (their tests in their own order): with
+    ``--dist loadfile`` a worker takes the next file when it is nearly done with its last, so a long
+    file taken last would run alone at the end while the other worker idles. The same order on every
+    worker (a fixed table, a stable sort), as xdist requires; a run without xdist keeps its order."""
+    if not hasattr(config, "workerinput"):
+        return
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, DEFAULT_SECONDS))
 
 
 def _interrupt(signum, frame):

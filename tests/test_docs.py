@@ -17,6 +17,7 @@ import pytest
 
 import gradhealth as gh
 from conftest import free_port
+import page_server as page_server_mod
 import procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,22 +67,48 @@ RUNNABLE = [p for p in pages() if any(skip is None for _, _, skip in blocks(p))]
 FRAMEWORKS = [p for p in RUNNABLE if p.startswith(os.path.join("docs", "frameworks"))]  # (tests/test_docs_frameworks.py)
 
 
-def run_page(page: str, tmp_path) -> None:
-    """Run the page's blocks in one fresh interpreter, in ``tmp_path`` (their logs and outputs)."""
+#: the environment every page runs in (and its fork server starts in)
+ENV = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+           TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+           MASTER_ADDR="127.0.0.1", PYTHONWARNINGS="ignore::DeprecationWarning")
+
+
+def page_server(pages: list[str]):
+    """A module fixture: the fork server (tests/page_server.py) of ``pages``, preloaded with torch and
+    every module those pages import before they set any environment."""
+
+    @pytest.fixture(scope="module")
+    def server():
+        preload = ["torch"]
+        for page in pages:
+            preload += [m for m in page_server_mod.preloadable(page_server_mod.imports(script(page))[0])
+                        if m not in preload]
+        ours = page_server_mod.Server(preload, ENV)
+        yield ours
+        ours.close()
+
+    return server
+
+
+def run_page(page: str, tmp_path, server) -> None:
+    """Run the page's blocks in one fresh process (forked from ``server``, where gradhealth was
+    never imported), in ``tmp_path`` (their logs and outputs)."""
     path = tmp_path / "page.py"
-    path.write_text(script(page), encoding="utf-8")
-    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore::DeprecationWarning")
-    proc = procs.run([sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                     timeout=240)
-    assert proc.returncode == 0, f"{page} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    text = script(page)
+    path.write_text(text, encoding="utf-8")
+    env = dict(ENV, MASTER_PORT=str(free_port()))
+    code, out, err = server.run([str(path)], cwd=str(tmp_path), env=env, output=str(tmp_path), timeout=240,
+                                fresh=page_server_mod.imports(text)[1])
+    assert code == 0, f"{page} failed:\n{out[-3000:]}\n{err[-6000:]}"
 
 
-@pytest.mark.slow  # (a page's runs in a fresh interpreter: the README's took 47 s on busy cores)
+server = page_server([p for p in RUNNABLE if p not in FRAMEWORKS])
+
+
+@pytest.mark.slow  # (a page's runs in a process of its own: the README's took 47 s on busy cores)
 @pytest.mark.parametrize("page", [p for p in RUNNABLE if p not in FRAMEWORKS])
-def test_the_page_runs_as_written(page, tmp_path):
-    run_page(page, tmp_path)
+def test_the_page_runs_as_written(page, tmp_path, server):
+    run_page(page, tmp_path, server)
 
 
 def test_every_page_has_a_recipe_and_each_skip_says_why():
