@@ -1,19 +1,22 @@
-"""A fork server for the manual's pages (tests/test_docs.py, tests/test_docs_frameworks.py): a fresh
-interpreter that imports torch and the pages' frameworks once (gradhealth never), then forks one
-child per page that runs the page's script as ``python page.py`` would (``__main__``, its own
-folder first on ``sys.path``, its own cwd, environment, stdout and stderr; exit code 1 and a
-traceback on an exception). Each page still runs in a process of its own where gradhealth has
-never been imported; what it no longer pays is the interpreter's start and the frameworks' imports
-(most of a page's CPU: 112 s of the 173 s of tests/test_docs_frameworks.py).
+"""A fork server for the manual's pages (tests/test_docs.py, tests/test_docs_frameworks.py) and the
+``gradhealth`` command (tests/test_demo.py): a fresh interpreter that imports torch and the
+frameworks once (gradhealth never), then forks one child per run that becomes ``python page.py``
+(or ``python -m gradhealth ARGS``): ``__main__``, the page's folder first on ``sys.path``, its own
+cwd, environment, stdout and stderr, exit code 1 and a traceback on an exception. Each run is still
+a process of its own where gradhealth has never been imported; what it no longer pays is the
+interpreter's start and its frameworks' imports (most of a page's CPU: the imports alone took 112 s
+of the 173 s of CPU of tests/test_docs_frameworks.py).
 
-A module a page imports only after it sets the environment (``os.environ["KERAS_BACKEND"] = ...``
-before ``import keras``) is not preloaded, and the child checks that no other preload imported it
-on the way (the page would not see its own setting; torch's own imports excepted, as the page
-imports torch first): such a page fails, it does not run in a changed world. The server runs in a session of its own (tests/procs.py), so it, a page and every process a
-page starts go together on a timeout, a failure, Ctrl-C or the end of the tests.
+What a preload could change for a page that does not import it is guarded: a module a page imports
+only after it sets the environment (``os.environ["KERAS_BACKEND"] = ...`` before ``import keras``)
+is not preloaded, and the child checks that no other preload imported it (torch's own imports
+excepted: the page imports torch first); a preload that changes the process's state (``_world``:
+multiprocessing's start method, torch's defaults) stops the server with its name (``UNSAFE`` lists
+those left to their pages). The server runs in a session of its own (tests/procs.py), so it, a run
+and every process a run starts go together on a timeout, a failure, Ctrl-C or the end of the tests.
 
 Run as a script, it is the server: ``python page_server.py MODULE...``; requests on stdin (one JSON
-line per page), answers on stdout (``pid N`` when the page started, ``exit CODE`` when it ended).
+line a run), answers on stdout (``pid N`` when the run started, ``exit CODE`` when it ended).
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def test_unknown_only_names_are_an_error_listing_the_valid_ones(gradhealth_comma
         assert "[1/" not in res.stdout  # nothing ran
 
 
-@pytest.mark.slow  # (four processes of their own: 47 s on busy cores)
+@pytest.mark.slow  # (a process of its own; the CLI imports Lightning to show the demo's help)
 def test_demo_help_lists_every_form(gradhealth_command):
     res = gradhealth_command("demo", "--help")
     assert res.returncode == 0

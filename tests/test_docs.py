@@ -156,3 +156,29 @@ def test_the_manual_builds_strict(tmp_path):
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert (tmp_path / "site" / "index.html").exists() and (tmp_path / "site" / "api" / "index.html").exists()
+
+
+@pytest.mark.slow  # (a fork server of its own: an interpreter that imports torch)
+def test_a_page_runs_in_a_process_of_its_own_where_gradhealth_was_never_imported(tmp_path):
+    """tests/page_server.py keeps what ``python page.py`` promised the pages: a fresh ``__main__``, no
+    gradhealth imported before the page's own import, a failure's exit code and traceback, and a
+    module the page imports after setting its environment not imported before."""
+    ours = page_server_mod.Server(["torch", "wave"], ENV)
+    try:
+        page = tmp_path / "page.py"
+        page.write_text("import sys\nprint(__name__, sys.argv[0] == __file__, sys.path[0],\n"
+                        "      [m for m in sys.modules if m.startswith('gradhealth')])\n"
+                        "import gradhealth\nprint(gradhealth.__name__)\n", encoding="utf-8")
+        code, out, err = ours.run([str(page)], cwd=str(tmp_path), env=ENV, output=str(tmp_path), timeout=120)
+        assert code == 0 and out.split("\n")[:2] == [f"__main__ True {tmp_path} []", "gradhealth"], (out, err)
+        page.write_text("raise ValueError('the page failed')\n", encoding="utf-8")
+        code, out, err = ours.run([str(page)], cwd=str(tmp_path), env=ENV, output=str(tmp_path), timeout=120)
+        assert code == 1 and "ValueError: the page failed" in err and "Traceback" in err
+        code, out, err = ours.run([str(page)], cwd=str(tmp_path), env=ENV, output=str(tmp_path), timeout=120,
+                                  fresh=["wave"])  # (as if the page set its environment before `import wave`)
+        assert code == 3 and "['wave'] were imported before the page set its environment" in err
+        code, out, err = ours.run(["-m", "gradhealth", "--version"], cwd=str(tmp_path), env=ENV,
+                                  output=str(tmp_path), timeout=120)
+        assert code == 0 and out.startswith("gradhealth "), (out, err)
+    finally:
+        ours.close()
