@@ -105,7 +105,8 @@ def _page(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.update(request["env"])  # (over the server's: what a framework set at its import stays)
     written = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], written), (2, request["stderr"], written)):
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], written),
+                            (2, request["stderr"], written)):
         opened = os.open(path, flags, 0o644)
         os.dup2(opened, fd)
         os.close(opened)
@@ -189,13 +190,15 @@ class Server:
         try:
             code = int(self._expect("exit", timeout))
         except RuntimeError:
-            raise TimeoutError(f"python {' '.join(argv)} ran over {timeout} s:\n{_read(out)[-3000:]}\n{_read(err)[-6000:]}") from None
+            raise TimeoutError(f"python {' '.join(argv)} ran over {timeout} s:\n{_read(out)[-3000:]}\n"
+                               f"{_read(err)[-6000:]}") from None
         return code, _read(out), _read(err)
 
     def close(self) -> None:
         """The server, its page and every process that page started: killed (tests/procs.py)."""
         if self._proc is not None:
             self._context.__exit__(None, None, None)
+            self._log.close()
             self._proc = None
 
 

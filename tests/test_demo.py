@@ -62,19 +62,21 @@ def test_healthy_run_is_silent_and_learns():
 @pytest.fixture(scope="module")
 def gradhealth_command(tmp_path_factory):
     """``python -m gradhealth ARGS`` (a CompletedProcess), each in a process of its own where gradhealth
-    was never imported, forked from a server (tests/page_server.py) that imported torch and Lightning
-    once: what every demo command imports first (``gradhealth demo --help`` too: the CLI imports the
-    Lightning demo to parse its options), 9-10 s of CPU a command on busy cores."""
-    server = page_server.Server(["torch", "lightning.pytorch"], dict(os.environ))
+    was never imported, forked from a server (tests/page_server.py) that imported what the command
+    imports first, once: torch, and Lightning but for ``--plain`` (``gradhealth demo --help`` and
+    ``--only`` errors import the Lightning demo too, to parse its options: 9-10 s of CPU a command)."""
+    servers = {plain: page_server.Server(["torch"] if plain else ["torch", "lightning.pytorch"], dict(os.environ))
+               for plain in (True, False)}
 
     def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         output = tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp())
-        code, out, err = server.run(["-m", "gradhealth", *args], cwd=os.getcwd(), env=dict(os.environ),
-                                    output=output, timeout=timeout)
+        code, out, err = servers["--plain" in args].run(["-m", "gradhealth", *args], cwd=os.getcwd(),
+                                                        env=dict(os.environ), output=output, timeout=timeout)
         return subprocess.CompletedProcess(["python", "-m", "gradhealth", *args], code, out, err)
 
     yield run
-    server.close()
+    for server in servers.values():
+        server.close()
 
 
 def _lines_ok(text: str, width: int = 100, path: str = "\0") -> None:
