@@ -2,13 +2,14 @@
 
 import math
 import os
+import subprocess
+import tempfile
 
 import pytest
-import sys
 
 import gradhealth as gh
 from gradhealth.demos import plain as demo
-import procs
+import page_server
 
 
 def _last(out):
@@ -58,15 +59,34 @@ def test_healthy_run_is_silent_and_learns():
     assert out.losses[-1] < out.losses[0]
 
 
+@pytest.fixture(scope="module")
+def gradhealth_command(tmp_path_factory):
+    """``python -m gradhealth ARGS`` (a CompletedProcess), each in a process of its own where gradhealth
+    was never imported, forked from a server (tests/page_server.py) that imported what the command
+    imports first, once: torch, and Lightning but for ``--plain`` (``gradhealth demo --help`` and
+    ``--only`` errors import the Lightning demo too, to parse its options: 9-10 s of CPU a command)."""
+    servers = {plain: page_server.Server(["torch"] if plain else ["torch", "lightning.pytorch"], dict(os.environ))
+               for plain in (True, False)}
+
+    def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        output = tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp())
+        code, out, err = servers["--plain" in args].run(["-m", "gradhealth", *args], cwd=os.getcwd(),
+                                                        env=dict(os.environ), output=output, timeout=timeout)
+        return subprocess.CompletedProcess(["python", "-m", "gradhealth", *args], code, out, err)
+
+    yield run
+    for server in servers.values():
+        server.close()
+
+
 def _lines_ok(text: str, width: int = 100, path: str = "\0") -> None:
     lines = [line for line in text.splitlines() if path not in line]  # a path the user chose is as long as it is
     assert max(len(line) for line in lines) <= width, max(lines, key=len)
 
 
 @pytest.mark.slow  # (the 12 scenarios in a process of their own: 53 s on busy cores)
-def test_demo_command_runs_the_lightning_scenarios(tmp_path):
-    res = procs.run([sys.executable, "-m", "gradhealth", "demo", "--steps", "4", "--logdir", str(tmp_path)],
-                    capture_output=True, text=True, timeout=300)
+def test_demo_command_runs_the_lightning_scenarios(tmp_path, gradhealth_command):
+    res = gradhealth_command("demo", "--steps", "4", "--logdir", str(tmp_path))
     assert res.returncode == 0, res.stderr
     out = res.stdout
     for words in ["GradModeError", "UNEXPECTED_FROZEN", "NOT_IN_OPTIMIZER", "STALE_GRAD", "NOT_UPDATED", "EMPTY_VALID_SET",
@@ -93,9 +113,8 @@ def test_demo_command_runs_the_lightning_scenarios(tmp_path):
 
 
 @pytest.mark.slow  # (over 10 s: make test runs it, make test-fast does not)
-def test_plain_demo_command_runs_every_scenario_short():
-    res = procs.run([sys.executable, "-m", "gradhealth", "demo", "--plain"], capture_output=True, text=True,
-                    timeout=300)
+def test_plain_demo_command_runs_every_scenario_short(gradhealth_command):
+    res = gradhealth_command("demo", "--plain")
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "NOT_IN_OPTIMIZER" in out and "silent: every parameter trains (loss" in out
@@ -105,17 +124,16 @@ def test_plain_demo_command_runs_every_scenario_short():
 
 
 @pytest.mark.slow  # (over 10 s: make test runs it, make test-fast does not)
-def test_unknown_only_names_are_an_error_listing_the_valid_ones():
+def test_unknown_only_names_are_an_error_listing_the_valid_ones(gradhealth_command):
     for args in (["demo", "--only", "bogus"], ["demo", "--plain", "--only", "frozen,bogus"]):
-        res = procs.run([sys.executable, "-m", "gradhealth", *args], capture_output=True, text=True, timeout=300)
+        res = gradhealth_command(*args)
         assert res.returncode != 0 and "'bogus'" in res.stderr and "not_in_optimizer" in res.stderr, res.stderr
         assert "[1/" not in res.stdout  # nothing ran
 
 
-@pytest.mark.slow  # (four processes of their own: 47 s on busy cores)
-def test_demo_help_lists_every_form():
-    res = procs.run([sys.executable, "-m", "gradhealth", "demo", "--help"], capture_output=True, text=True,
-                    timeout=300)
+@pytest.mark.slow  # (a process of its own; the CLI imports Lightning to show the demo's help)
+def test_demo_help_lists_every_form(gradhealth_command):
+    res = gradhealth_command("demo", "--help")
     assert res.returncode == 0
     assert "--plain" in res.stdout and "--transformers" in res.stdout and "--only" in res.stdout
 

@@ -1,23 +1,24 @@
-"""The README and the manual (docs/): every python block runs, the site builds with ``--strict``.
+"""The README and the manual (docs/): every python block runs (the site's ``--strict`` build:
+tests/test_docs_site.py).
 
-Each page's python blocks run in order, in one fresh interpreter (a subprocess, so a page's imports
-and globals meet no other page's), as a reader would paste them. The blocks carry their own stand-ins
-(a tiny model, synthetic data) and their own asserts: a healthy run silent under
-``on_problem="raise"``, a planted bug named. A block that cannot run here says why in a visible
-``<!-- not-run: reason -->`` comment on the line before it.
+Each page's python blocks run in order, as a reader would paste them, in one process of their own
+where gradhealth was never imported: forked from tests/page_server.py's fork server, which imported
+torch and the frameworks of the file's pages (never gradhealth), so a page's globals meet no other
+page's. The blocks carry their own stand-ins (a tiny model, synthetic data) and their own asserts: a
+healthy run silent under ``on_problem="raise"``, a planted bug named. A block that cannot run here
+says why in a visible ``<!-- not-run: reason -->`` comment on the line before it.
 """
 
 import glob
 import os
 import re
 import textwrap
-import sys
 
 import pytest
 
 import gradhealth as gh
 from conftest import free_port
-import procs
+import page_server as page_server_mod
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FENCE = re.compile(r"^( *)```python[^\n]*\n(.*?)^\1```", re.S | re.M)
@@ -66,22 +67,48 @@ RUNNABLE = [p for p in pages() if any(skip is None for _, _, skip in blocks(p))]
 FRAMEWORKS = [p for p in RUNNABLE if p.startswith(os.path.join("docs", "frameworks"))]  # (tests/test_docs_frameworks.py)
 
 
-def run_page(page: str, tmp_path) -> None:
-    """Run the page's blocks in one fresh interpreter, in ``tmp_path`` (their logs and outputs)."""
+#: the environment every page runs in (and its fork server starts in)
+ENV = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+           TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+           MASTER_ADDR="127.0.0.1", PYTHONWARNINGS="ignore::DeprecationWarning")
+
+
+def page_server(pages: list[str]):
+    """A module fixture: the fork server (tests/page_server.py) of ``pages``, preloaded with torch and
+    every module those pages import before they set any environment."""
+
+    @pytest.fixture(scope="module")
+    def server():
+        preload = ["torch"]
+        for page in pages:
+            preload += [m for m in page_server_mod.preloadable(page_server_mod.imports(script(page))[0])
+                        if m not in preload]
+        ours = page_server_mod.Server(preload, ENV)
+        yield ours
+        ours.close()
+
+    return server
+
+
+def run_page(page: str, tmp_path, server) -> None:
+    """Run the page's blocks in one fresh process (forked from ``server``, where gradhealth was
+    never imported), in ``tmp_path`` (their logs and outputs)."""
     path = tmp_path / "page.py"
-    path.write_text(script(page), encoding="utf-8")
-    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONWARNINGS="ignore::DeprecationWarning")
-    proc = procs.run([sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                     timeout=240)
-    assert proc.returncode == 0, f"{page} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    text = script(page)
+    path.write_text(text, encoding="utf-8")
+    env = dict(ENV, MASTER_PORT=str(free_port()))
+    code, out, err = server.run([str(path)], cwd=str(tmp_path), env=env, output=str(tmp_path), timeout=240,
+                                fresh=page_server_mod.imports(text)[1])
+    assert code == 0, f"{page} failed:\n{out[-3000:]}\n{err[-6000:]}"
 
 
-@pytest.mark.slow  # (a page's runs in a fresh interpreter: the README's took 47 s on busy cores)
+server = page_server([p for p in RUNNABLE if p not in FRAMEWORKS])
+
+
+@pytest.mark.slow  # (a page's runs in a process of its own: the README's took 47 s on busy cores)
 @pytest.mark.parametrize("page", [p for p in RUNNABLE if p not in FRAMEWORKS])
-def test_the_page_runs_as_written(page, tmp_path):
-    run_page(page, tmp_path)
+def test_the_page_runs_as_written(page, tmp_path, server):
+    run_page(page, tmp_path, server)
 
 
 def test_every_page_has_a_recipe_and_each_skip_says_why():
@@ -121,11 +148,27 @@ def test_every_finding_kind_and_state_has_its_entry_in_the_field_guide():
     assert not missing, f"FindingKinds without a row in the README's findings table: {missing}"
 
 
-def test_the_manual_builds_strict(tmp_path):
-    """``mkdocs build --strict``: a broken link, a missing anchor or an API reference that does not
-    resolve fails the build."""
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    proc = procs.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert (tmp_path / "site" / "index.html").exists() and (tmp_path / "site" / "api" / "index.html").exists()
+@pytest.mark.slow  # (a fork server of its own: an interpreter that imports torch)
+def test_a_page_runs_in_a_process_of_its_own_where_gradhealth_was_never_imported(tmp_path):
+    """tests/page_server.py keeps what ``python page.py`` promised the pages: a fresh ``__main__``, no
+    gradhealth imported before the page's own import, a failure's exit code and traceback, and a
+    module the page imports after setting its environment not imported before."""
+    ours = page_server_mod.Server(["torch", "wave"], ENV)
+    try:
+        page = tmp_path / "page.py"
+        page.write_text("import sys\nprint(__name__, sys.argv[0] == __file__, sys.path[0],\n"
+                        "      [m for m in sys.modules if m.startswith('gradhealth')])\n"
+                        "import gradhealth\nprint(gradhealth.__name__)\n", encoding="utf-8")
+        code, out, err = ours.run([str(page)], cwd=str(tmp_path), env=ENV, output=str(tmp_path), timeout=120)
+        assert code == 0 and out.split("\n")[:2] == [f"__main__ True {tmp_path} []", "gradhealth"], (out, err)
+        page.write_text("raise ValueError('the page failed')\n", encoding="utf-8")
+        code, out, err = ours.run([str(page)], cwd=str(tmp_path), env=ENV, output=str(tmp_path), timeout=120)
+        assert code == 1 and "ValueError: the page failed" in err and "Traceback" in err
+        code, out, err = ours.run([str(page)], cwd=str(tmp_path), env=ENV, output=str(tmp_path), timeout=120,
+                                  fresh=["wave"])  # (as if the page set its environment before `import wave`)
+        assert code == 3 and "['wave'] were imported before the page set its environment" in err
+        code, out, err = ours.run(["-m", "gradhealth", "--version"], cwd=str(tmp_path), env=ENV,
+                                  output=str(tmp_path), timeout=120)
+        assert code == 0 and out.startswith("gradhealth "), (out, err)
+    finally:
+        ours.close()

@@ -5,10 +5,12 @@ beside the other pages of tests/test_docs.py). Each page holds a healthy run, si
 
 import pytest
 
-from test_docs import FRAMEWORKS, run_page
+from test_docs import FRAMEWORKS, page_server, run_page
+
+server = page_server(FRAMEWORKS)  # (torch and the frameworks imported once, each page forked from it)
 
 
-@pytest.mark.slow  # (a framework's real run in a fresh interpreter: 50-75 s a page on busy cores)
+@pytest.mark.slow  # (a framework's real run in a process of its own: 5-25 s a page on busy cores)
 @pytest.mark.parametrize("page", FRAMEWORKS)
-def test_the_framework_page_runs_as_written(page, tmp_path):
-    run_page(page, tmp_path)
+def test_the_framework_page_runs_as_written(page, tmp_path, server):
+    run_page(page, tmp_path, server)

@@ -37,6 +37,12 @@ def site(tmp_path_factory):
     return path
 
 
+def test_the_manual_builds_strict(site):
+    """``mkdocs build --strict`` (``site``'s build: a failed one fails here): a broken link, a missing
+    anchor or an API reference that does not resolve fails the build."""
+    assert (site / "index.html").exists() and (site / "api" / "index.html").exists()
+
+
 class Page(HTMLParser):
     """The text of a page, and of each heading (by its id) with where it starts in the text."""
 

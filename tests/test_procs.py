@@ -56,11 +56,18 @@ def test_a_launcher_that_exits_leaves_none_of_its_ranks(tmp_path):
     assert len(ranks) == 2 and procs.wait_gone([launcher, *ranks]) == []
 
 
+def _sigint_default() -> None:
+    """SIGINT at its default in the inner pytest, as a terminal's foreground pytest has it: this pytest
+    may run with SIGINT ignored (a background job of a non-interactive shell, `make test &`, nohup),
+    and an ignored signal stays ignored across exec, so the inner one would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _inner_pytest(case: str, pids: Path, *extra: str):
     env = dict(os.environ, GH_PIDS=str(pids), PYTHONWARNINGS="ignore")
     return procs.popen([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *extra,
                         f"tests/procs_cases.py::{case}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True)
+                       stderr=subprocess.STDOUT, text=True, preexec_fn=_sigint_default)
 
 
 @pytest.mark.slow
