@@ -11,15 +11,10 @@ import argparse
 import logging
 import warnings
 
-import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
-
 from gradhealth.demos.console import Capture, logs, show, table, verdict
 from gradhealth.demos.plain import choose
 from gradhealth.errors import GradModeError
 
-from gradhealth.integrations.lightning import GradHealthCallback
-from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
 
 SCENARIOS = [
     ("detached", "detached output", "out = model(x).detach() before the loss"),
@@ -39,6 +34,13 @@ SCENARIOS = [
 
 def run_scenario(bug: str, root: str, steps: int, progress: bool = False) -> tuple[list, str | None, list]:
     """One ``Trainer.fit``: (every report, the GradModeError that stopped it or None, the losses)."""
+    # (Lightning imported here, not with the module: ``demo --help`` and a bad ``--only`` answer in a second)
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from gradhealth.demos.lightning_parts import DemoModule, SyntheticData
+    from gradhealth.integrations.lightning import GradHealthCallback
+
     pl.seed_everything(0, verbose=False)
     options = {"expect_frozen": []} if bug == "frozen" else {}
     capture = Capture()

@@ -51,10 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         elif "--plain" in rest:
             rest = [a for a in rest if a != "--plain"]
             from gradhealth.demos.plain import main as run
-        else:
-            try:  # the Lightning demo when Lightning is installed; the plain-loop one otherwise
+        else:  # the Lightning demo when Lightning is installed (imported when a scenario runs); the plain-loop one otherwise
+            from importlib.util import find_spec
+
+            if find_spec("lightning") is not None:
                 from gradhealth.demos.lightning_fit import main as run
-            except ImportError:
+            else:
                 from gradhealth.demos.plain import main as run
     elif cmd == "bench":
         from gradhealth.benchmarks.core import main as run
