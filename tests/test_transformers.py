@@ -11,7 +11,7 @@ import torch
 
 import gradhealth as gh
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "frozen_heap")  # (frozen_heap: tests/heap.py)
 transformers = pytest.importorskip("transformers")
 
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
@@ -20,6 +20,7 @@ from gradhealth.integrations.transformers import GradHealthCallback  # noqa: E40
 from gradhealth.demos.hf_trainer import HeadOutOfOptimizer, NaNLossOnce, Tokens, tiny_bert  # noqa: E402
 from gradhealth.report import frozen_summary  # noqa: E402
 from conftest import CountClips  # noqa: E402
+from heap import frozen_heap  # noqa: E402,F401  (a fixture)
 
 
 def arguments(out, **kw):
