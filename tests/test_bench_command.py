@@ -7,24 +7,34 @@ import pytest
 
 import procs
 
-# each runs the bench in a process of its own for tens of seconds (the distributed section on two
-# processes): in `make test`, not in the quick `make test-fast`
-pytestmark = pytest.mark.slow
+# the bench in a process of its own for a minute (the distributed section on two and four
+# processes): in `make test`, not in the quick `make test-fast`. (One command for the three tests,
+# with a time limit of three: it took 100 s on busy cores.)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_bench_command_runs_and_prints_ratios():
-    res = procs.run(
-        [sys.executable, "-m", "gradhealth", "bench", "--shapes", "0", "--rounds", "1", "--sections", "checks,deltas,tracer"],
-        capture_output=True, text=True, timeout=300
+@pytest.fixture(scope="module")
+def bench():
+    """One ``gradhealth bench`` with every section these tests read, as a user would run it: the
+    counts section at its default steps (the counts do not depend on the other options), the
+    timed ones on one shape and one round. (Three commands before: each its own interpreter's
+    start-up and imports, the same sections.)"""
+    return procs.run(
+        [sys.executable, "-m", "gradhealth", "bench", "--shapes", "0", "--rounds", "1", "--count-steps", "9",
+         "--sections", "counts,checks,deltas,tracer,distributed"],
+        capture_output=True, text=True, timeout=840
     )
+
+
+def test_bench_command_runs_and_prints_ratios(bench):
+    res = bench
     assert res.returncode == 0, res.stderr
     for method in ("floor", "naive loop", "check()", "x floor"):
         assert method in res.stdout
 
 
-def test_bench_distributed_section_runs():
-    res = procs.run([sys.executable, "-m", "gradhealth", "bench", "--rounds", "1", "--sections", "distributed"],
-                    capture_output=True, text=True, timeout=300)
+def test_bench_distributed_section_runs(bench):
+    res = bench
     assert res.returncode == 0, res.stderr
     assert "at world size 2" in res.stdout and "the collective adds" in res.stdout
     assert "the same check again (what this measurement's noise is)" in res.stdout
@@ -32,14 +42,13 @@ def test_bench_distributed_section_runs():
     assert "grad_sync='in_optimizer'" in res.stdout and "with the rank-origin comm hook" in res.stdout
 
 
-def test_bench_counts_section_prints_ops_and_instructions_per_check():
+def test_bench_counts_section_prints_ops_and_instructions_per_check(bench):
     """``gradhealth bench --sections counts``: per shape (a vanishing one and a frozen base among them), the synchronous
     monitor, the deferred one and the one number, each with its ops, host reads (syncs) and Python
     instructions per check; the counts hold the launch budget (a constant per group: a few ops,
     whatever the tensor count), and on healthy models the synchronous check reads once per step,
     the deferred one never (the one number: once)."""
-    res = procs.run([sys.executable, "-m", "gradhealth", "bench", "--sections", "counts", "--count-steps", "9"],
-                    capture_output=True, text=True, timeout=600)
+    res = bench
     assert res.returncode == 0, res.stderr
     rows = {}
     for line in res.stdout.splitlines():

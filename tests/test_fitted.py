@@ -15,6 +15,7 @@ from torch import nn
 import gradhealth as gh
 from gradhealth.findings import Finding
 from gradhealth.fitted import WARMUP, LossFit
+from heap import frozen_heap  # noqa: F401  (a fixture: each Trainer.train() scans only what its test made)
 
 
 def rings(n: int, g: torch.Generator):
@@ -252,7 +253,7 @@ def _chain_run(tmp_path, seed, **kw):
 
 
 @pytest.mark.slow  # (a real Trainer.fit: 49 s on busy cores)
-def test_a_spike_the_trainers_clip_contains_while_the_loss_falls_is_no_error(tmp_path, one_thread):
+def test_a_spike_the_trainers_clip_contains_while_the_loss_falls_is_no_error(tmp_path, one_thread, frozen_heap):
     """Batch size 1 makes heavy-tailed per-sample norms: two large ones in a row happen by chance
     (seed 42, Trainer's default, at step 78; seeds 0 and 4 too, before). The clip bites at most
     steps and the epoch losses fall: a warning that says so, for every seed."""
@@ -271,7 +272,8 @@ def test_a_spike_the_trainers_clip_contains_while_the_loss_falls_is_no_error(tmp
     assert said >= 3  # premise: the spikes that were errors before (seeds 42, 0 and 4) are still said
 
 
-def test_a_run_whose_loss_climbs_with_its_norms_is_still_an_exploding_grad_error_under_the_clip(tmp_path, one_thread):
+def test_a_run_whose_loss_climbs_with_its_norms_is_still_an_exploding_grad_error_under_the_clip(tmp_path, one_thread,
+                                                                                                 frozen_heap):
     """The counterpart: the same chain warmed up to a learning rate too high (AdamW at 1.0 after 60
     steps): the clip bites at nearly every step and still the loss climbs with the norms."""
     reports, raised = _chain_run(tmp_path, 42, learning_rate=1.0, warmup_steps=60,
