@@ -111,3 +111,32 @@ def test_a_nan_in_the_input_batch_names_the_data():
     with gh.trace_nonfinite(model) as t2:  # a clean batch through a module that makes inf itself
         (model(y) * torch.tensor(float("inf"))).sum().backward()
     assert not t2.input_nonfinite
+
+
+def test_the_op_watch_reads_no_view_of_a_buffer_in_backward_and_still_names_the_op_that_made_the_inf():
+    """DeepSpeed narrows its reduce buffer (2 GB by default) at every gradient inside backward; the
+    armed watch used to read that whole buffer at each narrow. A view (narrow, expand, view...) reads
+    values its input holds: it never turns finite inputs into NaN/inf, so it is not recorded, and the
+    op that did make the inf is still the one named."""
+    import warnings
+
+    from gradhealth.opwatch import OpWatch
+
+    buf = torch.zeros(1 << 16)
+    w = nn.Parameter(torch.ones(4))
+
+    def hook(g):  # (a backward hook that writes the gradient into a view of a flat buffer, as ZeRO does)
+        buf.narrow(0, 0, 4).copy_(g)
+
+    w.register_hook(hook)
+    watch = OpWatch().start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (anomaly mode's own report of the inf)
+            torch.sqrt(w - 1).sum().backward()  # sqrt'(0) = 1 / (2 * 0): an inf born in backward
+    finally:
+        watch.stop()
+    assert torch.isinf(buf[:4]).all()  # the premise: the hook ran on the inf gradient, through a view
+    ops = [op for _, phase, op, _ in watch.records if phase == "backward"]
+    assert "aten.copy_.default" in ops and not any("narrow" in op or "expand" in op for op in ops), ops
+    assert watch.resolve()[:2] == ("backward", "aten.div.Tensor")
