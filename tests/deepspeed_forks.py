@@ -1,13 +1,13 @@
-"""tests/deepspeed_hf.py's cases, each in a process of its own, forked from this one after it has
-imported DeepSpeed (its ZeRO optimizers and the Muon module ``deepspeed.initialize`` imports, whose
-``torch.compile`` decorators import torch's dynamo: about 3 s of CPU a case), Transformers and
-Accelerate, and run nothing else (gradhealth and tests/deepspeed_hf.py are imported in the case's process): ``python tests/deepspeed_forks.py
-ROOT CASE@PORT ...``, two cases at a time, each writing ROOT/CASE.json, its output in ROOT/CASE.log (the
-logs of the cases that failed printed, and the exit status 1). Each case process is as fresh as
-``python tests/deepspeed_hf.py ROOT/CASE.json CASE`` would be, without importing the stack again
-(about 4 s of CPU a case); DeepSpeed's ``init_distributed``, gloo and the engine run in it alone, on
-its own MASTER_PORT (PORT). They share this process's session: a test that kills
-the session (tests/procs.py) kills them too."""
+"""tests/deepspeed_hf.py's cases, each in a process of its own, forked from this one after it has imported
+DeepSpeed (its ZeRO optimizers and the Muon module ``deepspeed.initialize`` imports, whose ``torch.compile``
+decorators import torch's dynamo: about 3 s of CPU a case), Transformers and Accelerate, and run nothing
+else (gradhealth and tests/deepspeed_hf.py are imported in the case's process): ``python
+tests/deepspeed_forks.py ROOT CASE@PORT ...``, two cases at a time, each writing ROOT/CASE.json, its output
+in ROOT/CASE.log (the logs of the cases that failed printed, and the exit status 1). Each case process is as
+fresh as ``python tests/deepspeed_hf.py ROOT/CASE.json CASE`` would be, without importing the stack again
+(about 4 s of CPU a case); DeepSpeed's ``init_distributed``, gloo and the engine run in it alone, on its own
+MASTER_PORT (PORT). They share this process's session: a test that kills the session (tests/procs.py) kills
+them too."""
 
 from __future__ import annotations
 
