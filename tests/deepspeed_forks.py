@@ -1,11 +1,13 @@
-"""tests/deepspeed_hf.py's cases, each in a process of its own, forked from this one after it has
-imported DeepSpeed, Transformers and Accelerate (and run nothing else): ``python tests/deepspeed_forks.py
-ROOT CASE@PORT ...``, two cases at a time, each writing ROOT/CASE.json, its output in ROOT/CASE.log (the
-logs of the cases that failed printed, and the exit status 1). Each case process is as fresh as
-``python tests/deepspeed_hf.py ROOT/CASE.json CASE`` would be, without importing the stack again
-(about 4 s of CPU a case); DeepSpeed's ``init_distributed``, gloo and the engine run in it alone, on
-its own MASTER_PORT (PORT). They share this process's session: a test that kills
-the session (tests/procs.py) kills them too."""
+"""tests/deepspeed_hf.py's cases, each in a process of its own, forked from this one after it has imported
+DeepSpeed (its ZeRO optimizers and the Muon module ``deepspeed.initialize`` imports, whose ``torch.compile``
+decorators import torch's dynamo: about 3 s of CPU a case), Transformers and Accelerate, and run nothing
+else (gradhealth and tests/deepspeed_hf.py are imported in the case's process): ``python
+tests/deepspeed_forks.py ROOT CASE@PORT ...``, two cases at a time, each writing ROOT/CASE.json, its output
+in ROOT/CASE.log (the logs of the cases that failed printed, and the exit status 1). Each case process is as
+fresh as ``python tests/deepspeed_hf.py ROOT/CASE.json CASE`` would be, without importing the stack again
+(about 4 s of CPU a case); DeepSpeed's ``init_distributed``, gloo and the engine run in it alone, on its own
+MASTER_PORT (PORT). They share this process's session: a test that kills the session (tests/procs.py) kills
+them too."""
 
 from __future__ import annotations
 
@@ -15,9 +17,15 @@ import traceback
 import warnings
 
 warnings.simplefilter("ignore")
-import deepspeed_hf  # noqa: E402  (sets the distributed environment's defaults first)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # (as tests/deepspeed_hf.py sets them, before DeepSpeed's import)
+for _key, _value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29565"), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                     ("LOCAL_RANK", "0")):
+    os.environ.setdefault(_key, _value)
 import deepspeed  # noqa: E402,F401
 import deepspeed.runtime.engine  # noqa: E402,F401
+import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402,F401
+import deepspeed.runtime.zero.stage_1_and_2  # noqa: E402,F401
+import deepspeed.runtime.zero.stage3  # noqa: E402,F401
 import accelerate  # noqa: E402,F401
 import transformers  # noqa: E402,F401
 import transformers.trainer  # noqa: E402,F401
@@ -33,6 +41,8 @@ def _fork(root: str, case: str, port: int) -> int:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.environ["MASTER_PORT"] = str(port)
+        import deepspeed_hf
+
         deepspeed_hf.main([os.path.join(root, f"{case}.json"), case])
         code = 0
     except BaseException:
@@ -44,6 +54,7 @@ def _fork(root: str, case: str, port: int) -> int:
 
 
 def main(argv: list[str]) -> int:
+    assert not [m for m in sys.modules if m.split(".")[0] == "gradhealth"], "the fork server imported gradhealth"
     root, cases, failed = argv[0], [a.split("@") for a in argv[1:]], []
     for k in range(0, len(cases), 2):
         pids = {_fork(root, case, int(port)): case for case, port in cases[k:k + 2]}

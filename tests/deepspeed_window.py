@@ -1,12 +1,12 @@
-"""DeepSpeed ZeRO-3 with its own accumulation (``"gradient_accumulation_steps": 2``) on two gloo
-ranks, the loop as its docs write it (``engine.backward(loss)``, ``monitor.check(loss=loss)``,
-``engine.step()`` on every micro-batch), what goes wrong inside a window: rank 1's first micro-batch
-of window 1 has a NaN loss. Run by tests/test_deepspeed.py under torchrun: ``python -m
-torch.distributed.run --nproc_per_node 2 tests/deepspeed_window.py OUT.json CASE ...``; a case is
-``healthy`` (four windows under raise), ``nan`` (a NaN in that batch's input), ``empty`` (a token
-mean over a mask that selects nothing there: 0/0), ``empty-tracked`` (the same, the mask counted
-with ``monitor.track_valid``) or ``nan-boundary`` (the NaN in rank 1's last micro-batch of the
-window instead: the loss of the check that ends it).
+"""DeepSpeed ZeRO-3 with its own accumulation (``"gradient_accumulation_steps": 2``) on two gloo ranks, the
+loop as its docs write it (``engine.backward(loss)``, ``monitor.check(loss=loss)``, ``engine.step()`` on
+every micro-batch), what goes wrong inside a window: rank 1's first micro-batch of window 1 has a NaN loss.
+Run by tests/test_deepspeed.py on two ranks (forked by tests/deepspeed_ranks.py, as under ``python -m
+torch.distributed.run --nproc_per_node 2 tests/deepspeed_window.py OUT.json CASE ...``); a case is
+``healthy`` (four windows under raise), ``nan`` (a NaN in that batch's input), ``empty`` (a token mean over
+a mask that selects nothing there: 0/0), ``empty-tracked`` (the same, the mask counted with
+``monitor.track_valid``) or ``nan-boundary`` (the NaN in rank 1's last micro-batch of the window instead:
+the loss of the check that ends it).
 """
 
 from __future__ import annotations

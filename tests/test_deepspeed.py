@@ -1,7 +1,7 @@
 """DeepSpeed on the CPU (gloo), as its users write the loop: ``deepspeed.initialize``, then
 ``engine.backward(loss)``, ``monitor.check(loss=loss)``, ``engine.step()``, at ZeRO stages 0-3 in
 fp32 and bf16, on one process and on two. The runs are tests/deepspeed_cases.py (and its siblings, all
-one launch a world size: tests/deepspeed_many.py) in processes of
+one launch a world size: tests/deepspeed_many.py, its two ranks forked by tests/deepspeed_ranks.py) in processes of
 their own (DeepSpeed initialises torch.distributed); each case's premise is asserted before the
 verdict: the healthy loss falls on a held-out batch, the planted bug is there (the engine's own
 skipped-step count, masters that never move, a learning rate of 0, a frozen layer).
@@ -41,14 +41,15 @@ def _env() -> dict:
 
 
 def _launch(root: Path, ranks: int, scripts: dict[str, list[str]]) -> dict[str, list[dict]]:
-    """The scripts' cases in one launch (tests/deepspeed_many.py: one process, or one torchrun with two
-    ranks, importing DeepSpeed once for all of them); each script's results, one dict a rank."""
+    """The scripts' cases in one launch (tests/deepspeed_many.py: one process, or two ranks forked as
+    torchrun would start them from one process that imported DeepSpeed: tests/deepspeed_ranks.py; DeepSpeed
+    imported once for all the cases of a rank); each script's results, one dict a rank."""
     outs = {name: root / f"{name}.json" for name in scripts}
     argv = [a for name, cases in scripts.items() for a in ("--", name, str(outs[name]), *cases)][1:]
-    launcher = [sys.executable] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port())]
-    env = dict(_env(), MASTER_PORT=str(free_port()))  # (a free port: other DeepSpeed runs may share the machine)
-    proc = procs.run([*launcher, str(HERE / "deepspeed_many.py"), *argv], env=env, capture_output=True, text=True,
+    port = str(free_port())  # (a free port: other DeepSpeed runs may share the machine)
+    launcher = [sys.executable, str(HERE / "deepspeed_many.py")] if ranks == 1 else [
+        sys.executable, str(HERE / "deepspeed_ranks.py"), str(ranks), port]
+    proc = procs.run([*launcher, *argv], env=dict(_env(), MASTER_PORT=port), capture_output=True, text=True,
                      timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {name: [json.loads(p.read_text()) for p in [out] + [Path(f"{out}.rank{r}") for r in range(1, ranks)]]

@@ -63,9 +63,15 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+#: the inner pytest's plugins left out: what a run of tests/procs_cases.py never uses (xdist at -n 0 does
+#: nothing), about 2 s of CPU an inner pytest at their import; the suite's conftest and pytest-timeout stay
+UNUSED_PLUGINS = [a for name in ("xdist", "xdist.looponfail", "hypothesispytest", "benchmark", "anyio")
+                  for a in ("-p", f"no:{name}")]
+
+
 def _inner_pytest(case: str, pids: Path, *extra: str):
     env = dict(os.environ, GH_PIDS=str(pids), PYTHONWARNINGS="ignore")
-    return procs.popen([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *extra,
+    return procs.popen([sys.executable, "-m", "pytest", "-q", *UNUSED_PLUGINS, "-p", "no:cacheprovider", *extra,
                         f"tests/procs_cases.py::{case}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, preexec_fn=_sigint_default)
 
