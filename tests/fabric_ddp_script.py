@@ -110,12 +110,18 @@ def main(fabric, launch, out):
         json.dump(result, f)
 
 
+def spawn(launch, out):
+    """``ddp_spawn``: ``fabric.launch(fn)`` starts both ranks (test_fabric_ddp.py calls this in its own process)."""
+    torch.set_num_threads(1)
+    L.Fabric(accelerator="cpu", devices=2, strategy=launch).launch(main, launch, out)
+
+
 if __name__ == "__main__":
     launch, out = sys.argv[1], sys.argv[2]
-    torch.set_num_threads(1)
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=launch)
     if launch == "ddp":
+        torch.set_num_threads(1)
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=launch)
         fabric.launch()
         main(fabric, launch, out)
     else:
-        fabric.launch(main, launch, out)
+        spawn(launch, out)
