@@ -37,6 +37,7 @@ that one flag (a synchronisation) and says so once.
 from __future__ import annotations
 
 import logging
+import types
 import warnings
 from dataclasses import dataclass
 
@@ -56,6 +57,7 @@ from .hooks import guarded
 __all__ = ["Launch", "Transfer", "Deferred", "due_test"]
 
 log = logging.getLogger("gradhealth")
+_PLAIN = types.FunctionType  # (the check in flight: a Launch, or a plain check's closure, see ``complete``)
 
 
 @dataclass
@@ -77,7 +79,7 @@ class Launch:
     setup: tuple | None = None  # (deferred) the optimizers' ids, all inside, every requires_grad: as launched
     calls: list | None = None  # the loop's calls into the model since the check before (:mod:`.calls`)
     seen: list | None = None  # (deferred, a plain check's) its gradients' witnesses, taken at launch (:mod:`.quiet`)
-    lean: object = None  # (deferred, a plain check's; obs None) values -> its report where steady, else None and ``obs`` made (:mod:`.quiet`)
+    lean: object = None  # (deferred, a plain guarded check's) () -> its report, its numbers read then (:mod:`.quiet`)
 
 
 def due_test(carry, report) -> bool:
@@ -144,7 +146,7 @@ class Deferred:
 
     def __init__(self, monitor):
         self.monitor = monitor
-        self.inflight: Launch | None = None
+        self.inflight: Launch | None = None  # (or a plain unguarded check's closure: its ``step``, called for its report)
         self._said_host_guard = False
         self._handles: dict = {}  # optimizer id -> the post-hook that takes the flag back after its step
         self._step = None  # the step of the check last completed
@@ -268,9 +270,13 @@ class Deferred:
         """The report of the check in flight (its numbers read now: their copy finished long ago)."""
         launch, self.inflight, m = self.inflight, None, self.monitor
         self._step = launch.step
-        lean = launch.lean  # (a plain check's, launched by `gradhealth.quiet`: one process)
-        if lean is not None:  # (a steady check's report, else None: its observation made, ``launch.obs``)
-            report = lean(launch.transfer.values())  # (the one transfer point)
+        if launch.__class__ is _PLAIN:  # (a plain check's, unguarded: `gradhealth.quiet`'s closure, its report)
+            m.last_report = report = launch()
+            m.carry.checks += 1
+            return report
+        lean = launch.lean  # (a plain check's, guarded: the same closure, the Launch its guard needs)
+        if lean is not None:
+            report = lean()
         else:
             report, pending = None, launch.obs
             values = launch.transfer.values()  # (the one transfer point)
@@ -283,7 +289,7 @@ class Deferred:
                     if not m.ranks.active:
                         raise  # (the other ranks must not be left waiting in the collective: joined, flagged)
                     launch.obs, m._failed = failed_observation(m.view, launch.sel, *pending.asked), exc
-        m.last_report = report = report if report is not None else m._complete(launch)
+        m.last_report = report = report if lean is not None else m._complete(launch)
         m.carry.checks += 1
         if self.guarding:
             self._guard_finding(report, launch)

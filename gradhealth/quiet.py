@@ -13,9 +13,10 @@ completion (``GradHealth._complete``), given the observation the full launch mak
 
 :func:`later` is the same for a plain deferred check (``lag=1``), fused with ``Deferred.check``'s part
 after the launch (the copy to the host, the setup, the arming of its step, the staged witnesses,
-the step guard): it keeps one closure, ``Launch.lean``, that ``Deferred.complete`` calls with the
-numbers read back at the next check: the steady report, else the observation the full completion
-judges (no ``Pending`` is made for a plain check).
+the step guard): what is in flight is one closure, which ``Deferred.complete`` calls at the next
+check to read the numbers back and make the report (the steady one, else the full completion's, of
+the observation it makes then): no ``Pending`` is made for a plain check, and no ``Launch`` unless
+its guard or the full completion needs one.
 """
 
 from __future__ import annotations
@@ -91,9 +92,20 @@ def _fetched(flat: list[float], loss: bool, updates: list, sizes: list[int]) -> 
         k += size
 
 
-def later(m, step: int, loss, optimizer, d) -> Launch | None:
-    """A plain check launched for a later read (``launch.launch(deferred=True)`` on that input: its
-    ``Pending`` observation, completed by ``Deferred.complete``), or None: not a plain check, nothing changed.
+def _made(step: int, sel, optimizer, transfer, lean) -> Launch:
+    """The Launch of a plain deferred check: what its completion, its guard and ``Deferred.launched_at`` read."""
+    launch = _NEW(Launch)
+    launch.step, launch.sel, launch.optimizer, launch.obs, launch.ranks = step, sel, optimizer, None, None
+    launch.transfer = transfer
+    launch.lean = lean
+    return launch
+
+
+def later(m, step: int, loss, optimizer, d):
+    """A plain check launched for a later read (``launch.launch(deferred=True)`` on that input, its
+    ``Pending`` observation completed by ``Deferred.complete``): the closure that makes its report
+    (its ``step`` set), or with the step guard on the ``Launch`` holding it; None: not a plain
+    check, nothing changed.
     ``d``: the :class:`.deferred.Deferred` launching it, whose part after the launch (``Deferred.check``:
     the transfer, the setup, the arming of its step, the witnesses staged) is done here too, on this input."""
     t, carry, v, ranks = m.tracker, m.carry, m.view, m.ranks
@@ -146,16 +158,15 @@ def later(m, step: int, loss, optimizer, d) -> Launch | None:
     # (Deferred.check's part after a plain launch: one process, no DDP hooks' numbers)
     requires = list(map(_REQUIRES_GRAD, params))
     setup = (v.optimizer_ids(), v.all_inside, requires) if optimizer is None else (sel.opt_ids, None, requires)
-    # the Launch in flight: what its completion, its guard and ``Deferred.launched_at`` read; the rest of its
-    # fields are given where its numbers do not make a steady check (``lean``), before the full completion
-    launch = _NEW(Launch)
-    launch.step, launch.sel, launch.optimizer, launch.obs, launch.ranks = step, sel, optimizer, None, None
-    launch.transfer = deferred.Transfer(packed, d.pinned)
+    # on the CPU the packed numbers are on the host already: no copy, no Transfer made (the usual small model)
+    transfer = deferred.Transfer(packed, d.pinned)
+    launch = None  # (made where its guard or the full completion needs one: `_made`)
 
-    def lean(values: list[float]):
-        """The report where the numbers read back make a steady check (:mod:`.steady`; no Observation
-        is made for it), else None: ``launch.obs`` is then the observation (``Pending.complete``'s, on
-        this input) that the full completion judges, the launch's fields given."""
+    def lean():
+        """The report of this check, its numbers read now (the one transfer point): the steady report
+        where they make a steady check (:mod:`.steady`; no Observation is made for it), else the full
+        completion's, of the observation ``Pending.complete`` would make on this input."""
+        values = transfer.values()  # (the one transfer point)
         norms = values[:k] if launched is None or launched.identity else launched._order(values)  # (launched.resolve)
         value = values[k] if loss_t is not None else None
         if seen_nothing and (value is None or value - value == 0.0):  # (a finite loss: inf - inf and NaN are NaN)
@@ -167,22 +178,25 @@ def later(m, step: int, loss, optimizer, d) -> Launch | None:
                 return steady.finish(m, template, step, optimizer, with_grad, norms, value, updates, steps_ran,
                                      after_step, discarded, False)
         _fetched(values[k:], loss_t is not None, updates, sizes)  # (observe's, on this input)
-        launch.__dict__.update(reeval=False, steps_ran=steps_ran, after_step=after_step, output_grad=output_grad,
-                               discarded=discarded, counts=None, setup=setup, calls=calls, seen=seen, lean=lean)
-        launch.obs = _OBSERVATION(idx=idx, norm_of=steady.entry_norms(norms, n, with_grad), loss=value, valid={}, updates=updates,
-                            scale=None, sharded=set(), with_grad=with_grad, norms=norms, slices={}, holders={}, pieces={},
-                            ex_parts={}, loss_cause=cause, eval_record=record, stale=stale, local=False)
-        return None
+        full = launch if launch is not None else _made(step, sel, optimizer, transfer, lean)
+        full.__dict__.update(reeval=False, steps_ran=steps_ran, after_step=after_step, output_grad=output_grad,
+                             discarded=discarded, counts=None, setup=setup, calls=calls, seen=seen)
+        full.obs = _OBSERVATION(idx=idx, norm_of=steady.entry_norms(norms, n, with_grad), loss=value, valid={}, updates=updates,
+                                scale=None, sharded=set(), with_grad=with_grad, norms=norms, slices={}, holders={}, pieces={},
+                                ex_parts={}, loss_cause=cause, eval_record=record, stale=stale, local=False)
+        return m._complete(full)
 
-    launch.lean = lean
     last = m.last_report  # (due_test: a steady report's frozen names have no gradient)
     t.arm(step, judged, last is not None and (carry.still > 0 or last.frozen_names != [] and due_test(carry, last))
           or False in requires and not all(map(requires.__getitem__, with_grad)))
     if not after_step:  # (carry.stage)
         carry.witnesses, carry.witness_step = seen if with_grad else witnesses(params, with_grad), step
-    if d.guarding:  # (Deferred._guard: decided on the device at launch)
+    if d.guarding:  # (Deferred._guard: decided on the device at launch; its finding needs the Launch)
+        launch = _made(step, sel, optimizer, transfer, lean)
         d._guard(launch, packed[:k])  # (launched.norms_part(): a view, no kernel)
-    return launch
+        return launch
+    lean.step = step  # (``Deferred.launched_at``)
+    return lean
 
 
 def build(m, step: int, loss, optimizer):
