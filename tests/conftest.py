@@ -67,15 +67,15 @@ def pytest_configure(config):
 #: 2026-12-07, the files of 5 s or more): only their order matters, longest first. A file not listed
 #: (they took under 5 s) counts DEFAULT_SECONDS.
 FILE_SECONDS = {
-    "test_deepspeed.py": 113, "test_docs_frameworks.py": 96, "test_lightning_ddp.py": 66, "test_replicas.py": 62,
-    "test_fabric_ddp.py": 57, "test_procs.py": 53, "test_launch_budget.py": 52, "test_meshes.py": 52,
-    "test_distributed.py": 46, "test_bench_command.py": 43, "test_leave_on.py": 36, "test_docs.py": 30,
+    "test_deepspeed.py": 113, "test_docs_frameworks.py": 96, "test_lightning_ddp.py": 66, "test_replicas.py": 13,
+    "test_fabric_ddp.py": 57, "test_procs.py": 53, "test_launch_budget.py": 52, "test_meshes.py": 17,
+    "test_distributed.py": 7, "test_bench_command.py": 43, "test_leave_on.py": 36, "test_docs.py": 30,
     "test_idioms.py": 28, "test_demo.py": 25, "test_cli_configs.py": 24, "test_transformers.py": 24,
     "test_transformers_ddp.py": 18, "test_gpu_check.py": 18, "test_docs_output.py": 17, "test_deepspeed_ops.py": 16,
     "test_tensorboard.py": 15, "test_tensorboard_cost.py": 13, "test_accelerate_ddp.py": 13,
-    "test_reduce_places.py": 12, "test_lrstory.py": 12, "test_fitted.py": 12, "test_report_robust.py": 11,
+    "test_reduce_places.py": 5, "test_lrstory.py": 12, "test_fitted.py": 12, "test_report_robust.py": 11,
     "test_real_models.py": 10, "test_install.py": 9, "test_patience.py": 9, "test_instruction_budget.py": 9,
-    "test_trl.py": 9, "test_docs_site.py": 8, "test_trace_clean.py": 8, "test_robust_hooks.py": 7,
+    "test_trl.py": 9, "test_docs_site.py": 8, "test_trace_clean.py": 8, "test_robust_hooks.py": 5,
     "test_imports.py": 7, "test_fastai.py": 6, "test_deferred.py": 6,
 }
 DEFAULT_SECONDS = 2.0

@@ -1,5 +1,6 @@
 """Worker functions for the multi-process tests (spawned: they must live in an importable module)."""
 
+import gc
 import json
 import math
 import os
@@ -41,6 +42,9 @@ class Partly(nn.Module):
 
 
 def run(rank, world, port, out, scenario):
+    # What the fork server imported is never garbage: out of the collector's sight (its passes and
+    # gc.get_referrers, which the monitor's wrapper lookup calls, walk only what this rank makes).
+    gc.freeze()
     try:
         _init(rank, world, port)
         warnings.simplefilter("ignore")

@@ -1,6 +1,7 @@
 """Two gloo ranks under DDP with a failure injected into each DDP hook the monitor owns (spawned by
 tests/test_robust_hooks.py: the worker must live in an importable module)."""
 
+import gc
 import json
 import os
 import traceback
@@ -19,6 +20,7 @@ def _boom(*args, **kwargs):
 
 
 def run(rank, world, port, out):
+    gc.freeze()  # (what the fork server imported: out of the collector's sight, as in tests/dist_workers.py)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         torch.set_num_threads(1)

@@ -18,9 +18,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # once in multiprocessing's fork server; each rank is forked from it: a fresh process that has run
 # nothing yet (the server only imports), without the seconds of CPU a spawned rank spends importing
 # (two ranks a test, about a hundred tests). The server forks, so it holds no thread (OMP_NUM_THREADS=1).
+# torch._dynamo: DDP's constructor and the optimizers import it at first use (about 0.8 s of CPU a rank).
 PRELOAD = ["dist_workers", "replica_workers", "mesh_workers", "clip_workers", "accum_workers", "reduce_workers",
            "nanochat_port", "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-           "torch.distributed.device_mesh", "torch.nn.parallel",
+           "torch.distributed.device_mesh", "torch.nn.parallel", "torch._dynamo", "torch.profiler._cupti_monitor",
+           "torch.distributed.algorithms.ddp_comm_hooks",
            # (gradhealth's public names load at first use: loaded here, not again in every rank)
            *(f"gradhealth.{m}" for m in ("monitor", "brief", "classify", "replay", "testing", "trace", "history"))]
 

@@ -97,8 +97,10 @@ def test_failing_ddp_hooks_never_break_a_two_rank_run(tmp_path):
     import procs
     import robust_workers
     from conftest import free_port
+    from test_distributed import _fork_server
 
-    ctx = procs.spawn(robust_workers.run, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    _fork_server()  # (the ranks forked from the distributed tests' fork server: torch, gradhealth imported once)
+    ctx = procs.spawn(robust_workers.run, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="forkserver")
     if not procs.join(ctx, 180):  # (killed on a hang, a failure, a timeout or Ctrl-C)
         pytest.fail("the ranks did not finish in 180s (a hang)")
     for r in range(2):
