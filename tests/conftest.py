@@ -67,7 +67,7 @@ def pytest_configure(config):
 #: 2026-12-07, the files of 5 s or more): only their order matters, longest first. A file not listed
 #: (they took under 5 s) counts DEFAULT_SECONDS.
 FILE_SECONDS = {
-    "test_deepspeed.py": 113, "test_docs_frameworks.py": 96, "test_lightning_ddp.py": 66, "test_replicas.py": 13,
+    "test_deepspeed.py": 70, "test_docs_frameworks.py": 96, "test_lightning_ddp.py": 66, "test_replicas.py": 13,
     "test_fabric_ddp.py": 57, "test_procs.py": 53, "test_launch_budget.py": 52, "test_meshes.py": 17,
     "test_distributed.py": 7, "test_bench_command.py": 43, "test_leave_on.py": 36, "test_docs.py": 30,
     "test_idioms.py": 28, "test_demo.py": 25, "test_cli_configs.py": 24, "test_transformers.py": 24,

@@ -126,6 +126,7 @@ def run(stage: int, precision: str, kind: str) -> dict:
     out["oracle"] = []
 
     def steps():
+        before = first  # (the masters after a step are the next step's before: nothing moves them in between)
         for step in range(STEPS):
             x, y = batch(step, precision)
             pred = engine(x).float()
@@ -135,7 +136,6 @@ def run(stage: int, precision: str, kind: str) -> dict:
             engine.backward(loss)
             report = monitor.check(loss=loss)
             out["oracle"].append(full_grads(engine))
-            before = masters_of(engine)
             engine.step()
             after = masters_of(engine)
             out["losses"].append(float(loss))
@@ -146,6 +146,7 @@ def run(stage: int, precision: str, kind: str) -> dict:
             out["names"] = list(report.status)
             out["status"] = {k: v.value for k, v in report.status.items()}
             out["true_updates"].append([float((a - b).norm()) for a, b in zip(after, before)])
+            before = after
 
     drive(monitor, keep, out, steps)
     out["skipped_steps"] = engine.skipped_steps

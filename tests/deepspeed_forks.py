@@ -7,10 +7,12 @@ in ROOT/CASE.log (the logs of the cases that failed printed, and the exit status
 fresh as ``python tests/deepspeed_hf.py ROOT/CASE.json CASE`` would be, without importing the stack again
 (about 4 s of CPU a case); DeepSpeed's ``init_distributed``, gloo and the engine run in it alone, on its own
 MASTER_PORT (PORT). They share this process's session: a test that kills the session (tests/procs.py) kills
-them too."""
+them too. tests/test_deepspeed.py runs them as tests/deepspeed_ranks.py's last launch (``hf``), from the process
+that forked its DeepSpeed ranks before."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -55,6 +57,7 @@ def _fork(root: str, case: str, port: int) -> int:
 
 def main(argv: list[str]) -> int:
     assert not [m for m in sys.modules if m.split(".")[0] == "gradhealth"], "the fork server imported gradhealth"
+    gc.freeze()  # (the imports' objects: never collected again, so no case's collections walk them)
     root, cases, failed = argv[0], [a.split("@") for a in argv[1:]], []
     for k in range(0, len(cases), 2):
         pids = {_fork(root, case, int(port)): case for case, port in cases[k:k + 2]}

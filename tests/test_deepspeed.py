@@ -1,8 +1,8 @@
 """DeepSpeed on the CPU (gloo), as its users write the loop: ``deepspeed.initialize``, then
 ``engine.backward(loss)``, ``monitor.check(loss=loss)``, ``engine.step()``, at ZeRO stages 0-3 in
 fp32 and bf16, on one process and on two. The runs are tests/deepspeed_cases.py (and its siblings, all
-one launch a world size: tests/deepspeed_many.py, its two ranks forked by tests/deepspeed_ranks.py) in processes of
-their own (DeepSpeed initialises torch.distributed); each case's premise is asserted before the
+one launch a world size, their processes forked by tests/deepspeed_ranks.py, each running tests/deepspeed_many.py)
+in processes of their own (DeepSpeed initialises torch.distributed); each case's premise is asserted before the
 verdict: the healthy loss falls on a held-out batch, the planted bug is there (the engine's own
 skipped-step count, masters that never move, a learning rate of 0, a frozen layer).
 """
@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -40,35 +41,53 @@ def _env() -> dict:
     return env
 
 
-def _launch(root: Path, ranks: int, scripts: dict[str, list[str]]) -> dict[str, list[dict]]:
-    """The scripts' cases in one launch (tests/deepspeed_many.py: one process, or two ranks forked as
-    torchrun would start them from one process that imported DeepSpeed: tests/deepspeed_ranks.py; DeepSpeed
-    imported once for all the cases of a rank); each script's results, one dict a rank."""
-    outs = {name: root / f"{name}.json" for name in scripts}
-    argv = [a for name, cases in scripts.items() for a in ("--", name, str(outs[name]), *cases)][1:]
-    port = str(free_port())  # (a free port: other DeepSpeed runs may share the machine)
-    launcher = [sys.executable, str(HERE / "deepspeed_many.py")] if ranks == 1 else [
-        sys.executable, str(HERE / "deepspeed_ranks.py"), str(ranks), port]
-    proc = procs.run([*launcher, *argv], env=dict(_env(), MASTER_PORT=port), capture_output=True, text=True,
-                     timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {name: [json.loads(p.read_text()) for p in [out] + [Path(f"{out}.rank{r}") for r in range(1, ranks)]]
-            for name, out in outs.items()}
+def _outs(root: Path, scripts: dict[str, list[str]]) -> dict[str, Path]:
+    return {name: root / f"{name}.json" for name in scripts}
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """The one-process cases of this file (deepspeed_cases.py's, then deepspeed_accum_cases.py's) in one process."""
-    return _launch(tmp_path_factory.mktemp("ds1"), 1, {"deepspeed_cases": ONE,
-                                                        "deepspeed_accum_cases": [*ACCUM, *ACCUM_BUGS, "experts-1"]})
+def launches(tmp_path_factory):
+    """The one-process cases of this file (deepspeed_cases.py's, then deepspeed_accum_cases.py's), then its
+    two-rank cases (deepspeed_cases.py's, deepspeed_accum_cases.py's, deepspeed_window.py's): two launches, one
+    after the other, each its own world, port and processes, forked as torchrun would start them from one process
+    that imported DeepSpeed (tests/deepspeed_ranks.py; each rank runs tests/deepspeed_many.py, DeepSpeed imported
+    once for all of them); then, where Transformers and Accelerate are installed, the HF stack's cases (the hf
+    fixture's). Each launch's folder and scripts, and the launcher's output."""
+    worlds = {1: (tmp_path_factory.mktemp("ds1"), {"deepspeed_cases": ONE,
+                                                   "deepspeed_accum_cases": [*ACCUM, *ACCUM_BUGS, "experts-1"]}),
+              2: (tmp_path_factory.mktemp("ds2"), {"deepspeed_cases": TWO, "deepspeed_accum_cases": ACCUM_TWO,
+                                                   "deepspeed_window": WINDOW})}
+    argv = []
+    for ranks, (root, scripts) in worlds.items():
+        outs = _outs(root, scripts)  # (a free port each: other DeepSpeed runs may share the machine)
+        argv += ["+++", str(ranks), str(free_port()),
+                 *[a for name, cases in scripts.items() for a in ("--", name, str(outs[name]), *cases)][1:]]
+    if find_spec("transformers") and find_spec("accelerate"):  # (the HF stack's cases: the hf fixture's)
+        worlds["hf"] = (tmp_path_factory.mktemp("dshf"), {})
+        argv += ["+++", "hf", str(worlds["hf"][0]), *(f"{c}@{free_port()}" for c in HF)]
+    proc = procs.run([sys.executable, str(HERE / "deepspeed_ranks.py"), *argv[1:]], env=_env(), capture_output=True,
+                     text=True, timeout=900)
+    return worlds, proc
+
+
+def _results(launches, ranks: int) -> dict[str, list[dict]]:
+    """One launch's results, each script's one dict a rank (its own failure if it failed: the other's stand)."""
+    worlds, proc = launches
+    root, scripts = worlds[ranks]
+    outs = _outs(root, scripts)
+    paths = {name: [out] + [Path(f"{out}.rank{r}") for r in range(1, ranks)] for name, out in outs.items()}
+    assert all(p.exists() for ps in paths.values() for p in ps), proc.stdout[-6000:] + proc.stderr[-3000:]
+    return {name: [json.loads(p.read_text()) for p in ps] for name, ps in paths.items()}
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """The two-rank cases of this file (deepspeed_cases.py's, deepspeed_accum_cases.py's, deepspeed_window.py's)
-    in one torchrun of two ranks."""
-    return _launch(tmp_path_factory.mktemp("ds2"), 2, {"deepspeed_cases": TWO, "deepspeed_accum_cases": ACCUM_TWO,
-                                                        "deepspeed_window": WINDOW})
+def single(launches):
+    return _results(launches, 1)
+
+
+@pytest.fixture(scope="module")
+def pair(launches):
+    return _results(launches, 2)
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +101,15 @@ def two(pair):
 
 
 @pytest.fixture(scope="module")
-def hf(tmp_path_factory):
+def hf(launches):
     """One process per case (Accelerate allows one DeepSpeed Accelerator a process), two at a time, each
-    forked from one that imported DeepSpeed, Transformers and Accelerate (tests/deepspeed_forks.py)."""
+    forked from the launches' process once it has imported Transformers and Accelerate too (tests/deepspeed_forks.py)."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    root = tmp_path_factory.mktemp("dshf")
-    proc = procs.run([sys.executable, str(HERE / "deepspeed_forks.py"), str(root), *(f"{c}@{free_port()}" for c in HF)],
-                     env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    return {k: v for case in HF for k, v in json.loads((root / f"{case}.json").read_text()).items()}
+    worlds, proc = launches
+    paths = [worlds["hf"][0] / f"{case}.json" for case in HF]
+    assert all(p.exists() for p in paths), proc.stdout[-6000:] + proc.stderr[-3000:]
+    return {k: v for p in paths for k, v in json.loads(p.read_text()).items()}
 
 
 def _kinds(case: dict, kind: str) -> list[tuple]:
