@@ -1,5 +1,6 @@
 """The demo's planted bugs, each identified at the right stage; the healthy run silent."""
 
+import json
 import math
 import os
 import subprocess
@@ -84,9 +85,18 @@ def _lines_ok(text: str, width: int = 100, path: str = "\0") -> None:
     assert max(len(line) for line in lines) <= width, max(lines, key=len)
 
 
+@pytest.fixture(scope="module")
+def lightning_demo(tmp_path_factory, gradhealth_command):
+    """``gradhealth demo --steps 4 --logdir DIR`` once (the 12 scenarios, 53 s on busy cores), and DIR:
+    its output is read by the test below, its TensorBoard logs by ``gradhealth report``'s test after
+    it (one run of the same command for both, not two). Neither test writes to DIR."""
+    logdir = tmp_path_factory.mktemp("demo_logs")
+    return gradhealth_command("demo", "--steps", "4", "--logdir", str(logdir)), logdir
+
+
 @pytest.mark.slow  # (the 12 scenarios in a process of their own: 53 s on busy cores)
-def test_demo_command_runs_the_lightning_scenarios(tmp_path, gradhealth_command):
-    res = gradhealth_command("demo", "--steps", "4", "--logdir", str(tmp_path))
+def test_demo_command_runs_the_lightning_scenarios(lightning_demo):
+    res, tmp_path = lightning_demo
     assert res.returncode == 0, res.stderr
     out = res.stdout
     for words in ["GradModeError", "UNEXPECTED_FROZEN", "NOT_IN_OPTIMIZER", "STALE_GRAD", "NOT_UPDATED", "EMPTY_VALID_SET",
@@ -110,6 +120,29 @@ def test_demo_command_runs_the_lightning_scenarios(tmp_path, gradhealth_command)
     assert verdicts["not_in_optimizer"].startswith("2 NOT_IN_OPTIMIZER") and "NONFINITE_ORIGIN" in verdicts["nan_batch"]
     runs = {d for d in os.listdir(tmp_path)}
     assert {"none", "nan_batch", "frozen"} <= runs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_report_on_the_demo_logs_names_the_planted_problems(lightning_demo, gradhealth_command):
+    """``gradhealth report`` on the TensorBoard logs the demo command wrote (the run above; from
+    tests/test_tensorboard.py, which ran the same command again for its logs)."""
+    res, tmp_path = lightning_demo
+    assert res.returncode == 0, res.stderr
+    rep = gradhealth_command("report", str(tmp_path), "--format", "json", timeout=120)
+    items = json.loads(rep.stdout)
+    kinds = {(i["run"].split(os.sep)[0], i["kind"]) for i in items}
+    for expected in [("not_in_optimizer", "NOT_IN_OPTIMIZER"), ("lr_zero", "NOT_UPDATED"), ("all_masked", "EMPTY_VALID_SET"),
+                     ("missing_zero_grad", "STALE_GRAD"), ("frozen", "UNEXPECTED_FROZEN"), ("eval_mode", "GRAD_MODE"),
+                     ("nan_batch", "NON_FINITE_GRAD"), ("division_by_zero", "NON_FINITE_GRAD"), ("detached", "STOPPED")]:
+        assert expected in kinds, expected
+    assert not [i for i in items if i["run"].startswith("none")]
+    nan = next(i for i in items if i["run"].startswith("nan_batch") and i["kind"] == "NON_FINITE_GRAD")
+    assert nan["step"] == 2 and "reproduced" in nan["detail"]
+    where = next(i for i in items if i["run"].startswith("mask_after_divide") and i["kind"] == "NON_FINITE_GRAD")
+    assert "module 'norm', at DivBackward0" in where["detail"]
+    csv_out = gradhealth_command("report", str(tmp_path), "--format", "csv", timeout=120).stdout
+    assert csv_out.splitlines()[0] == "run,kind,step,detail,names"
 
 
 @pytest.mark.slow  # (over 10 s: make test runs it, make test-fast does not)
