@@ -37,7 +37,6 @@ that one flag (a synchronisation) and says so once.
 from __future__ import annotations
 
 import logging
-import types
 import warnings
 from dataclasses import dataclass
 
@@ -57,7 +56,6 @@ from .hooks import guarded
 __all__ = ["Launch", "Transfer", "Deferred", "due_test"]
 
 log = logging.getLogger("gradhealth")
-_PLAIN = types.FunctionType  # (the check in flight: a Launch, or a plain check's closure, see ``complete``)
 
 
 @dataclass
@@ -79,7 +77,7 @@ class Launch:
     setup: tuple | None = None  # (deferred) the optimizers' ids, all inside, every requires_grad: as launched
     calls: list | None = None  # the loop's calls into the model since the check before (:mod:`.calls`)
     seen: list | None = None  # (deferred, a plain check's) its gradients' witnesses, taken at launch (:mod:`.quiet`)
-    lean: object = None  # (deferred, a plain guarded check's) () -> its report, its numbers read then (:mod:`.quiet`)
+    lean: object = None  # (deferred, a plain check's, where a Launch was made for it) () -> its report (:mod:`.quiet`)
 
 
 def due_test(carry, report) -> bool:
@@ -270,7 +268,7 @@ class Deferred:
         """The report of the check in flight (its numbers read now: their copy finished long ago)."""
         launch, self.inflight, m = self.inflight, None, self.monitor
         self._step = launch.step
-        if launch.__class__ is _PLAIN:  # (a plain check's, unguarded: `gradhealth.quiet`'s closure, its report)
+        if launch.__class__ is not Launch:  # (a plain check's, unguarded: `gradhealth.quiet`'s closure, its report)
             m.last_report = report = launch()
             m.carry.checks += 1
             return report

@@ -158,8 +158,7 @@ def later(m, step: int, loss, optimizer, d):
     # (Deferred.check's part after a plain launch: one process, no DDP hooks' numbers)
     requires = list(map(_REQUIRES_GRAD, params))
     setup = (v.optimizer_ids(), v.all_inside, requires) if optimizer is None else (sel.opt_ids, None, requires)
-    # on the CPU the packed numbers are on the host already: no copy, no Transfer made (the usual small model)
-    transfer = deferred.Transfer(packed, d.pinned)
+    transfer = deferred.Transfer(packed, d.pinned)  # (on the CPU: the packed numbers, on the host already)
     launch = None  # (made where its guard or the full completion needs one: `_made`)
 
     def lean():

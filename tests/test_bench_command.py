@@ -20,12 +20,11 @@ def bench():
     """One ``gradhealth bench`` with every section these tests read, as a user would run it: the
     counts section at its default steps (the counts do not depend on the other options), the
     timed ones on one shape and one round. (Three commands before: each its own interpreter's
-    start-up and imports, the same sections. The deltas and tracer sections, which no test here
-    reads, are left out (the tracer's: a forward+backward of a 8.4M-parameter MLP
-    at batch 256 nine times, three of them under detect_anomaly).)"""
+    start-up and imports, the same sections.) The deltas and tracer sections run too: only that
+    they run and print their rows is asserted."""
     return procs.run(
         [sys.executable, "-m", "gradhealth", "bench", "--shapes", "0", "--rounds", "1", "--count-steps", "9",
-         "--sections", "counts,checks,distributed"],
+         "--sections", "counts,checks,deltas,tracer,distributed"],
         capture_output=True, text=True, timeout=840
     )
 
@@ -48,6 +47,8 @@ def test_bench_command_runs_and_prints_ratios(bench):
     assert res.returncode == 0, res.stderr
     for method in ("floor", "naive loop", "check()", "x floor"):
         assert method in res.stdout
+    assert "update norms from the optimizer's rule vs an exact copy" in res.stdout  # (deltas)
+    assert "NaN tracer: one forward+backward" in res.stdout and "tracer armed" in res.stdout  # (tracer)
 
 
 def test_bench_distributed_section_runs(bench):

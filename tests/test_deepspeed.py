@@ -22,7 +22,7 @@ import procs
 
 pytest.importorskip("deepspeed")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # (the `launches` fixture: three launches in one setup)
 
 HERE = Path(__file__).parent
 NAMES = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "head.weight", "head.bias"]
