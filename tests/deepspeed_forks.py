@@ -15,8 +15,9 @@ from __future__ import annotations
 import gc
 import os
 import sys
-import traceback
 import warnings
+
+import procs  # (tests/procs.py: a fork server's children)
 
 warnings.simplefilter("ignore")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # (as tests/deepspeed_hf.py sets them, before DeepSpeed's import)
@@ -34,25 +35,13 @@ import transformers.trainer  # noqa: E402,F401
 
 
 def _fork(root: str, case: str, port: int) -> int:
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        log = os.open(os.path.join(root, f"{case}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
+    def body():
         os.environ["MASTER_PORT"] = str(port)
         import deepspeed_hf
 
         deepspeed_hf.main([os.path.join(root, f"{case}.json"), case])
-        code = 0
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+
+    return procs.forked(os.path.join(root, f"{case}.log"), body)
 
 
 def main(argv: list[str]) -> int:

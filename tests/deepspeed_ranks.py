@@ -21,8 +21,9 @@ import os
 import signal
 import sys
 import threading
-import traceback
 import warnings
+
+import procs  # (tests/procs.py: a fork server's children)
 
 warnings.simplefilter("ignore")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -37,26 +38,14 @@ import deepspeed.ops.adam  # noqa: E402,F401
 
 
 def _rank(rank: int, world: int, port: str, log: str, argv: list[str]) -> int:
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
+    def body():
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                           GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         import deepspeed_many
 
         deepspeed_many.main(argv)
-        code = 0
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+
+    return procs.forked(log, body)
 
 
 def main(argv: list[str]) -> int:

@@ -16,7 +16,9 @@ import atexit
 import os
 import signal
 import subprocess
+import sys
 import time
+import traceback
 from contextlib import contextmanager
 
 _groups: dict[int, subprocess.Popen] = {}  # session (and process group) id -> its leader, while it may be alive
@@ -174,6 +176,28 @@ def _kill_pid(pid: int) -> None:
         os.waitpid(pid, 0)
     except (ProcessLookupError, ChildProcessError, PermissionError):
         pass
+
+
+def forked(log: str, body) -> int:
+    """Fork a child that writes its stdout and stderr to the file ``log``, runs ``body()`` and exits
+    with 0, or with 1 after printing the traceback, never returning into the code that forked it (a
+    fork server's child); the child's pid, to the parent."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        body()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def alive(pid: int) -> bool:
