@@ -61,6 +61,7 @@ class ManualClip(pl.LightningModule):
 
 
 def test_manual_optimization_with_clip_gradients_reports_preclip_norms():
+    torch.manual_seed(0)  # (the data is seeded; the weights too, whatever ran before in this worker)
     module, keep = ManualClip(), Keep()
     cb = GradHealthCallback(on_problem="raise", sinks=[keep], log=False)
     fit(module, [cb], steps=24)
@@ -180,6 +181,7 @@ def test_accumulation_replay_names_the_micro_batch_that_made_the_nan():
 
 
 def test_accumulation_without_a_nan_is_silent_under_raise_and_learns():
+    torch.manual_seed(0)  # (the data is seeded; the weights too, whatever ran before in this worker)
     losses = []
 
     class Losses(pl.Callback):
