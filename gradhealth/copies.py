@@ -48,10 +48,11 @@ class Copies:
         self.names: frozenset[str] = frozenset()
         self.params: list = []
         self.ordered: tuple[str, ...] = ()  # their names, in the model's order
-        self.marks: tuple = ((), ())  # (versions, storages) at the last look
+        self.versions: list = []  # their version counters at the last look
+        self.storages: list = []  # and their storages
         self.first: int | None = None  # the step at which this set was first seen
         self.moved: int | None = None  # the first step by which a write was seen
-        self.count = 0  # checks since this set was first seen
+        self.count = 0  # checks since this set was first seen (that look at values: see :meth:`see`)
         self.values: list | None = None  # their norms when first seen
         self._words: str = ""
         self._said: Finding | None = None  # the last finding made (made again only when what it says changes)
@@ -79,18 +80,19 @@ class Copies:
             self.names, self.first, self.moved, self.count, self._words = names, step, None, 0, ""
             inside = list(map(names.__contains__, all_names))
             self.params, self.ordered = list(compress(params, inside)), tuple(compress(all_names, inside))
-            self.marks = (list(map(_VERSION, self.params)), list(map(_STORAGE, self.params)))
+            self.versions, self.storages = list(map(_VERSION, self.params)), list(map(_STORAGE, self.params))
             self.values = self._values() if look else None
         elif self.moved is None:
-            self.count += 1
-            marks = (list(map(_VERSION, self.params)), list(map(_STORAGE, self.params)))
-            if marks != self.marks:
+            ps = self.params
+            if list(map(_VERSION, ps)) != self.versions or list(map(_STORAGE, ps)) != self.storages:
                 self.moved, self._words = step, ""
-            elif look and not self.count & (self.count - 1):  # (the 1st, 2nd, 4th, 8th ... check since)
-                values = self._values()
-                if self.values is not None and values != self.values:
-                    self.moved, self._words = step, ""
-                self.values = self.values if self.values is not None else values
+            elif look:
+                self.count = count = self.count + 1
+                if not count & (count - 1):  # (the 1st, 2nd, 4th, 8th ... check since)
+                    values = self._values()
+                    if self.values is not None and values != self.values:
+                        self.moved, self._words = step, ""
+                    self.values = self.values if self.values is not None else values
         if not self._words:  # (emptied at any change of the set or of what was seen: the finding made again)
             self._words, self._said = self._say(status, names), None
             log.info("gradhealth step %d: %s", step, self._words)  # (said once per change of what was seen)

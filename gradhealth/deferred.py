@@ -57,6 +57,8 @@ __all__ = ["Launch", "Transfer", "Deferred", "due_test"]
 
 log = logging.getLogger("gradhealth")
 
+_PLAIN = type(x for x in ())  # (a check in flight that is a plain check's generator, not a Launch: `gradhealth.quiet`)
+
 
 @dataclass
 class Launch:
@@ -77,7 +79,7 @@ class Launch:
     setup: tuple | None = None  # (deferred) the optimizers' ids, all inside, every requires_grad: as launched
     calls: list | None = None  # the loop's calls into the model since the check before (:mod:`.calls`)
     seen: list | None = None  # (deferred, a plain check's) its gradients' witnesses, taken at launch (:mod:`.quiet`)
-    lean: object = None  # (deferred, a plain check's, where a Launch was made for it) () -> its report (:mod:`.quiet`)
+    lean: object = None  # (deferred, a plain check's, where a Launch was made for it) its generator: next() -> its report (:mod:`.quiet`)
 
 
 def due_test(carry, report) -> bool:
@@ -144,10 +146,11 @@ class Deferred:
 
     def __init__(self, monitor):
         self.monitor = monitor
-        self.inflight: Launch | None = None  # (or a plain unguarded check's closure: its ``step``, called for its report)
+        self.inflight: Launch | None = None  # (or a plain unguarded check's generator: `gradhealth.quiet`)
         self._said_host_guard = False
         self._handles: dict = {}  # optimizer id -> the post-hook that takes the flag back after its step
         self._step = None  # the step of the check last completed
+        self._launched = None  # the step of the plain check in flight (`gradhealth.quiet`)
         self.pinned: dict = {}  # this monitor's pinned buffers (:class:`Transfer`)
         self.early = None  # a report completed before a rebuild of the view (:meth:`settle`), not returned yet
         # a check completes in the call that launches the next one, after that one's forward (``traced``)
@@ -159,21 +162,30 @@ class Deferred:
         """Complete the check in flight (its report, or None), then launch this one (also when the
         one in flight failed: under torch.distributed every rank fails it together, and goes on).
         A failure in either is said as a synchronous check's is, and loses nothing else."""
-        done, m, launch = self.early, self.monitor, None
+        done, m, prior, launch = self.early, self.monitor, self.inflight, None
         if done is not None:
             self.early = None  # (settled before a rebuild: its report is this call's)
         try:
-            if self.inflight is not None:
+            if prior is not None:
                 try:
-                    done = self.complete()
+                    if prior.__class__ is _PLAIN:  # (a plain check's, unguarded: its report, kept and counted)
+                        self.inflight = None
+                        done = next(prior)
+                    else:
+                        done = self.complete()
                 except GradHealthError:
                     raise
                 except Exception as exc:  # (as a synchronous check's failure: said, and training goes on)
-                    _said(self._step, exc, 5)
-            launch = m._later(step, loss, optimizer, self) if m._steady else None  # (a plain check, all of it: `gradhealth.quiet`)
-            if launch is not None:
-                self.inflight = launch
-                return done
+                    _said(self._launched if prior.__class__ is _PLAIN else prior.step, exc, 5)
+            if m._steady:  # (a plain check, all of it: `gradhealth.quiet`)
+                plain = m._later(step, loss, optimizer, self)
+                launch = next(plain, None)  # (None: not a plain check, nothing changed)
+                if launch is not None:
+                    if launch is True:
+                        self.inflight, self._launched = plain, step
+                    else:  # (its step guard's Launch, holding it)
+                        self.inflight, launch.lean = launch, plain
+                    return done
             launch = m._launch(step, loss, optimizer, deferred=True)
             pending = launch.obs  # (not a Pending: this rank's observation failed; it joins the ranks flagged, later)
             if type(pending) is Pending:
@@ -234,7 +246,8 @@ class Deferred:
 
     def launched_at(self, step) -> bool:
         """Whether the check in flight was launched at ``step`` (the adapters keep what it saw)."""
-        return self.inflight is not None and self.inflight.step == step
+        inflight = self.inflight
+        return inflight is not None and (self._launched if inflight.__class__ is _PLAIN else inflight.step) == step
 
     def settle(self) -> None:
         """Before the monitor's view of the parameters is rebuilt: complete the check in flight now,
@@ -267,14 +280,13 @@ class Deferred:
     def complete(self):
         """The report of the check in flight (its numbers read now: their copy finished long ago)."""
         launch, self.inflight, m = self.inflight, None, self.monitor
+        if launch.__class__ is _PLAIN:  # (a plain check's, unguarded: `gradhealth.quiet`'s generator, its report kept and counted)
+            self._step = self._launched
+            return next(launch)
         self._step = launch.step
-        if launch.__class__ is not Launch:  # (a plain check's, unguarded: `gradhealth.quiet`'s closure, its report)
-            m.last_report = report = launch()
-            m.carry.checks += 1
-            return report
-        lean = launch.lean  # (a plain check's, guarded: the same closure, the Launch its guard needs)
+        lean = launch.lean  # (a plain check's, guarded: the same generator, in the Launch its guard needs)
         if lean is not None:
-            report = lean()
+            report = next(lean)  # (kept and counted)
         else:
             report, pending = None, launch.obs
             values = launch.transfer.values()  # (the one transfer point)
@@ -287,8 +299,8 @@ class Deferred:
                     if not m.ranks.active:
                         raise  # (the other ranks must not be left waiting in the collective: joined, flagged)
                     launch.obs, m._failed = failed_observation(m.view, launch.sel, *pending.asked), exc
-        m.last_report = report = report if lean is not None else m._complete(launch)
-        m.carry.checks += 1
+            m.last_report = report = m._complete(launch)
+            m.carry.checks += 1
         if self.guarding:
             self._guard_finding(report, launch)
         return report

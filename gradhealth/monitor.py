@@ -175,6 +175,7 @@ class GradHealth:
         return report
 
     _steady, _template = True, None  # (False: every check takes the full path; the tests compare the two)
+    _steady_report = False  # (deferred) the last report the steady completion made (:mod:`.quiet`)
 
     _members = lambda self: group_members(self.view.pids, self.optimizers)  # noqa: E731
     _verify = lambda self, opt: verify_step(self, opt)  # noqa: E731 (:mod:`.replicas`)

@@ -13,8 +13,8 @@ completion (``GradHealth._complete``), given the observation the full launch mak
 
 :func:`later` is the same for a plain deferred check (``lag=1``), fused with ``Deferred.check``'s part
 after the launch (the copy to the host, the setup, the arming of its step, the staged witnesses,
-the step guard): what is in flight is one closure, which ``Deferred.complete`` calls at the next
-check to read the numbers back and make the report (the steady one, else the full completion's, of
+the step guard): what is in flight is the generator itself, suspended after the launch with its
+locals; ``Deferred`` resumes it at the next check to read the numbers back and make the report (the steady one, else the full completion's, of
 the observation it makes then): no ``Pending`` is made for a plain check, and no ``Launch`` unless
 its guard or the full completion needs one.
 """
@@ -92,31 +92,37 @@ def _fetched(flat: list[float], loss: bool, updates: list, sizes: list[int]) -> 
         k += size
 
 
-def _made(step: int, sel, optimizer, transfer, lean) -> Launch:
+def _made(step: int, sel, optimizer, transfer) -> Launch:
     """The Launch of a plain deferred check: what its completion, its guard and ``Deferred.launched_at`` read."""
     launch = _NEW(Launch)
     launch.step, launch.sel, launch.optimizer, launch.obs, launch.ranks = step, sel, optimizer, None, None
     launch.transfer = transfer
-    launch.lean = lean
+    launch.lean = None  # (a guarded check's: its generator, set by ``Deferred.check``)
     return launch
 
 
 def later(m, step: int, loss, optimizer, d):
     """A plain check launched for a later read (``launch.launch(deferred=True)`` on that input, its
-    ``Pending`` observation completed by ``Deferred.complete``): the closure that makes its report
-    (its ``step`` set), or with the step guard on the ``Launch`` holding it; None: not a plain
-    check, nothing changed.
+    ``Pending`` observation completed by ``Deferred.complete``), as a generator that runs in two
+    parts, its locals kept between them (no closure, no object made to hold them): the first
+    ``next()`` launches the check and yields True, or with the step guard on the ``Launch`` the
+    guard needs; where it is not a plain check it ends there, nothing changed. The second
+    ``next()``, at the next check, reads its numbers back (the one transfer point) and yields its
+    report (kept and counted): the steady report where they make a steady check (:mod:`.steady`; no
+    Observation is made for it), else the full completion's, of the observation
+    ``Pending.complete`` would make on this input.
     ``d``: the :class:`.deferred.Deferred` launching it, whose part after the launch (``Deferred.check``:
     the transfer, the setup, the arming of its step, the witnesses staged) is done here too, on this input."""
     t, carry, v, ranks = m.tracker, m.carry, m.view, m.ranks
     if (t is None or t._in_step or t.ran.captured or ranks.active or ranks.ddp is not None or v.stacks
             or m.scaler is not None or carry.valid or carry.router is not None or carry.window.n or m.unstepped is not None):
-        return None  # (not a plain check)
-    # (launch(): were the armed check's gradients thrown away since? where no step ran since it)
-    discarded = carry._discarded() if not t.steps_since_check or any(map(_SCALER_FLAG, t.pending)) else None
+        return  # (not a plain check)
     sel = v.selection(optimizer)
     judged = [optimizer] if optimizer is not None else m.optimizers
     updates, steps_ran, t.pending = t.pending, t.steps_since_check, []
+    # (launch(): were the armed check's gradients thrown away since? where no step ran since it)
+    discarded = None if steps_ran and not updates else (
+        carry._discarded() if not steps_ran or any(map(_SCALER_FLAG, updates)) else None)
     t.witness.clear()
     stale = t.witness.take(v.entries, judged, len(judged) == 1)
     after_step, _ = t.ran.take(judged)  # (nothing captured: no step inside backward)
@@ -146,7 +152,6 @@ def later(m, step: int, loss, optimizer, d):
     else:
         launched = None  # (the norms first, in order, then the loss)
     k = len(grads)
-    n = len(params)
     cause = diagnose_loss(loss, m.model, carry.forward) if loss is not None else None
     record, carry.eval_backward = carry.eval_backward, None  # (carry.take_eval_backward)
     m._failed = None
@@ -159,43 +164,43 @@ def later(m, step: int, loss, optimizer, d):
     requires = list(map(_REQUIRES_GRAD, params))
     setup = (v.optimizer_ids(), v.all_inside, requires) if optimizer is None else (sel.opt_ids, None, requires)
     transfer = deferred.Transfer(packed, d.pinned)  # (on the CPU: the packed numbers, on the host already)
-    launch = None  # (made where its guard or the full completion needs one: `_made`)
-
-    def lean():
-        """The report of this check, its numbers read now (the one transfer point): the steady report
-        where they make a steady check (:mod:`.steady`; no Observation is made for it), else the full
-        completion's, of the observation ``Pending.complete`` would make on this input."""
-        values = transfer.values()  # (the one transfer point)
-        norms = values[:k] if launched is None or launched.identity else launched._order(values)  # (launched.resolve)
-        value = values[k] if loss_t is not None else None
-        if seen_nothing and (value is None or value - value == 0.0):  # (a finite loss: inf - inf and NaN are NaN)
-            template = steady.ready(m, sel, optimizer, with_grad, norms, None, value,
-                                    setup, True)
-            if template is not None:
-                if updates:
-                    _fetched(values[k:], loss_t is not None, updates, sizes)
-                return steady.finish(m, template, step, optimizer, with_grad, norms, value, updates, steps_ran,
-                                     after_step, discarded, False)
-        _fetched(values[k:], loss_t is not None, updates, sizes)  # (observe's, on this input)
-        full = launch if launch is not None else _made(step, sel, optimizer, transfer, lean)
-        full.__dict__.update(reeval=False, steps_ran=steps_ran, after_step=after_step, output_grad=output_grad,
-                             discarded=discarded, counts=None, setup=setup, calls=calls, seen=seen)
-        full.obs = _OBSERVATION(idx=idx, norm_of=steady.entry_norms(norms, n, with_grad), loss=value, valid={}, updates=updates,
-                                scale=None, sharded=set(), with_grad=with_grad, norms=norms, slices={}, holders={}, pieces={},
-                                ex_parts={}, loss_cause=cause, eval_record=record, stale=stale, local=False)
-        return m._complete(full)
-
-    last = m.last_report  # (due_test: a steady report's frozen names have no gradient)
-    t.arm(step, judged, last is not None and (carry.still > 0 or last.frozen_names != [] and due_test(carry, last))
-          or False in requires and not all(map(requires.__getitem__, with_grad)))
+    last = m.last_report  # (due_test of a steady report, made by the check before: its FROZEN names have no gradient)
+    due = carry.still > 0 if last is m._steady_report else last is not None and (
+        carry.still > 0 or last.frozen_names != [] and due_test(carry, last))
+    t.arm(step, judged, due or False in requires and not all(map(requires.__getitem__, with_grad)))
     if not after_step:  # (carry.stage)
         carry.witnesses, carry.witness_step = seen if with_grad else witnesses(params, with_grad), step
+    del grads, there, loss  # (not held while in flight: the loop frees them)
     if d.guarding:  # (Deferred._guard: decided on the device at launch; its finding needs the Launch)
-        launch = _made(step, sel, optimizer, transfer, lean)
+        launch = _made(step, sel, optimizer, transfer)
         d._guard(launch, packed[:k])  # (launched.norms_part(): a view, no kernel)
-        return launch
-    lean.step = step  # (``Deferred.launched_at``)
-    return lean
+        yield launch
+    else:
+        yield True
+    # (the next check: this one's report)
+    values = transfer.values()  # (the one transfer point)
+    norms = values[:k] if launched is None or launched.identity else launched._order(values)  # (launched.resolve)
+    value = values[k] if loss_t is not None else None
+    if seen_nothing and (value is None or value - value == 0.0):  # (a finite loss: inf - inf and NaN are NaN)
+        template = steady.ready(m, sel, optimizer, with_grad, norms, None, value, setup, True)
+        if template is not None:
+            if updates:
+                _fetched(values[k:], loss_t is not None, updates, sizes)
+            m.last_report = m._steady_report = report = steady.finish(
+                m, template, step, optimizer, with_grad, norms, value, updates, steps_ran, after_step, discarded, False)
+            m.carry.checks += 1
+            yield report
+            return
+    _fetched(values[k:], loss_t is not None, updates, sizes)  # (observe's, on this input)
+    full = _made(step, sel, optimizer, transfer)  # (a guarded check's too: its guard read nothing of its Launch)
+    full.__dict__.update(reeval=False, steps_ran=steps_ran, after_step=after_step, output_grad=output_grad,
+                         discarded=discarded, counts=None, setup=setup, calls=calls, seen=seen)
+    full.obs = _OBSERVATION(idx=idx, norm_of=steady.entry_norms(norms, len(params), with_grad), loss=value, valid={}, updates=updates,
+                            scale=None, sharded=set(), with_grad=with_grad, norms=norms, slices={}, holders={}, pieces={},
+                            ex_parts={}, loss_cause=cause, eval_record=record, stale=stale, local=False)
+    m.last_report = report = m._complete(full)
+    m.carry.checks += 1
+    yield report
 
 
 def build(m, step: int, loss, optimizer):
