@@ -136,6 +136,11 @@ class Transfer:
         return pair[0]
 
     def values(self) -> list[float]:
+        """The numbers, read: the deferred path's one read point. A Transfer's, its event waited for; or
+        (``Transfer.values(packed)``) a packed tensor's that is in host memory already (a CPU check's
+        plain launch makes no Transfer for it)."""
+        if self.__class__ is not Transfer:
+            return self.tolist()
         if self.event is not None:
             self.event.synchronize()  # (recorded a whole step ago: long complete)
         return self.host.tolist()

@@ -45,7 +45,7 @@ _OBSERVATION = quick(Observation)
 _IS, _NONE = operator.is_, repeat(None)
 _NEW = object.__new__
 _SCALER_FLAG = operator.attrgetter("scaler_flag")
-_STACK = torch.stack
+_STACK, _FOREACH_NORM, _F64 = torch.stack, torch._foreach_norm, torch.float64
 
 
 def _read(grads: Sequence[Tensor], plan, loss: Tensor | None = None) -> list[float] | None:
@@ -78,10 +78,13 @@ def _launch_later(grads: Sequence[Tensor], plan, loss: Tensor | None = None) -> 
     if plan is None or plan.single is not stats.exact_pieces or not plan.plain or not plan.later or stats.plan_key(grads) != plan.key \
             or loss is not None and (loss.dim() or not loss.is_floating_point()):
         return None
+    if grads[0].dtype is not _F64:  # (stats.exact_pieces of 32-bit and narrower gradients: one fused kernel)
+        norms = _FOREACH_NORM(grads, 2, dtype=_F64)
+        return _STACK(norms if loss is None else norms + (loss,))
     parts = stats.exact_pieces(grads)
     if loss is not None:
         parts.append(loss)
-    return _STACK(parts) if not parts[0].dim() else stats.joined(parts)  # (float64 gradients: one vector of norms)
+    return stats.joined(parts)  # (float64 gradients: one vector of norms)
 
 
 def _fetched(flat: list[float], loss: bool, updates: list, sizes: list[int]) -> None:
@@ -149,8 +152,11 @@ def later(m, step: int, loss, optimizer, d):
                 parts.append(packed)
         launched = stats.Launched(grads, parts, m._plan, later=True)
         m._plan, packed = launched.plan, launched.packed
+        transfer = deferred.Transfer(packed, d.pinned)
     else:
         launched = None  # (the norms first, in order, then the loss)
+        # (in host memory already, a CPU check's: read as they are, by the same read point, no copy)
+        transfer = packed if packed.device.type == deferred.Transfer.HOST else deferred.Transfer(packed, d.pinned)
     k = len(grads)
     cause = diagnose_loss(loss, m.model, carry.forward) if loss is not None else None
     record, carry.eval_backward = carry.eval_backward, None  # (carry.take_eval_backward)
@@ -163,7 +169,6 @@ def later(m, step: int, loss, optimizer, d):
     # (Deferred.check's part after a plain launch: one process, no DDP hooks' numbers)
     requires = list(map(_REQUIRES_GRAD, params))
     setup = (v.optimizer_ids(), v.all_inside, requires) if optimizer is None else (sel.opt_ids, None, requires)
-    transfer = deferred.Transfer(packed, d.pinned)  # (on the CPU: the packed numbers, on the host already)
     last = m.last_report  # (due_test of a steady report, made by the check before: its FROZEN names have no gradient)
     due = carry.still > 0 if last is m._steady_report else last is not None and (
         carry.still > 0 or last.frozen_names != [] and due_test(carry, last))
@@ -178,7 +183,7 @@ def later(m, step: int, loss, optimizer, d):
     else:
         yield True
     # (the next check: this one's report)
-    values = transfer.values()  # (the one transfer point)
+    values = deferred.Transfer.values(transfer)  # (the one transfer point)
     norms = values[:k] if launched is None or launched.identity else launched._order(values)  # (launched.resolve)
     value = values[k] if loss_t is not None else None
     if seen_nothing and (value is None or value - value == 0.0):  # (a finite loss: inf - inf and NaN are NaN)

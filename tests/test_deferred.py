@@ -505,7 +505,10 @@ def test_a_launch_that_fails_inside_keeps_the_report_completed_before_it(monkeyp
     def broken(*args, **kwargs):
         raise RuntimeError("planted failure at launch")
 
-    monkeypatch.setattr(deferred, "Transfer", broken)
+    from gradhealth import quiet
+
+    monkeypatch.setattr(deferred.Transfer, "__init__", broken)
+    monkeypatch.setattr(quiet, "_launch_later", broken)  # (a plain check's launch, whose CPU numbers need no Transfer)
     ((model(x) - x[:, :1]) ** 2).mean().backward()
     with pytest.warns(gh.GradHealthInternalWarning, match="check at step 1 failed internally.*planted failure"):
         with pytest.raises(gh.GradHealthError, match="NOT_IN_OPTIMIZER"):  # step 0's verdict, not lost with step 1's launch
