@@ -48,8 +48,7 @@ class Copies:
         self.names: frozenset[str] = frozenset()
         self.params: list = []
         self.ordered: tuple[str, ...] = ()  # their names, in the model's order
-        self.versions: list = []  # their version counters at the last look
-        self.storages: list = []  # and their storages
+        self.marks: list = []  # their version counters, then their storages, at the last look
         self.first: int | None = None  # the step at which this set was first seen
         self.moved: int | None = None  # the first step by which a write was seen
         self.count = 0  # checks since this set was first seen (that look at values: see :meth:`see`)
@@ -80,11 +79,11 @@ class Copies:
             self.names, self.first, self.moved, self.count, self._words = names, step, None, 0, ""
             inside = list(map(names.__contains__, all_names))
             self.params, self.ordered = list(compress(params, inside)), tuple(compress(all_names, inside))
-            self.versions, self.storages = list(map(_VERSION, self.params)), list(map(_STORAGE, self.params))
+            self.marks = [*map(_VERSION, self.params), *map(_STORAGE, self.params)]
             self.values = self._values() if look else None
         elif self.moved is None:
             ps = self.params
-            if list(map(_VERSION, ps)) != self.versions or list(map(_STORAGE, ps)) != self.storages:
+            if [*map(_VERSION, ps), *map(_STORAGE, ps)] != self.marks:
                 self.moved, self._words = step, ""
             elif look:
                 self.count = count = self.count + 1

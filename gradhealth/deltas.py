@@ -206,12 +206,12 @@ class UpdateTracker(checked.TrackerState):
             key = id(opt)
             k = arms.get(key, 0)
             arms[key] = k + 1
-            measure = exact or k % every == 0 or 2 * k <= every and not k & (k - 1)
             # lr 0 under a rule not known here (rule_of None): the change test decides this step (lr 0: judged at every step)
             zero = type(opt) not in _RULES and not all_positive(opt) and not self.lrs.quiet(opt)
-            if not (due or measure or zero or k % self.change_every == 0):  # a light step: the plan is not even re-validated
-                inflight[key] = _LIGHT
+            if not (due or exact or zero) and k % every and k % self.change_every and (2 * k > every or k & (k - 1)):
+                inflight[key] = _LIGHT  # a light step (neither of the two below): the plan is not even re-validated
                 continue
+            measure = exact or k % every == 0 or 2 * k <= every and not k & (k - 1)  # (update norms; else a change test)
             tests = self._tests[id(opt)] = self._tests.get(id(opt), -1) + 1
             plan = self._plan(opt)
             if plan is None:

@@ -90,6 +90,7 @@ class GradHealth:
         self._closed = False
         self._plan, self._shards, self._clip_source, self._after_step = None, (set(), {}), False, False
         self._unwrapped: dict[int, tuple] = {}  # id -> (an optimizer given to check(), the monitor's it stands for)
+        self._given = self._given_as = None  # the last of them, and the monitor's it stands for
         self.tracker = (UpdateTracker(self.view.entries, self.optimizers, mode=o.deltas, update_every=o.update_every,
                                       change_every=o.change_every, held=self.masters.held())
                         if self.optimizers else None)
@@ -138,12 +139,16 @@ class GradHealth:
             self._refresh()
         check_tensor("check(loss=...)", loss, optional=True)
         if optimizer is not None:  # (unwrapped once per object given: a wrapper holds its optimizer for the run)
-            known = self._unwrapped.get(id(optimizer))
-            if known is None or known[0] is not optimizer:
-                known = (optimizer, unwrap_optimizer(optimizer))
-                self.view.optimizer_index(known[1])  # a clear error for an optimizer the monitor does not know
-                self._unwrapped[id(optimizer)] = known
-            optimizer = known[1]
+            if optimizer is self._given:  # (the one given last: a loop gives the same one at every check)
+                optimizer = self._given_as
+            else:
+                known = self._unwrapped.get(id(optimizer))
+                if known is None or known[0] is not optimizer:
+                    known = (optimizer, unwrap_optimizer(optimizer))
+                    self.view.optimizer_index(known[1])  # a clear error for an optimizer the monitor does not know
+                    self._unwrapped[id(optimizer)] = known
+                self._given, self._given_as = known
+                optimizer = known[1]
         if self._missed is not None:
             self._missed.called(step, optimizer)
         s = self._gate(check_step(step))

@@ -107,8 +107,9 @@ class Publisher:
 
     def publish(self, report: Report, stacklevel: int) -> None:
         report.published = True
-        for i, sink in enumerate(self.sinks):
-            self._call(i, sink, "write", report, stacklevel + 2)
+        if self.sinks:
+            for i, sink in enumerate(self.sinks):
+                self._call(i, sink, "write", report, stacklevel + 2)
         said = self.once.update(report)  # (said once: new, reminders at growing intervals, resolved)
         if said is SILENT or self.on_problem == "ignore":  # (SILENT: nothing open, nothing now: no alarm, no warning)
             return

@@ -193,7 +193,7 @@ def later(m, step: int, loss, optimizer, d):
                 _fetched(values[k:], loss_t is not None, updates, sizes)
             m.last_report = m._steady_report = report = steady.finish(
                 m, template, step, optimizer, with_grad, norms, value, updates, steps_ran, after_step, discarded, False)
-            m.carry.checks += 1
+            carry.checks += 1
             yield report
             return
     _fetched(values[k:], loss_t is not None, updates, sizes)  # (observe's, on this input)
@@ -204,7 +204,7 @@ def later(m, step: int, loss, optimizer, d):
                             scale=None, sharded=set(), with_grad=with_grad, norms=norms, slices={}, holders={}, pieces={},
                             ex_parts={}, loss_cause=cause, eval_record=record, stale=stale, local=False)
     m.last_report = report = m._complete(full)
-    m.carry.checks += 1
+    carry.checks += 1
     yield report
 
 

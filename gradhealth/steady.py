@@ -77,12 +77,11 @@ class Template:
 def seen(params: list, with_grad: list[int], grads: list) -> list:
     """``stale.witnesses(params, with_grad)`` from the gradients just read (``grads``, aligned with
     ``with_grad``, not empty): the first and the last, as they are now."""
-    p, g = params[with_grad[0]], grads[0]
-    out = [(_ref(p), _ref(g), g._version)]
-    if len(with_grad) > 1:
-        p, g = params[with_grad[-1]], grads[-1]
-        out.append((_ref(p), _ref(g), g._version))
-    return out
+    g = grads[0]
+    if len(grads) == 1:
+        return [(_ref(params[with_grad[0]]), _ref(g), g._version)]
+    h = grads[-1]
+    return [(_ref(params[with_grad[0]]), _ref(g), g._version), (_ref(params[with_grad[-1]]), _ref(h), h._version)]
 
 
 def entry_norms(norms: list[float], n: int, with_grad: list[int]) -> list:
@@ -192,7 +191,8 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
     total = _hypot(*norms) if len(norms) > 1 else norms[0]
     report = _REPORT(step=step, status=t.status.copy(), grad_norm=grad_norm, total_grad_norm=total,
                      meta=v.meta, in_optimizer=None if t.in_opt is None else t.in_opt.copy(), loss=loss,
-                     valid_counts={}, not_ok=list(t.not_ok), frozen_names=list(t.frozen), optimizer_index=index)
+                     valid_counts={}, not_ok=list(t.not_ok), frozen_names=list(t.frozen), optimizer_index=index,
+                     tolerated=t.copies)  # (the copies: every name not OK, set aside from the rule)
     tracker = m.tracker
     if not updates and steps_ran and not after_step:  # (Carry.resolve_step of a step that ran, measured by no one)
         carry.amp_skips = 0
@@ -216,7 +216,6 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
     streaks.blank = 0
     if t.copies:
         report.findings.append(streaks.copies.see(t.copies, report.status, names, v.params, step, sync))
-        report.tolerated = report.tolerated | t.copies
     reader.lead = []  # (Faint.prefix: no streak, a normal first norm)
     if tracker is not None and not carry.pileup.quiet(t.gnames, norms, v.params, tracker):
         report.findings += carry.pileup.update(report, names, v.params, tracker)
