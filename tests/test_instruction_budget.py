@@ -31,23 +31,22 @@ HEADROOM = 100
 #: steady-state check takes the fast path, `gradhealth.steady` and `gradhealth.quiet`; the means hold
 #: the periodic checks that take the full path: update norms, the change test, the medians' refresh.)
 REACHED = {
-    "6-tensor MLP": (1804, 1945, 1843, 1992),
-    "small CNN (8x3x32x32)": (1804, 1945, 1843, 1992),
-    "2-block transformer": (1804, 1981, 1843, 2027),
-    "SB3 DQN policy (CartPole)": (2025, 2166, 2089, 2238),
-    "SB3 PPO policy (CartPole)": (1870, 2022, 1905, 2064),
+    "6-tensor MLP": (1784, 1927, 1822, 1972),
+    "small CNN (8x3x32x32)": (1784, 1927, 1822, 1972),
+    "2-block transformer": (1784, 1962, 1822, 2008),
+    "SB3 DQN policy (CartPole)": (1985, 2128, 2041, 2191),
+    "SB3 PPO policy (CartPole)": (1837, 1990, 1871, 2032),
 }
-#: the models whose usual check (the median) is within 1.5x the one number, synchronous and deferred
-#: (reached: 1.38x / 1.41x on the MLP and the CNN, 0.74x / 0.75x on the transformer, 1.14x / 1.16x on PPO's)
-WITHIN_ONE_AND_A_HALF = {"6-tensor MLP", "small CNN (8x3x32x32)", "2-block transformer", "SB3 PPO policy (CartPole)"}
-#: ... synchronous only (DQN's: 1.48x synchronous; deferred 1.53x is not: its target network's six tensors,
-#: judged at every check, cost ~200 instructions the MLP's check has not: the copies' finding, the
-#: gradients that are elsewhere, the selection of the optimizer it judges; in the deferred mode the
-#: copies' version and storage marks are compared at every check, where the synchronous one has seen
-#: SB3's write through ``.data`` by their values and stops looking)
-SYNC_WITHIN_ONE_AND_A_HALF = set(REACHED)
-#: the deferred check's instructions over the synchronous one's, at most (reached: +35 to +64 on the
-#: median, +42 to +72 on the mean; the goal, 0, is not). A plain deferred check is fused
+#: the models whose usual check (the median) is within 1.5x the one number, synchronous and deferred:
+#: every one (reached: 1.37x / 1.40x on the MLP and the CNN, 0.73x / 0.75x on the transformer, 1.46x /
+#: 1.50x on DQN's, 1.12x / 1.14x on PPO's). DQN's deferred check has 5 instructions of room: its target
+#: network's six tensors, judged at every check, cost ~200 instructions the MLP's check has not (the
+#: copies' finding, the gradients that are elsewhere, the selection of the optimizer it judges), and in
+#: the deferred mode the copies' version and storage marks are compared at every check, where the
+#: synchronous one has seen SB3's write through ``.data`` by their values and stops looking
+WITHIN_ONE_AND_A_HALF = set(REACHED)
+#: the deferred check's instructions over the synchronous one's, at most (reached: +34 to +56 on the
+#: median, +42 to +63 on the mean; the goal, 0, is not). A plain deferred check is fused
 #: (``quiet.later``: the launch, the transfer, the setup, the arming and the witnesses in one function),
 #: and what is in flight is that function's generator, suspended after the launch with its locals, which
 #: the next check resumes to complete it (a steady report, else the full path's); on the CPU its numbers
@@ -55,7 +54,7 @@ SYNC_WITHIN_ONE_AND_A_HALF = set(REACHED)
 #: ``Deferred.check`` and the generator's two resumptions, the discarded-gradients test and the setup
 #: taken at launch, the arming there. Lowered from 530 (reached then: 466 to 506), then 270 (216 to 250),
 #: then 180 (124 to 165), then 160 (102 to 137)
-DEFERRED_EXTRA = 80
+DEFERRED_EXTRA = 70
 
 
 def test_every_model_of_the_bench_is_held():
@@ -82,8 +81,6 @@ def test_a_healthy_check_stays_within_its_instructions(label):
     assert counts[DEFERRED]["check_mean"] <= counts[SYNC]["check_mean"] + DEFERRED_EXTRA
     if label in WITHIN_ONE_AND_A_HALF:
         assert max(sync, deferred) <= 1.5 * one, f"{label}: {sync:.0f} / {deferred:.0f} against the one number's {one:.0f}"
-    if label in SYNC_WITHIN_ONE_AND_A_HALF:
-        assert sync <= 1.5 * one, f"{label}: synchronous {sync:.0f} against the one number's {one:.0f}"
     # the counter counts: the one number's own Python (torch's clip_grad_norm_) is there, and so is the
     # check's (on the transformer's 26 tensors the steady check now runs less than the one number)
     assert 500 < one and 500 < sync
