@@ -137,7 +137,8 @@ class GradHealth:
         if self._changes.stale(self.last_report, self.view):  # (a deferred check in flight is judged with the parameters it was launched with)
             self._deferred is None or self._deferred.settle()
             self._refresh()
-        check_tensor("check(loss=...)", loss, optional=True)
+        if loss is not None:
+            check_tensor("check(loss=...)", loss, optional=True)
         if optimizer is not None:  # (unwrapped once per object given: a wrapper holds its optimizer for the run)
             if optimizer is self._given:  # (the one given last: a loop gives the same one at every check)
                 optimizer = self._given_as
@@ -151,7 +152,7 @@ class GradHealth:
                 optimizer = known[1]
         if self._missed is not None:
             self._missed.called(step, optimizer)
-        s = self._gate(check_step(step))
+        s = self._gate(step if step is None else check_step(step))
         if s is None:
             return None
         try:  # (inside inference_mode, the check's own tensors must be ordinary ones: they are updated later)
