@@ -175,7 +175,7 @@ def later(m, step: int, loss, optimizer, d):
     t.arm(step, judged, due or False in requires and not all(map(requires.__getitem__, with_grad)))
     if not after_step:  # (carry.stage)
         carry.witnesses, carry.witness_step = seen if with_grad else witnesses(params, with_grad), step
-    del grads, there, loss  # (not held while in flight: the loop frees them)
+    del grads, there, loss  # (not held by this frame in flight; the general path's `launched` holds the gradients)
     if d.guarding:  # (Deferred._guard: decided on the device at launch; its finding needs the Launch)
         launch = _made(step, sel, optimizer, transfer)
         d._guard(launch, packed[:k])  # (launched.norms_part(): a view, no kernel)

@@ -191,8 +191,7 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
     total = _hypot(*norms) if len(norms) > 1 else norms[0]
     report = _REPORT(step=step, status=t.status.copy(), grad_norm=grad_norm, total_grad_norm=total,
                      meta=v.meta, in_optimizer=None if t.in_opt is None else t.in_opt.copy(), loss=loss,
-                     valid_counts={}, not_ok=list(t.not_ok), frozen_names=list(t.frozen), optimizer_index=index,
-                     tolerated=t.copies)  # (the copies: every name not OK, set aside from the rule)
+                     valid_counts={}, not_ok=list(t.not_ok), frozen_names=list(t.frozen), optimizer_index=index)
     tracker = m.tracker
     if not updates and steps_ran and not after_step:  # (Carry.resolve_step of a step that ran, measured by no one)
         carry.amp_skips = 0
@@ -216,6 +215,7 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
     streaks.blank = 0
     if t.copies:
         report.findings.append(streaks.copies.see(t.copies, report.status, names, v.params, step, sync))
+        report.tolerated = t.copies  # (as persist() sets them aside; none tolerated before, as on the full path)
     reader.lead = []  # (Faint.prefix: no streak, a normal first norm)
     if tracker is not None and not carry.pileup.quiet(t.gnames, norms, v.params, tracker):
         report.findings += carry.pileup.update(report, names, v.params, tracker)

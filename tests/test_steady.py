@@ -142,11 +142,27 @@ class _QNet(nn.Module):
         self.target.load_state_dict(self.q.state_dict())
 
 
-def _run_copies(lag: int, fast: bool, counted: dict):
+class _Seen:
+    """A sink that keeps what each report says at the moment a sink gets it: ``write``, and
+    ``write_update`` (a report again, with its step's update norms, delivered while a later check is
+    being made)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def write(self, report):
+        self.seen.append(("write", _seen(report)))
+
+    def write_update(self, report):
+        self.seen.append(("write_update", _seen(report)))
+
+
+def _run_copies(lag: int, fast: bool, counted: dict, after: bool = False, sink=None):
+    """(``after``: each check after the optimizer's step, as a loop that checks last does)"""
     torch.manual_seed(0)
     model = _QNet()
     opt = torch.optim.Adam(model.q.parameters(), lr=1e-2)
-    monitor = gh.GradHealth(model, opt, on_problem="ignore", lag=lag)
+    monitor = gh.GradHealth(model, opt, on_problem="ignore", lag=lag, sinks=[] if sink is None else [sink])
     monitor._steady = fast
     g = torch.Generator().manual_seed(1)
     reports, naive, losses = [], {}, []
@@ -157,11 +173,14 @@ def _run_copies(lag: int, fast: bool, counted: dict):
         loss = nn.functional.mse_loss(model.q(x), x[:, :1].sin() + bootstrap)
         loss.backward()
         naive[step] = naive_classify(model, opt)
+        if after:
+            opt.step()
         r = monitor.check(loss=loss, optimizer=opt)  # (as SB3's DQN adapter checks: its optimizer's step)
         if r is not None:
             reports.append(r)
         losses.append(loss.item())
-        opt.step()
+        if not after:
+            opt.step()
         opt.zero_grad()
         if step % 15 == 14:
             model.target.load_state_dict(model.q.state_dict())
@@ -189,6 +208,24 @@ def test_target_network_copies_on_the_fast_path_as_on_the_full_path(counted, lag
         assert a.ok and a.optimizer_index == 0, a.step
     kinds = {f.kind for r in fast for f in r.findings}
     assert gh.FindingKind.TARGET_COPY in kinds, kinds  # (said as info, tolerated)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_sink_gets_the_same_reports_on_the_fast_path_as_on_the_full_path(counted, lag):
+    """What a sink is handed, at the moment it is handed it: each report (``write``) and each report
+    again once its step's update norms are known (``write_update``, delivered while the next check
+    is made, before that one is done), beside a target network's copies, each check after the
+    optimizer's step: the same on both paths (the tolerated copies, ``ok``, the update norms)."""
+    seen = {}
+    for fast in (True, False):
+        sink = _Seen()
+        reports, naive, losses, used = _run_copies(lag, fast, counted, after=True, sink=sink)
+        seen[fast] = sink.seen
+        assert losses[-1] < losses[0]  # (the premise: it trains)
+        assert (used >= 30) if fast else True
+        counted["finish"] = 0
+    assert [w for w, _ in seen[True]].count("write_update") >= 5  # (the premise: update norms delivered)
+    assert seen[True] == seen[False]
 
 
 #: the LoRA-shaped run: step -> what is planted at it (healthy elsewhere)
