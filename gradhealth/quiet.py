@@ -157,7 +157,6 @@ def later(m, step: int, loss, optimizer, d):
         launched = None  # (the norms first, in order, then the loss)
         # (in host memory already, a CPU check's: read as they are, by the same read point, no copy)
         transfer = packed if packed.device.type == deferred.Transfer.HOST else deferred.Transfer(packed, d.pinned)
-    k = len(grads)
     cause = diagnose_loss(loss, m.model, carry.forward) if loss is not None else None
     record, carry.eval_backward = carry.eval_backward, None  # (carry.take_eval_backward)
     m._failed = None
@@ -165,7 +164,6 @@ def later(m, step: int, loss, optimizer, d):
     output_grad, carry.output_grad = carry.output_grad, None
     calls = w.calls.take() if w is not None and w.calls is not None else None
     seen = steady.seen(params, with_grad, grads) if with_grad else None
-    seen_nothing = not stale and cause is None and record is None  # (else the full completion: the rank saw something)
     # (Deferred.check's part after a plain launch: one process, no DDP hooks' numbers)
     requires = list(map(_REQUIRES_GRAD, params))
     setup = (v.optimizer_ids(), v.all_inside, requires) if optimizer is None else (sel.opt_ids, None, requires)
@@ -178,15 +176,20 @@ def later(m, step: int, loss, optimizer, d):
     del grads, there, loss  # (not held by this frame in flight; the general path's `launched` holds the gradients)
     if d.guarding:  # (Deferred._guard: decided on the device at launch; its finding needs the Launch)
         launch = _made(step, sel, optimizer, transfer)
-        d._guard(launch, packed[:k])  # (launched.norms_part(): a view, no kernel)
+        d._guard(launch, packed[:len(with_grad)])  # (launched.norms_part(): a view, no kernel)
         yield launch
     else:
         yield True
     # (the next check: this one's report)
     values = deferred.Transfer.values(transfer)  # (the one transfer point)
-    norms = values[:k] if launched is None or launched.identity else launched._order(values)  # (launched.resolve)
-    value = values[k] if loss_t is not None else None
-    if seen_nothing and (value is None or value - value == 0.0):  # (a finite loss: inf - inf and NaN are NaN)
+    if launched is None:  # (the usual check: its norms in order, then the loss; no update norms)
+        norms, value = (values, None) if loss_t is None else (values[:-1], values[-1])
+    else:  # (launched.resolve: the norms, the loss, the update norms)
+        k = len(with_grad)
+        norms = values[:k] if launched.identity else launched._order(values)
+        value = values[k] if loss_t is not None else None
+    # (nothing else seen by the rank, and a finite loss: inf - inf and NaN are NaN)
+    if not stale and cause is None and record is None and (value is None or value - value == 0.0):
         template = steady.ready(m, sel, optimizer, with_grad, norms, None, value, setup, True)
         if template is not None:
             if updates:
@@ -196,7 +199,8 @@ def later(m, step: int, loss, optimizer, d):
             carry.checks += 1
             yield report
             return
-    _fetched(values[k:], loss_t is not None, updates, sizes)  # (observe's, on this input)
+    if updates:
+        _fetched(values[k:], loss_t is not None, updates, sizes)  # (observe's, on this input)
     full = _made(step, sel, optimizer, transfer)  # (a guarded check's too: its guard read nothing of its Launch)
     full.__dict__.update(reeval=False, steps_ran=steps_ran, after_step=after_step, output_grad=output_grad,
                          discarded=discarded, counts=None, setup=setup, calls=calls, seen=seen)
