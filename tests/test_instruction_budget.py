@@ -31,22 +31,22 @@ HEADROOM = 100
 #: steady-state check takes the fast path, `gradhealth.steady` and `gradhealth.quiet`; the means hold
 #: the periodic checks that take the full path: update norms, the change test, the medians' refresh.)
 REACHED = {
-    "6-tensor MLP": (1760, 1903, 1798, 1948),
-    "small CNN (8x3x32x32)": (1760, 1903, 1798, 1948),
-    "2-block transformer": (1760, 1938, 1798, 1984),
-    "SB3 DQN policy (CartPole)": (1965, 2108, 2021, 2171),
-    "SB3 PPO policy (CartPole)": (1813, 1966, 1847, 2008),
+    "6-tensor MLP": (1760, 1903, 1785, 1936),
+    "small CNN (8x3x32x32)": (1760, 1903, 1785, 1936),
+    "2-block transformer": (1760, 1938, 1785, 1972),
+    "SB3 DQN policy (CartPole)": (1965, 2108, 2008, 2159),
+    "SB3 PPO policy (CartPole)": (1813, 1966, 1834, 1996),
 }
 #: the models whose usual check (the median) is within 1.5x the one number, synchronous and deferred:
-#: every one (reached: 1.35x / 1.38x on the MLP and the CNN, 0.72x / 0.74x on the transformer, 1.44x /
-#: 1.48x on DQN's, 1.10x / 1.12x on PPO's). DQN's deferred check has 25 instructions of room: its target
+#: every one (reached: 1.35x / 1.37x on the MLP and the CNN, 0.72x / 0.73x on the transformer, 1.44x /
+#: 1.47x on DQN's, 1.10x / 1.11x on PPO's). DQN's deferred check has 38 instructions of room: its target
 #: network's six tensors, judged at every check, cost ~200 instructions the MLP's check has not (the
 #: copies' finding, the gradients that are elsewhere, the selection of the optimizer it judges), and in
 #: the deferred mode the copies' version and storage marks are compared at every check, where the
 #: synchronous one has seen SB3's write through ``.data`` by their values and stops looking
 WITHIN_ONE_AND_A_HALF = set(REACHED)
-#: the deferred check's instructions over the synchronous one's, at most (reached: +34 to +56 on the
-#: median, +42 to +63 on the mean; the goal, 0, is not). A plain deferred check is fused
+#: the deferred check's instructions over the synchronous one's, at most (reached: +21 to +43 on the
+#: median, +30 to +51 on the mean; the goal, 0, is not). A plain deferred check is fused
 #: (``quiet.later``: the launch, the transfer, the setup, the arming and the witnesses in one function),
 #: and what is in flight is that function's generator, suspended after the launch with its locals, which
 #: the next check resumes to complete it (a steady report, else the full path's); on the CPU its numbers
@@ -54,7 +54,7 @@ WITHIN_ONE_AND_A_HALF = set(REACHED)
 #: ``Deferred.check`` and the generator's two resumptions, the discarded-gradients test and the setup
 #: taken at launch, the arming there. Lowered from 530 (reached then: 466 to 506), then 270 (216 to 250),
 #: then 180 (124 to 165), then 160 (102 to 137)
-DEFERRED_EXTRA = 70
+DEFERRED_EXTRA = 60
 
 
 def test_every_model_of_the_bench_is_held():
