@@ -215,7 +215,7 @@ def finish(m, t: Template, step: int, optimizer, with_grad: list[int], norms: li
     streaks.blank = 0
     if t.copies:
         report.findings.append(streaks.copies.see(t.copies, report.status, names, v.params, step, sync))
-        report.tolerated = t.copies  # (as persist() sets them aside; none tolerated before, as on the full path)
+        report.tolerated = report.tolerated | t.copies  # (as persist() sets them aside, where the full path does)
     reader.lead = []  # (Faint.prefix: no streak, a normal first norm)
     if tracker is not None and not carry.pileup.quiet(t.gnames, norms, v.params, tracker):
         report.findings += carry.pileup.update(report, names, v.params, tracker)

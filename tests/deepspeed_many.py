@@ -11,16 +11,11 @@ import importlib
 import sys
 
 import deepspeed_cases  # noqa: F401  (sets the distributed environment's defaults first)
+import procs  # (tests/procs.py: its argv splitting)
 
 
 def main(argv: list[str]) -> None:
-    groups = [[]]
-    for arg in argv:
-        if arg == "--":
-            groups.append([])
-        else:
-            groups[-1].append(arg)
-    for name, *args in groups:
+    for name, *args in procs.split(argv, "--"):
         importlib.import_module(name).main(args)
 
 

@@ -49,12 +49,7 @@ def _rank(rank: int, world: int, port: str, log: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    launches = [[]]
-    for arg in argv:
-        if arg == "+++":
-            launches.append([])
-        else:
-            launches[-1].append(arg)
+    launches = procs.split(argv, "+++")
     hf = any(launch[0] == "hf" for launch in launches)
     if hf:  # (Transformers and Accelerate too, and the one-process defaults every rank overrides)
         import deepspeed_forks

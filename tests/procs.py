@@ -200,6 +200,17 @@ def forked(log: str, body) -> int:
         os._exit(code)
 
 
+def split(argv: list[str], sep: str) -> list[list[str]]:
+    """``argv`` cut at each ``sep`` (a command line that carries several commands)."""
+    parts: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == sep:
+            parts.append([])
+        else:
+            parts[-1].append(arg)
+    return parts
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie is not)."""
     try:
