@@ -261,7 +261,7 @@ def bench_update_error(blocks: int, width: int, steps: int = 3) -> None:
 
 def bench_tracer(rounds: int) -> None:
     """One training step plain, with the NaN tracer armed, and under detect_anomaly."""
-    from gradhealth.trace import NonFiniteTracer
+    from gradhealth.origin.trace import NonFiniteTracer
 
     print("\nNaN tracer: one forward+backward of an 8-block MLP (Linear+GELU+LayerNorm), interleaved:")
     for width, batch in [(256, 64), (1024, 256)]:
@@ -321,7 +321,7 @@ def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> Non
         model(torch.randn(32, 64)).square().mean().backward()
         mon = GradHealth(model, opt, on_problem="ignore", deltas="off", desync_every=0)
         mon.carry.checks = 1  # past the first check: no DESYNC fingerprint in the timed loop
-        from gradhealth import crossrank
+        from gradhealth.ranks import crossrank
 
         def timed(agreement: bool, counts: bool = True, fingerprint: bool = False):
             # the same order on every rank: one layout per collective
@@ -339,7 +339,7 @@ def _dist_worker(rank: int, world: int, port: int, out: str, rounds: int) -> Non
         # the rank-origin comm hook: a DDP training step with and without it
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from gradhealth.distributed import RankOrigin
+        from gradhealth.ranks.ddp import RankOrigin
 
         torch.manual_seed(0)
         plain, hooked = DDP(build_model(100, 64)), DDP(build_model(100, 64))

@@ -99,7 +99,7 @@ class _Ops(TolistWatch):
         return func(*args, **(kwargs or {}))
 
     def tolist_called(self, frame) -> None:
-        from gradhealth.deferred import Transfer
+        from gradhealth.check.deferred import Transfer
 
         if self.everything or _ours(frame):
             self.reads += not within(frame, {Transfer.values.__code__})

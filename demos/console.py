@@ -7,8 +7,8 @@ import os
 import re
 import textwrap
 
-from gradhealth.brief import brief
-from gradhealth.naming import terminal_safe
+from gradhealth.publish.brief import brief
+from gradhealth.base.naming import terminal_safe
 
 __all__ = ["Capture", "WIDTH", "logs", "show", "table", "verdict"]
 

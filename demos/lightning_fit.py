@@ -13,7 +13,7 @@ import warnings
 
 from gradhealth.demos.console import Capture, logs, show, table, verdict
 from gradhealth.demos.plain import choose
-from gradhealth.errors import GradModeError
+from gradhealth.base.errors import GradModeError
 
 
 SCENARIOS = [

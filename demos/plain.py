@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from gradhealth.errors import GradModeError
-from gradhealth.guards import check_loss
-from gradhealth.replay import replay_nonfinite
-from gradhealth.snapshot import rng_state
+from gradhealth.base.errors import GradModeError
+from gradhealth.judge.guards import check_loss
+from gradhealth.origin.replay import replay_nonfinite
+from gradhealth.origin.snapshot import rng_state
 from gradhealth.monitor import GradHealth
 from gradhealth.demos.console import Capture, show, table, verdict
 

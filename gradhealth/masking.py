@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .errors import EmptyValidSetError
+from .base.errors import EmptyValidSetError
 from .options import check_tensor
 
 __all__ = ["masked_mean", "safe_div", "safe_log", "safe_sqrt", "safe_where", "EMPTY_POLICIES"]

@@ -1,18 +1,19 @@
 """``GradHealth``: the plain-loop monitor, a facade that orders the stages of one ``check()``.
 
-A check, in order (each stage lives in its own module):
+A check, in order (each step names the module that does it; ``gradhealth/``'s subpackages are the stages, the
+imports between them running one way: docs/design.md, "Layout"):
 
 1. gate: ``every_n_steps``, DDP ``no_sync``, an engine's accumulation window (here);
 2. gather and ONE transfer: the judged gradients' exact norms with the loss, valid counts, the
-   previous optimizer step's update numbers and the scaler's scale (:mod:`.observe`);
-3. under ``torch.distributed``, ONE all_reduce of a packed vector (:mod:`.crossrank`);
-4. classify: the six-state decision tree (:func:`.classify.classify_selection`) -> ``Report``;
-5. resolve the previous optimizer step: its update norms, or why it did not run (:mod:`.carry`);
-   transient or persistent NO_GRAD / ZERO_GRAD (:mod:`.patience`);
+   previous optimizer step's update numbers and the scaler's scale (:mod:`gradhealth.measure.observe`);
+3. under ``torch.distributed``, ONE all_reduce of a packed vector (:mod:`gradhealth.ranks.crossrank`);
+4. classify: the six-state decision tree (:func:`gradhealth.judge.classify.classify_selection`) -> ``Report``;
+5. resolve the previous optimizer step: its update norms, or why it did not run (:mod:`gradhealth.check.carry`);
+   transient or persistent NO_GRAD / ZERO_GRAD (:mod:`gradhealth.judge.patience`);
 6. judges: loss, eval mode, stale gradients, AMP, empty masks, expect_frozen, NaN origin,
-   replicas (:mod:`.judges`, :mod:`.crossrank`, :mod:`.replay`); then the norm history;
-7. arm the next step: the update tracker's snapshot, gradient witnesses (:mod:`.deltas`);
-8. ``publish``: every sink, then the policy warns or raises (:mod:`.policy`).
+   replicas (:mod:`gradhealth.judge.judges`, :mod:`gradhealth.ranks.crossrank`, :mod:`gradhealth.origin.replay`); then the norm history;
+7. arm the next step: the update tracker's snapshot, gradient witnesses (:mod:`gradhealth.measure.deltas`);
+8. ``publish``: every sink, then the policy warns or raises (:mod:`gradhealth.publish.policy`).
 
 An optimizer step that follows check N is measured on the device by the optimizer's own step
 hooks; its numbers travel in check N+1's transfer (or ``flush()``/``close()``), are written into
@@ -28,29 +29,32 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from . import clip, crossrank, experts, lockstep, quiet, skipping, stats, steady
-from . import state as checked
-from .carry import Carry
-from .classify import as_optimizers, classify_selection, unwrap_optimizer, wrapper_scaler
-from .deltas import UpdateTracker
-from .distributed import Ranks
-from .errors import GradHealthError, GradHealthInternalWarning
-from .hooks import Owned
-from . import verdict
-from .masters import Masters
-from .deferred import Deferred, Launch, due_test
-from .launch import launch
-from .guards import ForwardWatch, diagnose_loss
-from .observe import Observation
+from .base.errors import GradHealthError, GradHealthInternalWarning
+from .base.hooks import Owned
+from .base.quick import quick
+from .base.report import Report
+from .model.masters import Masters
+from .model.optimizers import as_optimizers, unwrap_optimizer, wrapper_scaler
+from .model.params import ModelChanges, ParamView, Selection
+from .model.wrappers import unwrap
+from .measure import stats
+from .measure.deltas import UpdateTracker
+from .measure.observe import Observation
+from .ranks import crossrank, lockstep
+from .ranks.ddp import Ranks
+from .ranks.replicas import Replicas, group_members, reduce_check, verify_step
+from .judge import verdict
+from .judge.classify import classify_selection, fill_experts
+from .judge.guards import ForwardWatch, diagnose_loss
+from .judge.patience import persist
+from .judge.unstepped import Unstepped
+from .publish.policy import Publisher, alarm, explain
+from .check import clip, quiet, skipping, steady
+from .check import state as checked
+from .check.carry import Carry
+from .check.deferred import Deferred, Launch, due_test
+from .check.launch import launch
 from .options import Options, check_scaler, check_step, check_tensor
-from .params import ModelChanges, ParamView, Selection
-from .patience import persist
-from .policy import Publisher, alarm, explain
-from .replicas import Replicas, group_members, reduce_check, verify_step
-from .quick import quick
-from .report import Report
-from .unstepped import Unstepped
-from .wrappers import unwrap
 
 __all__ = ["GradHealth"]
 
@@ -62,7 +66,7 @@ class GradHealth:
     """Classify every parameter after each backward pass and report what is wrong.
 
     Args:
-        model: the module being trained, under any wrappers (names are its own: `gradhealth.wrappers`).
+        model: the module being trained, under any wrappers (names are its own: `gradhealth.model.wrappers`).
         optimizer: one optimizer, a list of them, or None (then NOT_IN_OPTIMIZER, deltas and
             STALE_GRAD are not available).
         scaler: a ``torch.amp.GradScaler``: norms unscaled, a step the scaler skips AMP_SKIPPED.
@@ -115,7 +119,7 @@ class GradHealth:
         """Classify every parameter now (call after ``loss.backward()``).
 
         Returns the [Report][gradhealth.Report], or None on a call that ``every_n_steps`` skips, inside DDP's
-        ``no_sync()`` or between an engine's accumulation boundaries (`gradhealth.accumulation`). ``loss``, when
+        ``no_sync()`` or between an engine's accumulation boundaries (`gradhealth.model.accumulation`). ``loss``, when
         given, is judged too (can it produce gradients? is it finite?) in the same transfer.
         ``step`` overrides the monitor's own count of calls (e.g. a trainer's global step).
         ``optimizer`` (one of the monitor's) judges only that optimizer's parameters: the check
@@ -174,22 +178,22 @@ class GradHealth:
         self.carry.checks += 1
         self.last_report = report
         o = self.options
-        if o.skip_nonfinite or o.skip_spikes is not None:  # the step guard (:mod:`.skipping`)
+        if o.skip_nonfinite or o.skip_spikes is not None:  # the step guard (:mod:`gradhealth.check.skipping`)
             v = self.view  # every judged parameter, in an optimizer or not (no zero_grad() clears the others)
             skipping.guard(report, o, self.carry, self.carry.history_for(report.optimizer_index),
                            [v.params[i] for i in v.selection(optimizer).idx], self.scaler is not None, self.tracker)
         return report
 
     _steady, _template = True, None  # (False: every check takes the full path; the tests compare the two)
-    _steady_report = False  # (deferred) the last report the steady completion made (:mod:`.quiet`)
+    _steady_report = False  # (deferred) the last report the steady completion made (:mod:`gradhealth.check.quiet`)
 
     _members = lambda self: group_members(self.view.pids, self.optimizers)  # noqa: E731
-    _verify = lambda self, opt: verify_step(self, opt)  # noqa: E731 (:mod:`.replicas`)
+    _verify = lambda self, opt: verify_step(self, opt)  # noqa: E731 (:mod:`gradhealth.ranks.replicas`)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None, *, parameters=None, unscale: bool = True) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` right after ``check()`` (of ``parameters``, default: every
-        parameter with a gradient) with the check's norms: the gradients are read once (`gradhealth.clip`)."""
+        parameter with a gradient) with the check's norms: the gradients are read once (`gradhealth.check.clip`)."""
         return clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach, parameters, unscale)
 
     def publish(self, report: Report, stacklevel: int = 2) -> None:
@@ -257,18 +261,18 @@ class GradHealth:
 
     def state_dict(self) -> dict:
         """Everything a later verdict rests on: the progress, the norm histories and every story the
-        checks keep (plain Python, for checkpoints; versioned: `gradhealth.state`). The optimizer step
+        checks keep (plain Python, for checkpoints; versioned: `gradhealth.check.state`). The optimizer step
         taken since the last check is measured now (one transfer): its findings reach that check's
         report, and the next report, as they would have."""
         return checked.save(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """All or nothing, every key checked (`gradhealth.state`); a state from another model is refused;
+        """All or nothing, every key checked (`gradhealth.check.state`); a state from another model is refused;
         one from an older version loads what it has, and a warning names what starts fresh."""
         checked.load(self, state)
 
     def rearm_tracer(self, step: int) -> None:
-        """The NaN tracer a check armed before the checkpoint, for the step that follows (`gradhealth.replay.traced`)."""
+        """The NaN tracer a check armed before the checkpoint, for the step that follows (`gradhealth.origin.replay.traced`)."""
         checked.rearm(self, step)
 
     parameter_names = property(lambda self: list(self.view.names))
@@ -323,14 +327,14 @@ class GradHealth:
         return s
 
     def _build(self, step: int, loss, optimizer) -> Report:
-        report = quiet.build(self, step, loss, optimizer) if self._steady else None  # (a plain check: `gradhealth.quiet`)
+        report = quiet.build(self, step, loss, optimizer) if self._steady else None  # (a plain check: `gradhealth.check.quiet`)
         return report if report is not None else self._complete(self._launch(step, loss, optimizer))
 
-    _launch = launch  # (:mod:`.launch`: the device numbers and what the rank saw)
-    _later = quiet.later  # (a plain deferred check's launch and what follows it: :mod:`.quiet`)
+    _launch = launch  # (:mod:`gradhealth.check.launch`: the device numbers and what the rank saw)
+    _later = quiet.later  # (a plain deferred check's launch and what follows it: :mod:`gradhealth.check.quiet`)
 
     def _complete(self, launch: Launch) -> Report:
-        """The report of a launched check, from its numbers on the host (a healthy steady-state one: `gradhealth.steady`)."""
+        """The report of a launched check, from its numbers on the host (a healthy steady-state one: `gradhealth.check.steady`)."""
         if self._steady:
             report = steady.complete(self, launch)
             if report is not None:
@@ -339,7 +343,7 @@ class GradHealth:
         across = self._reduce(obs, launch.ranks) if self.ranks.active else None
         report = self._classify(step, sel, obs, optimizer, launch.setup)
         if self.view.stacks:
-            experts.fill(report, self.view.stacks, obs.slices, obs.router)
+            fill_experts(report, self.view.stacks, obs.slices, obs.router)
         if not reeval:
             delivery = self.carry.resolve_step(report, obs.updates, launch.steps_ran, self.view.params, self.view.names,
                                                obs.scale, self.scaler is not None, self.options.amp_skip_alarm,
@@ -354,12 +358,12 @@ class GradHealth:
             report.findings += self.unstepped.update(self.view, report.optimizer_index, *launch.counts,
                                                      report.status, step, self.options.grad_patience)
         fit = self.carry.fit
-        nothing = fit.nothing_to_learn(report) if report.loss == 0.0 else []  # (the loss's zeros: :mod:`.fitted`)
+        nothing = fit.nothing_to_learn(report) if report.loss == 0.0 else []  # (the loss's zeros: :mod:`gradhealth.judge.fitted`)
         report.findings += nothing or persist(  # transient or persistent NO_GRAD / ZERO_GRAD: which ones are tolerated now
             report, self.carry.streaks, self.options.grad_patience, self.view.names, self.view.params,
             launch.transfer is None)
         report.findings += self.carry.streaks.faint_reader.prefix(report.status, report.grad_norm, step,
-                                                                  self.options.grad_patience)  # (:mod:`.underflow`)
+                                                                  self.options.grad_patience)  # (:mod:`gradhealth.judge.underflow`)
         if self.tracker is not None and not reeval:
             report.findings += self.carry.pileup.update(report, self.view.names, self.view.params, self.tracker)
         report.findings += verdict.judge(self, report, obs, across, sel, launch)
@@ -377,7 +381,7 @@ class GradHealth:
             clip.keep(self, report, obs.with_grad, obs.norms, optimizer is None)
         return report
 
-    _reduce = lambda self, obs, seen=None: reduce_check(self, obs, seen)  # noqa: E731 (:mod:`.replicas`)
+    _reduce = lambda self, obs, seen=None: reduce_check(self, obs, seen)  # noqa: E731 (:mod:`gradhealth.ranks.replicas`)
 
     def _classify(self, step: int, sel: Selection, obs: Observation, optimizer, setup=None) -> Report:
         v = self.view  # (``setup``: a deferred check's (optimizers' ids, all inside, requires_grad), as launched)

@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from .experts import check_experts
-from .history import NormHistory
+from .model.experts import check_experts
+from .judge.history import NormHistory
 
 __all__ = ["Options", "ON_PROBLEM", "DELTA_MODES", "check_choice", "check_positive_int", "check_patterns", "check_tensor",
            "check_scaler", "check_step"]
@@ -132,7 +132,7 @@ class Options:
             to be frozen. With it, a frozen parameter outside them, or a trainable one inside them,
             is an error finding (UNEXPECTED_FROZEN / UNEXPECTED_TRAINABLE). A pattern may be written
             with the prefix of a wrapper or holder of the model (``module.encoder.*``) or without it
-            (`gradhealth.wrappers.respell`); so may those of ``experts``.
+            (`gradhealth.model.wrappers.respell`); so may those of ``experts``.
         deltas: "auto" (default): every step, whether each parameter changed (exact, from version
             counters and an exact comparison on the device), and at checks 0, 1, 2, 4, ... up to
             half ``update_every``, then every ``update_every``, the update norms ||Δθ|| from the optimizer's own rule (SGD, Adam, AdamW; others: exact
@@ -150,7 +150,7 @@ class Options:
         trace_on_nonfinite: when a check finds NaN/inf gradients, name where they were born in its
             own report: the batch, from the inputs of the loop's calls into the model (kept by
             reference until the check), or a replay of those calls under the NaN tracer
-            (`gradhealth.calls`); where that cannot be (``lag=1``, torch.distributed, a grad scaler,
+            (`gradhealth.origin.calls`); where that cannot be (``lag=1``, torch.distributed, a grad scaler,
             a NaN born outside the modules) the tracer watches the next step.
         watch_forward: observe the model's forward (Python state only) to report GRAD_MODE
             mistakes and name the exact cause of a loss that cannot produce gradients.
@@ -161,14 +161,14 @@ class Options:
         grad_patience: a NO_GRAD or ZERO_GRAD unit that has never had a usable gradient is an
             error once it has gone this many consecutive checks without one; a unit that had
             gradients before is judged against its own past rate (an error once its gap is below
-            1e-8 likely at that rate, and at least this long): see `gradhealth.patience`.
+            1e-8 likely at that rate, and at least this long): see `gradhealth.judge.patience`.
             Tolerated gaps are reported at info level (LoRA's first step, LayerDrop, an expert
             that got no tokens, a branch used every other step).
         grad_sync: under ``torch.distributed``, where the replicated gradients are reduced:
             "auto" (default; a DDP wrapper, else inferred at the first check where every
             replicated gradient differs), "before_check" (DDP, or an all-reduce before check()),
             or "in_optimizer" (inside optimizer.step(), ZeRO-style: the replicas are compared on
-            their parameters after each step): see `gradhealth.replicas`.
+            their parameters after each step): see `gradhealth.ranks.replicas`.
         experts: stacked experts (one tensor holding a layer's experts, as transformers 5 MoE layers
             and grouped-GEMM codebases store them) are judged per expert. None (default): found
             from the model (a parameter of a module named ``experts`` whose leading dimension is
@@ -183,7 +183,7 @@ class Options:
             history (not with ``lag=1``); None: off.
         skip_alarm: this many dropped steps in a row make STEP_SKIPPED an error.
         lag: 0 (default): ``check()`` reads its numbers at once (one device-to-host transfer) and
-            returns its own report. 1: deferred (`gradhealth.deferred`): ``check()`` never makes
+            returns its own report. 1: deferred (`gradhealth.check.deferred`): ``check()`` never makes
             the host wait for the device; it returns the previous check's report (None at the
             first), ``flush()``/``close()`` deliver the last, and ``on_problem="raise"`` raises one
             check later.

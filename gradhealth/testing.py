@@ -8,13 +8,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .classify import as_optimizers, check_model, classify, named_parameters
-from .guards import diagnose_loss
-from .naming import matches
+from .base.naming import matches
+from .base.status import Status, hint
+from .model.optimizers import as_optimizers
+from .model.params import check_model, named_parameters
+from .model.wrappers import respell
+from .origin.snapshot import ModuleState, rng_state, set_rng_state
+from .judge.classify import classify
+from .judge.guards import diagnose_loss
 from .options import check_patterns
-from .snapshot import ModuleState, rng_state, set_rng_state
-from .status import Status, hint
-from .wrappers import respell
 
 __all__ = ["assert_trains"]
 

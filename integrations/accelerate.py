@@ -1,5 +1,5 @@
 """Accelerate: ``share_clip(accelerator, monitor)`` makes ``accelerator.clip_grad_norm_`` clip with the
-norms of the check just made, so the gradients are read once (:mod:`gradhealth.clip`).
+norms of the check just made, so the gradients are read once (:mod:`gradhealth.check.clip`).
 
 What the user configured stays: the same call, the same ``max_norm`` and the same result (Accelerate
 unscales a grad scaler's gradients first, as before). Where Accelerate hands the clip to another
@@ -19,7 +19,7 @@ _PLAIN = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA"
 
 def share_clip(accelerator, monitor) -> Callable[[], None]:
     """Route ``accelerator.clip_grad_norm_`` through ``monitor.clip_grad_norm_``; returns the undo."""
-    from gradhealth.clip import arm
+    from gradhealth.check.clip import arm
 
     original = accelerator.clip_grad_norm_
     arm(monitor)

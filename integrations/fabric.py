@@ -1,5 +1,5 @@
 """Lightning Fabric: ``share_clip(fabric, monitor)`` makes ``fabric.clip_gradients(..., max_norm=...)``
-clip with the norms of the check just made, so the gradients are read once (:mod:`gradhealth.clip`).
+clip with the norms of the check just made, so the gradients are read once (:mod:`gradhealth.check.clip`).
 
 A monitor needs nothing else from Fabric: give it what ``fabric.setup`` returned (or the model
 before it) and the optimizer::
@@ -9,7 +9,7 @@ before it) and the optimizer::
     share_clip(fabric, monitor)                      # optional: one read of the gradients for the clip
 
 Fabric's DDP is found from the model, and a check inside (or just after) ``fabric.no_backward_sync``
-is deferred to the synchronising backward (:mod:`gradhealth.distributed`).
+is deferred to the synchronising backward (:mod:`gradhealth.base.distributed`).
 
 What the user configured stays: the same call, ``max_norm``, ``norm_type`` and result (a grad
 scaler's gradients are unscaled first, as Fabric does). A strategy with a clip of its own (FSDP's,
@@ -29,7 +29,7 @@ def share_clip(fabric, monitor) -> Callable[[], None] | None:
     the strategy clips its own way)."""
     from lightning.fabric.strategies import Strategy
 
-    from gradhealth.clip import arm
+    from gradhealth.check.clip import arm
 
     strategy = fabric.strategy
     if type(strategy).clip_gradients_norm is not Strategy.clip_gradients_norm:

@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from gradhealth.status import Status
+from gradhealth.base.status import Status
 
 __all__ = ["gradient_flow_image", "flow_picture", "png", "Window", "load_font", "rows_of", "expert_map_image", "labelled_experts", "CODES", "WORST"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from gradhealth.replay import replay_nonfinite
-from gradhealth.snapshot import rng_state
+from gradhealth.origin.replay import replay_nonfinite
+from gradhealth.origin.snapshot import rng_state
 
 __all__ = ["MicroBatches"]
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from transformers.trainer_callback import CallbackHandler
 
-from gradhealth.hooks import guarded
+from gradhealth.base.hooks import guarded
 
 __all__ = ["callback_list", "trainer_of", "share_trainer_clip", "around", "move_before_reporters", "tensorboard_writer"]
 

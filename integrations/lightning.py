@@ -20,7 +20,7 @@ Where each check runs:
 * the optimizer's own step hooks measure the update, reported with the next check;
 * ``on_exception`` / ``teardown``: flush and close the sinks, remove every hook.
 
-Logged metric keys (public API): the scheme of :mod:`gradhealth.metrics`, through every logger of
+Logged metric keys (public API): the scheme of :mod:`gradhealth.publish.metrics`, through every logger of
 the Trainer, at the optimizer step, with ``grad_norm_preclip`` as the norm name and one key per
 module (``granularity="param"`` for one per parameter):
 
@@ -45,15 +45,15 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from gradhealth.errors import GradHealthError, GradModeError
-from gradhealth.findings import Finding
-from gradhealth.metrics import clip_metrics, report_metrics, suffix, update_metrics
+from gradhealth.base.errors import GradHealthError, GradModeError
+from gradhealth.base.findings import Finding
+from gradhealth.publish.metrics import clip_metrics, report_metrics, suffix, update_metrics
 from gradhealth.monitor import GradHealth
 from gradhealth.options import Options, check_choice
-from gradhealth.replay import producers, replay_nonfinite, shared_origin
-from gradhealth.skipping import defused
-from gradhealth.report import Report
-from gradhealth.snapshot import rng_state
+from gradhealth.origin.replay import producers, replay_nonfinite, shared_origin
+from gradhealth.check.skipping import defused
+from gradhealth.base.report import Report
+from gradhealth.origin.snapshot import rng_state
 
 __all__ = ["GradHealthCallback", "metrics_of", "update_metrics_of"]
 
@@ -115,7 +115,7 @@ def _share_clip(trainer: pl.Trainer, monitor: GradHealth):
     (FSDP's, DeepSpeed's) keeps it. Returns the undo, or None."""
     from lightning.pytorch.plugins.precision import Precision
 
-    from gradhealth.clip import arm
+    from gradhealth.check.clip import arm
 
     plugin = trainer.precision_plugin
     if type(plugin).clip_grad_by_norm is not Precision.clip_grad_by_norm:

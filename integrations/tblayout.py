@@ -13,9 +13,9 @@ once for several runs.
 
 from __future__ import annotations
 
-from gradhealth.metrics import PREFIX, TROUBLE
-from gradhealth.report import Report
-from gradhealth.status import Status
+from gradhealth.publish.metrics import PREFIX, TROUBLE
+from gradhealth.base.report import Report
+from gradhealth.base.status import Status
 
 __all__ = ["RunLayout", "layout", "NOT_OK"]
 

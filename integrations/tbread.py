@@ -18,8 +18,8 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from gradhealth.metrics import PREFIX
-from gradhealth.naming import terminal_safe
+from gradhealth.publish.metrics import PREFIX
+from gradhealth.base.naming import terminal_safe
 
 __all__ = ["EVENT_FILE", "NAMES", "Run", "scan", "records", "events", "read_run", "read_layout", "safe"]
 

@@ -9,10 +9,10 @@ import re
 import sys
 import textwrap
 
-from gradhealth.metrics import PREFIX
-from gradhealth.naming import plural
-from gradhealth.report import describe_groups, describe_names, group_by_module
-from gradhealth.status import Status
+from gradhealth.publish.metrics import PREFIX
+from gradhealth.base.naming import plural
+from gradhealth.base.report import describe_groups, describe_names, group_by_module
+from gradhealth.base.status import Status
 
 from .tbread import NAMES, Run, events, read_run, safe, scan
 

@@ -1,6 +1,6 @@
 """TensorBoard adapter: ``TensorBoardSink`` (scalars, dashboards, findings as text).
 
-Tags (public API) are the scheme of :mod:`gradhealth.metrics` (``gradhealth/grad_norm/<name>``,
+Tags (public API) are the scheme of :mod:`gradhealth.publish.metrics` (``gradhealth/grad_norm/<name>``,
 ``gradhealth/status/<STATE>``, ``gradhealth/update_ratio/<name>``, ``gradhealth/valid/<name>``,
 ``gradhealth/findings/<KIND>``, ...), plus:
 
@@ -30,11 +30,11 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import custom_scalars
 
-from gradhealth.metrics import PREFIX, clip_metrics, report_metrics, update_metrics
-from gradhealth.naming import module_of
-from gradhealth.report import Report, describe_groups, group_by_module
-from gradhealth.stats import combine_norms
-from gradhealth.status import Status, hint
+from gradhealth.publish.metrics import PREFIX, clip_metrics, report_metrics, update_metrics
+from gradhealth.base.naming import module_of
+from gradhealth.base.report import Report, describe_groups, group_by_module
+from gradhealth.measure.stats import combine_norms
+from gradhealth.base.status import Status, hint
 
 from .gradient_flow import CODES, WORST, Window, expert_map_image, flow_picture, labelled_experts, load_font, png
 from .tblayout import RunLayout, layout

@@ -39,7 +39,7 @@ parameters gradhealth watches (equal for a plain model). Post-clip norms are
 are what the optimizer really applied, after clipping.
 
 Metrics reach every ``report_to`` backend (TensorBoard, W&B, MLflow, ...) through Trainer's own
-logging: at each logging step the latest check's keys (the scheme of :mod:`gradhealth.metrics`,
+logging: at each logging step the latest check's keys (the scheme of :mod:`gradhealth.publish.metrics`,
 the same public keys as the Lightning callback) are merged into the ``logs`` dict of ``on_log``,
 on the main process only (and into ``trainer.state.log_history``). Trainer calls the reporting callbacks before user callbacks, so at
 ``on_train_begin`` this callback moves itself just before them in Trainer's callback list. A
@@ -69,15 +69,15 @@ from torch.autograd import Variable
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from gradhealth.errors import GradHealthInternalWarning, GradModeError
-from gradhealth.findings import Finding
-from gradhealth.hooks import guarded
-from gradhealth.metrics import PREFIX, clip_metrics, report_metrics, update_metrics
+from gradhealth.base.errors import GradHealthInternalWarning, GradModeError
+from gradhealth.base.findings import Finding
+from gradhealth.base.hooks import guarded
+from gradhealth.publish.metrics import PREFIX, clip_metrics, report_metrics, update_metrics
 from gradhealth.monitor import GradHealth
 from gradhealth.options import ON_PROBLEM, Options, check_choice
-from gradhealth.replay import producers, shared_origin
-from gradhealth.report import Report
-from gradhealth.skipping import defused
+from gradhealth.origin.replay import producers, shared_origin
+from gradhealth.base.report import Report
+from gradhealth.check.skipping import defused
 
 from .hf_replay import MicroBatches
 from .hf_wiring import around, callback_list, move_before_reporters, share_trainer_clip, tensorboard_writer, trainer_of
@@ -119,7 +119,7 @@ def _first_tensor(output) -> tuple[torch.Tensor | None, torch.Tensor | None]:
 
 
 
-#: what TRL's trainers log that explains a check with nothing to learn (:mod:`gradhealth.fitted`):
+#: what TRL's trainers log that explains a check with nothing to learn (:mod:`gradhealth.judge.fitted`):
 #: the share of prompt groups whose rewards tied (GRPO), so their advantages are 0
 _TRL_NOTES = ("frac_reward_zero_std",)
 
@@ -204,7 +204,7 @@ class GradHealthCallback(TrainerCallback, ExportableState):
         self.replay_on_nonfinite = bool(replay_on_nonfinite)
         #: this step's micro-batches: [args, kwargs, random state, autocast dtype or None, has a loss]
         self._batches = MicroBatches()  # this step's micro-batches, for the replay
-        self._pre_hook, self._said = None, set()  # (each hook's own failure said once: gradhealth.hooks.guarded)
+        self._pre_hook, self._said = None, set()  # (each hook's own failure said once: gradhealth.base.hooks.guarded)
         self._callbacks: list | None = None  # Trainer's callback list (found at on_train_begin)
         self._tb_sink = None
         self.monitor: GradHealth | None = None

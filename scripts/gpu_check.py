@@ -14,7 +14,7 @@ counts the copies too), and section 4 runs Lightning's ``bf16-mixed`` (CPU autoc
 ``16-mixed``).
 
 1. The hot path under torch.cuda.set_sync_debug_mode("error") from the first check on (plans
-   included), allowed to synchronise only in a check's transfer (gradhealth.stats.fetch).
+   included), allowed to synchronise only in a check's transfer (gradhealth.measure.stats.fetch).
 2. The core benchmark's shapes with absolute times (gradhealth bench --sections checks).
 3. fp16 AMP with a GradScaler: unscaled norms, an injected overflow reported as AMP_SKIPPED
    (info, no alarm), and the alarm after repeated skips.
@@ -90,7 +90,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import gradhealth as gh  # noqa: E402
-from gradhealth import stats  # noqa: E402
+from gradhealth.measure import stats  # noqa: E402
 from gradhealth.benchmarks.counts import TolistWatch, within  # noqa: E402
 
 ARGS = argparse.Namespace(cpu=False, tiny=False, shapes="")
@@ -127,20 +127,21 @@ class CpuSyncs(TolistWatch):
         return func(*args, **(kwargs or {}))
 
     def tolist_called(self, frame) -> None:
-        from gradhealth import deferred, rules
+        from gradhealth.check import deferred
+        from gradhealth.measure import rules
 
         if CpuSyncs.level and not within(frame, {stats.fetch.__code__, deferred.Transfer.values.__code__,
                                                  rules._host_values.__code__}):
             self.said("Tensor.tolist")
 
     def __enter__(self):
-        from gradhealth import rules
+        from gradhealth.measure import rules
 
         self._on_host, rules._on_host = rules._on_host, lambda t: False  # (every tensor is the "device"'s here)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        from gradhealth import rules
+        from gradhealth.measure import rules
 
         rules._on_host = self._on_host
         return super().__exit__(*exc)

@@ -36,7 +36,7 @@ def _run(rank, world, layout, max_norm=0.05):
         run_ours, run_twin = DDP(ours), DDP(twin)
     opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in (ours, twin)]
     mon = gh.GradHealth(run_ours, opts[0], on_problem="raise")
-    from gradhealth.clip import arm
+    from gradhealth.check.clip import arm
 
     arm(mon)  # (the first clip shared too, as the adapters do)
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank + 1))  # each rank its own batch

@@ -237,7 +237,7 @@ def s_local_failure(rank, world):
     ddp = nn.parallel.DistributedDataParallel(model)
     mon = gh.GradHealth(ddp, on_problem="warn")
     if rank == 1:
-        from gradhealth import stats
+        from gradhealth.measure import stats
 
         def broken(*a, **k):
             raise RuntimeError("planted failure")
@@ -424,7 +424,7 @@ def s_deferred_failure(rank, world):
     """Deferred checks (lag=1) under DDP whose work fails on rank 1 only: at check 1 while launching
     (the observation), at check 3 while completing (the numbers read back). Every rank skips those
     two checks together, no rank waits in a collective the other never joins, DDP trains on."""
-    from gradhealth import observe, stats
+    from gradhealth.measure import observe, stats
 
     launched, complete = stats.Launched.__init__, observe.Pending.complete
     calls = {"launch": 0, "complete": 0}
@@ -470,7 +470,7 @@ def s_early_failure(rank, world):
     """A check whose bookkeeping fails on rank 1 before its numbers are gathered (the stale-gradient
     watch, at check 1), with measured updates pending: synchronous and deferred, every rank skips
     that check together and the others are judged."""
-    from gradhealth import stale
+    from gradhealth.measure import stale
 
     take = stale.StaleWatch.take
     out = {}
@@ -512,7 +512,8 @@ def s_deferred_late_failure(rank, world):
     3, the step whose gradients are NaN on every rank (the batch on rank 0 holds one, DDP averages
     it). Rank 1 still joins both checks' collectives, flagged, and still hands its optimizer the
     guard's flag: the replicas stay identical and finite."""
-    from gradhealth import deferred, stats
+    from gradhealth.check import deferred
+    from gradhealth.measure import stats
 
     stage, launched = deferred.witnesses, stats.Launched.__init__
     calls = {"stage": 0, "launch": 0}

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradhealth as gh
-from gradhealth import distributed
+from gradhealth.base import distributed
 
 
 def _boom(*args, **kwargs):

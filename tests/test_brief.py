@@ -94,7 +94,7 @@ def test_the_loss_origin_over_micro_batches_both_ways_an_output_is_watched(one_t
     """A small output is kept with its gradient retained (no kernel a step), a large one reduced to
     max |x| in hooks; either way, with micro-batches, the one whose loss made the NaN is found, and a
     NaN born in the model is not blamed on the loss."""
-    from gradhealth import guards
+    from gradhealth.judge import guards
 
     if not kept:
         monkeypatch.setattr(guards, "KEEP_OUTPUT", 0)

@@ -266,7 +266,7 @@ def test_cpu_kernels_match_float64_reference():
     (see stats._batches): every norm still matches float64 (four dtypes, transposed views, 1e20s,
     1e-30s, zeros, NaN, inf, a tensor that fits neither path), and a list whose shapes changed is
     planned again when its stack or view fails, never given a wrong norm."""
-    from gradhealth import stats
+    from gradhealth.measure import stats
 
     tensors = []
     reps = -(-3 * stats.STACK_MIN // (2 * len(SITUATIONS[1:])))  # (two in three are small: STACK_MIN of them a dtype)
@@ -301,7 +301,7 @@ def test_cpu_kernels_match_float64_reference():
 def test_stacks_are_chunked_within_their_memory_bound():
     """Many small tensors of one shape are stacked in chunks of at most STACK_ELEMENTS elements
     (the stack is a copy), and every norm still matches float64."""
-    from gradhealth import stats
+    from gradhealth.measure import stats
 
     tensors = [torch.randn(stats.STACK_NUMEL) for _ in range(2 * stats.STACK_ELEMENTS // stats.STACK_NUMEL + 1)]
     norms, _, plan = stats.grad_norms(tensors)

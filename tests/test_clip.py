@@ -19,7 +19,7 @@ OPEN = []
 def monitor(*args, first_clip_shared=True, **kw):
     OPEN.append(gh.GradHealth(*args, **kw))
     if first_clip_shared:  # (as the adapters do; else the monitor's first clip is torch's, the next ones shared)
-        from gradhealth.clip import arm
+        from gradhealth.check.clip import arm
 
         arm(OPEN[-1])
     return OPEN[-1]
@@ -255,7 +255,7 @@ def test_a_plain_loops_first_clip_is_torchs_and_the_next_ones_shared():
 
 
 def test_an_internal_failure_of_the_shared_clip_falls_back_to_torchs(monkeypatch):
-    import gradhealth.clip as clip
+    import gradhealth.check.clip as clip
 
     a, b = twins()
     opts = [torch.optim.SGD(n.parameters(), lr=0.1) for n in (a, b)]

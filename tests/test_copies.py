@@ -1,4 +1,4 @@
-"""Parameters in no optimizer without gradients (gradhealth/copies.py): target networks and EMA /
+"""Parameters in no optimizer without gradients (gradhealth/judge/copies.py): target networks and EMA /
 momentum copies are tolerated, with what was seen; an optimizer that holds a parameter without a
 gradient stays an error."""
 

@@ -5,9 +5,9 @@ import math
 
 import torch
 
-from gradhealth import crossrank
-from gradhealth.deltas import StepStats
-from gradhealth.observe import Observation
+from gradhealth.ranks import crossrank
+from gradhealth.measure.deltas import StepStats
+from gradhealth.measure.observe import Observation
 
 
 def obs(norms, loss, valid, upd, stale=False, sharded=()):

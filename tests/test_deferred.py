@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import gradhealth as gh
-from gradhealth import deferred, host, rules, stats
+from gradhealth.check import deferred
+from gradhealth.measure import host, rules, stats
 from gradhealth.benchmarks.counts import TolistWatch, within
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -222,7 +223,7 @@ class HostReads(TolistWatch):
     or assignment), and a tensor made from Python data (``torch.tensor([...])``: ``lift_fresh``),
     which on a GPU is a blocking copy from pageable memory. The rule that makes the last two
     detectable on the CPU, where every tensor is on the "device": they are allowed only inside
-    :func:`gradhealth.host.host_to` (host-side construction, then a non-blocking copy from pinned
+    :func:`gradhealth.measure.host.host_to` (host-side construction, then a non-blocking copy from pinned
     memory); anywhere else in gradhealth's own code they are flagged. The user's and the
     optimizer's ops are not the monitor's, and are not counted. ``Tensor.tolist()`` (no op on the
     CPU: it reads memory; on a GPU a blocking copy) is watched too, in gradhealth's own code outside
@@ -453,7 +454,7 @@ def test_a_deferred_check_that_fails_inside_is_said_and_the_next_one_still_launc
     """A failure while completing the check in flight (its numbers read back) is said as a
     synchronous check's failure is; the check of this step is still launched (not lost with it),
     and a failure inside ``flush()`` is said too, never raised into the loop."""
-    from gradhealth import deferred
+    from gradhealth.check import deferred
 
     # (planted where every completion passes, a plain steady check's too: its numbers read back)
     values, calls = deferred.Transfer.values, {"n": 0}
@@ -505,7 +506,7 @@ def test_a_launch_that_fails_inside_keeps_the_report_completed_before_it(monkeyp
     def broken(*args, **kwargs):
         raise RuntimeError("planted failure at launch")
 
-    from gradhealth import quiet
+    from gradhealth.check import quiet
 
     monkeypatch.setattr(deferred.Transfer, "__init__", broken)
     monkeypatch.setattr(quiet, "_launch_later", broken)  # (a plain check's launch, whose CPU numbers need no Transfer)
@@ -522,7 +523,7 @@ def test_a_nan_diagnosis_reads_only_through_the_transfer_point(counted, lag):
     the NaN's report completes) reads what it needs through ``stats.fetch`` (a GPU script allows
     exactly that) and nothing else, fused AdamW's step counts included (``rules._on_host`` as on a
     GPU, where fused Adam keeps them on the device)."""
-    from gradhealth import rules
+    from gradhealth.measure import rules
 
     rules_on_host = rules._on_host
     torch.manual_seed(0)
@@ -682,7 +683,7 @@ def test_the_deferred_tracer_is_judged_against_the_step_it_watched(nan_at):
         return {r.step: [f for f in r.findings_of("NONFINITE_ORIGIN") if not f.data.get("from_loss")]
                 for r in keep.reports}
 
-    from gradhealth import trace
+    from gradhealth.origin import trace
 
     seen_forwards, resolve = [], trace.NonFiniteTracer.resolve
 

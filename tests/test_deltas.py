@@ -245,8 +245,8 @@ def test_frozen_in_sgd_with_grad_and_momentum(mlp):
 def test_memory_budget_on_the_three_bench_shapes():
     """Samples within 1% of the parameters; the rule's temporaries within 1% (at least 1 MiB)."""
     from gradhealth.benchmarks.core import build_model
-    from gradhealth.classify import named_parameters
-    from gradhealth.deltas import UpdateTracker
+    from gradhealth.model.params import named_parameters
+    from gradhealth.measure.deltas import UpdateTracker
 
     for blocks, width in [(100, 64), (100, 512), (20, 2048)]:
         entries = named_parameters(build_model(blocks, width))
@@ -345,7 +345,7 @@ def test_the_fused_change_test_equals_an_exact_comparison_of_every_sample(one_th
     in one element (smallest possible: one ulp), a tensor left alone; a tensor holding inf or NaN is
     undecided (NaN), never "changed" (a constant -inf mask: FROZEN_BUT_CHANGED would be a false alarm);
     the general path (an empty sample) counts ``!=``."""
-    from gradhealth.compare import Packed
+    from gradhealth.measure.compare import Packed
 
     torch.manual_seed(0)
     ts = [torch.randn(50), torch.randn(7, 3), torch.full((4,), float("nan")), torch.randn(300), torch.randn(5),
@@ -406,7 +406,7 @@ def test_the_change_test_sees_a_one_ulp_change_in_a_low_precision_tensor(one_thr
     """The change test subtracts in the tensor's own dtype (in the snapshot's buffer): a change of one
     ulp, at a large value and at the smallest subnormal, is still a change, and an untouched tensor
     is exactly 0."""
-    from gradhealth.compare import Packed
+    from gradhealth.measure.compare import Packed
 
     tiny = torch.finfo(dtype).smallest_normal / 4  # a subnormal
     ts = [torch.tensor([1000.0, -3.0, 0.5], dtype=dtype), torch.tensor([0.0, tiny, 1.0], dtype=dtype),
@@ -423,7 +423,7 @@ def test_the_change_test_sees_a_one_ulp_change_in_a_low_precision_tensor(one_thr
 
 def test_a_complex_parameter_takes_the_general_change_test(one_thread):
     """No in-place abs of a complex tensor: complex samples are compared with ``!=``."""
-    from gradhealth.compare import Packed
+    from gradhealth.measure.compare import Packed
 
     ts = [torch.randn(5, dtype=torch.complex64), torch.randn(3, dtype=torch.complex64)]
     packed = Packed([t.view(-1) for t in ts], reuse=True)
@@ -438,7 +438,7 @@ def test_adam_update_norms_from_step_counts_kept_on_the_device(monkeypatch, name
     """Fused or capturable Adam keeps its step counts as device tensors: the bias corrections are
     then computed on the device, never read (a host read would stall a GPU at every measured step).
     The same code path here, on the CPU's counts: every tensor's norm against a copy."""
-    from gradhealth import rules
+    from gradhealth.measure import rules
 
     taken = []
     coefs = rules._adam_coefs
@@ -459,7 +459,7 @@ def test_a_fused_step_that_skipped_itself_at_its_first_step_measures_zero(monkey
     """A fused AdamW step handed ``found_inf`` (a grad scaler's, or the deferred guard's) at the very
     first step leaves its step count at 0 and m, v at 0: its update is 0 for every parameter, weight
     decay included, whether the counts are read on the host or kept on the device (0, not 0/0)."""
-    from gradhealth import rules
+    from gradhealth.measure import rules
 
     monkeypatch.setattr(rules, "_on_host", lambda t: not on_device)
     torch.manual_seed(0)

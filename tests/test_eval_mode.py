@@ -250,7 +250,7 @@ def _differs(make, shape) -> bool:
 
 @pytest.mark.parametrize("name", list(MODULES))
 def test_which_modules_the_mode_matters_for_is_decided_from_their_code_as_running_them_shows(name):
-    from gradhealth.guards import mode_matters
+    from gradhealth.judge.guards import mode_matters
 
     make, shape = MODULES[name]
     assert mode_matters(make()) is _differs(make, shape), name

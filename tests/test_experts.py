@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gradhealth as gh
-from gradhealth.experts import find_stacks
+from gradhealth.model.experts import find_stacks
 
 S = gh.Status
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -214,7 +214,7 @@ def test_an_expert_whose_slice_turns_nan_is_named():
 
 
 def test_expert_metrics_and_router_tokens_agree_with_the_slices():
-    from gradhealth.metrics import report_metrics
+    from gradhealth.publish.metrics import report_metrics
 
     model = tiny_mixtral()
     never_pick(model, 3)

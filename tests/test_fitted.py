@@ -1,4 +1,4 @@
-"""What the loss explains about the gradients (gradhealth/fitted.py): a GIN (PyTorch Geometric) on
+"""What the loss explains about the gradients (gradhealth/judge/fitted.py): a GIN (PyTorch Geometric) on
 graphs it fits, whose loss on some mini-batches is ~1e-6, is not VANISHING_GRAD; a collapse while
 the loss stays where it was still is."""
 
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import gradhealth as gh
-from gradhealth.findings import Finding
-from gradhealth.fitted import WARMUP, LossFit
+from gradhealth.base.findings import Finding
+from gradhealth.judge.fitted import WARMUP, LossFit
 from heap import frozen_heap  # noqa: F401  (a fixture: each Trainer.train() scans only what its test made)
 
 

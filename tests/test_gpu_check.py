@@ -15,8 +15,8 @@ import warnings
 import pytest
 import torch
 
-from gradhealth import deferred
-from gradhealth.errors import GradHealthInternalWarning
+from gradhealth.check import deferred
+from gradhealth.base.errors import GradHealthInternalWarning
 import procs
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

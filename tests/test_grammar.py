@@ -6,12 +6,12 @@ import re
 import pytest
 
 import gradhealth as gh
-from gradhealth import judges
-from gradhealth.naming import agree, plural
-from gradhealth.patience import Verdict
-from gradhealth.policy import explain
-from gradhealth.report import Report, describe_names
-from gradhealth.status import HINTS, HINTS_ONE, Status
+from gradhealth.judge import judges
+from gradhealth.base.naming import agree, plural
+from gradhealth.judge.patience import Verdict
+from gradhealth.publish.policy import explain
+from gradhealth.base.report import Report, describe_names
+from gradhealth.base.status import HINTS, HINTS_ONE, Status
 
 S = Status
 # 6 parameters in 3 modules: one name is "a.weight", two names from different modules are

@@ -197,7 +197,7 @@ def test_the_running_medians_equal_a_full_sort_and_torch_nanmedian(width):
     import random
     import statistics
 
-    from gradhealth.history import NormHistory, _median
+    from gradhealth.judge.history import NormHistory, _median
 
     rng = random.Random(0)
     h = NormHistory(window=30, warmup=5, refresh=1)

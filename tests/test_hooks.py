@@ -1,4 +1,4 @@
-"""Hooks owned by the monitor (gradhealth/hooks.py): gone when it is closed or collected; sinks
+"""Hooks owned by the monitor (gradhealth/base/hooks.py): gone when it is closed or collected; sinks
 closed under interrupts; check() inside grad-free contexts; meta parameters named."""
 
 import gc
@@ -10,6 +10,7 @@ import torch.nn.modules.module as module_hooks
 from torch import nn
 
 import gradhealth as gh
+from gradhealth.judge import guards
 
 
 def model_and_opt():
@@ -54,17 +55,17 @@ def test_dropped_monitors_leave_no_hook_behind():
     assert hook_count(model, opt) == base
     assert globals_count() == base_globals
     calls = []  # and by counting calls: nothing of gradhealth runs any more
-    original = gh.guards.ForwardWatch._on_model
-    gh.guards.ForwardWatch._on_model = lambda self, *a: calls.append(1)
+    original = guards.ForwardWatch._on_model
+    guards.ForwardWatch._on_model = lambda self, *a: calls.append(1)
     try:
         step(model, opt)
     finally:
-        gh.guards.ForwardWatch._on_model = original
+        guards.ForwardWatch._on_model = original
     assert calls == []
 
 
 def test_the_global_hooks_go_with_the_last_live_monitor():
-    from gradhealth import params
+    from gradhealth.model import params
 
     gc.collect()  # monitors other tests dropped
     model, opt = model_and_opt()

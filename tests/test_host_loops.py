@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import gradhealth as gh
-from gradhealth.classify import classify_selection, decide
-from gradhealth.compare import in_turn
-from gradhealth.stats import joined
-from gradhealth.steps import StepStats
+from gradhealth.judge.classify import classify_selection, decide
+from gradhealth.measure.compare import in_turn
+from gradhealth.measure.stats import joined
+from gradhealth.measure.steps import StepStats
 
 S = gh.Status
 
@@ -105,7 +105,7 @@ def test_packing_agrees_with_concatenating_each_part(seed, monkeypatch):
     than float32 or a count), from 0-d and 1-d parts of mixed dtypes, empty ones among them; never
     by a kernel that fails first (a ``stack`` of a vector and scalars: a float64 group's norms
     beside a loss, at every deferred check)."""
-    from gradhealth import stats
+    from gradhealth.measure import stats
 
     stack, failed = torch.stack, []
 

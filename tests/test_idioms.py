@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gradhealth as gh
-from gradhealth.snapshot import rng_state
+from gradhealth.origin.snapshot import rng_state
 import procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,11 +10,14 @@ import procs
 
 # tools that live in the package but are never imported by it
 TOOLS = {"__main__"}
-CORE = sorted(m.name for m in pkgutil.iter_modules(gradhealth.__path__) if m.name not in TOOLS)
+# every module of the core, by its dotted name under gradhealth (its stages' subpackages included)
+CORE = sorted(m.name[len("gradhealth."):] for m in pkgutil.walk_packages(gradhealth.__path__, "gradhealth.")
+              if m.name.rsplit(".", 1)[-1] not in TOOLS and not m.ispkg)
 
 
 def test_core_modules_import_no_framework_demo_or_bench():
-    assert {"monitor", "observe", "crossrank", "judges", "carry", "policy", "options", "layout"} <= set(CORE)
+    assert {"monitor", "measure.observe", "ranks.crossrank", "judge.judges", "check.carry", "publish.policy", "options",
+            "measure.layout"} <= set(CORE)
     code = (
         "import importlib, sys\n"
         f"for m in {CORE!r}: importlib.import_module('gradhealth.' + m)\n"
@@ -46,20 +49,22 @@ def test_adapters_hold_no_demo_or_benchmark():
 
 def test_no_core_module_is_too_long_to_read():
     here = os.path.dirname(gradhealth.__file__)
-    long = {m: n for m in CORE if (n := sum(1 for _ in open(os.path.join(here, m + ".py")))) > 420}
+    long = {m: n for m in CORE if (n := sum(1 for _ in open(os.path.join(here, *m.split(".")) + ".py"))) > 420}
     assert not long, long
 
 
 def _imports_of(module: str) -> set[str]:
-    """The core modules ``module`` imports, at the top or inside a function (``from .x import``,
-    ``from . import x``)."""
+    """The core modules ``module`` imports, at the top or inside a function (relative imports of any
+    level: ``from .x import``, ``from ..stage.x import``, ``from ..stage import x``)."""
     import ast
 
-    tree = ast.parse(open(os.path.join(os.path.dirname(gradhealth.__file__), module + ".py")).read())
+    tree = ast.parse(open(os.path.join(os.path.dirname(gradhealth.__file__), *module.split(".")) + ".py").read())
+    package = module.split(".")[:-1]
     out = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            out |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            out |= {".".join(base + [a.name]) for a in node.names} | {".".join(base)}
     return out & set(CORE)
 
 
@@ -67,7 +72,7 @@ def test_no_import_cycle_in_the_core():
     """Two modules that import each other (even inside a function) hold something that belongs to one
     of them or to a third, lower module."""
     graph = {m: _imports_of(m) for m in CORE if m != "__init__"}
-    assert "distributed" in graph["replicas"]  # the check reads real edges
+    assert "base.distributed" in graph["ranks.replicas"]  # the check reads real edges
     state: dict[str, int] = {}
     cycles = []
 
@@ -100,7 +105,7 @@ def test_every_public_name_resolves_lazily_and_as_before():
     (``from gradhealth import *`` too), the submodules as attributes, and ``gh.brief`` /
     ``gh.classify`` the functions even after their modules were imported; an unknown name says so."""
     code = """
-import gradhealth as gh, gradhealth.brief, gradhealth.classify, types
+import gradhealth as gh, gradhealth.publish.brief, gradhealth.judge.classify, types
 assert callable(gh.brief) and not isinstance(gh.brief, types.ModuleType)
 assert callable(gh.classify) and not isinstance(gh.classify, types.ModuleType)
 ns = {}

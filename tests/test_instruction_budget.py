@@ -28,7 +28,7 @@ HEADROOM = 100
 #: instructions per check reached on this code: (synchronous median, its mean over two periods of the
 #: change test, deferred median, its mean); a bound is one of these + HEADROOM. The one number:
 #: 1304 on the MLP and the CNN, 2444 on the transformer, 1364 on DQN's, 1646 on PPO's. (A healthy
-#: steady-state check takes the fast path, `gradhealth.steady` and `gradhealth.quiet`; the means hold
+#: steady-state check takes the fast path, `gradhealth.check.steady` and `gradhealth.check.quiet`; the means hold
 #: the periodic checks that take the full path: update norms, the change test, the medians' refresh.)
 REACHED = {
     "6-tensor MLP": (1760, 1903, 1785, 1936),

@@ -5,8 +5,8 @@ import math
 import pytest
 
 import gradhealth as gh
-from gradhealth import judges
-from gradhealth.guards import ForwardRecord
+from gradhealth.judge import judges
+from gradhealth.measure.observe import ForwardRecord
 
 S = gh.Status
 K = gh.FindingKind

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gradhealth.layout import Layout
+from gradhealth.measure.layout import Layout
 
 
 def test_pack_and_unpack_by_name():
@@ -27,7 +27,7 @@ def test_empty_slots_and_errors():
 def test_put_keeps_the_parts_and_joined_reads_them_back_exactly():
     """``put`` names a slot and keeps its device numbers as they are; ``stats.joined`` reads them in
     one stack (float32 parts: the very same numbers) or one cat (a count or float64: float64, exact)."""
-    from gradhealth.stats import joined
+    from gradhealth.measure.stats import joined
 
     norms = list(torch._foreach_norm([torch.randn(5), torch.randn(3, 3)], 2))
     lay = Layout()

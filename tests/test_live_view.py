@@ -325,7 +325,7 @@ def test_complex_parameters():
 def test_a_failing_look_at_the_model_never_breaks_the_run(monkeypatch):
     """The deletion look-up and the newcomers' walk run before the check's own guard: a model that
     cannot be walked or looked up now is judged as it is, and the run goes on."""
-    from gradhealth import params
+    from gradhealth.model import params
 
     def boom(*_args):
         raise RuntimeError("planted")

@@ -1,5 +1,5 @@
 """A learning rate of 0, judged at every step whatever the optimizer, and told apart by what the
-steps showed (gradhealth/lrstory.py): a group held at 0 from its first step while others train is
+steps showed (gradhealth/measure/lrstory.py): a group held at 0 from its first step while others train is
 a hold (info once), a group whose lr fell to 0 is an error at its second step there, every group at
 0 since the first step is an error past a two-step warm-up (DeepSpeed's ``WarmupLR`` from 0 starts
 with two exact zeros)."""

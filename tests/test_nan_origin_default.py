@@ -170,7 +170,7 @@ def test_the_replay_leaves_gradients_state_and_random_streams_as_they_were():
 
 
 def test_a_healthy_check_keeps_nothing_and_an_evaluation_forward_is_not_kept():
-    from gradhealth.calls import KEEP
+    from gradhealth.origin.calls import KEEP
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))

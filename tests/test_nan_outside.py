@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import gradhealth as gh
+from gradhealth.origin import snapshot
 
 
 def weighted_loss(model, x, w):
@@ -37,7 +38,7 @@ def test_replay_in_a_plain_loop_names_it_too():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mon = gh.GradHealth(model, opt, on_problem="ignore", trace_on_nonfinite=False)
     x, w = torch.randn(8, 4), torch.tensor([1.0, 0, 1, 1, 0, 1, 1, 1])
-    rng = gh.snapshot.rng_state()
+    rng = snapshot.rng_state()
     weighted_loss(model, x, w).backward()
     report = mon.check()
     assert not report.grads_finite

@@ -1,4 +1,4 @@
-"""Said once (gradhealth/once.py): a persistent problem warns when it starts, as a reminder at
+"""Said once (gradhealth/publish/once.py): a persistent problem warns when it starts, as a reminder at
 growing intervals, again when it changes, and once when it is resolved."""
 
 import logging

@@ -313,7 +313,7 @@ def naive_history(seq):
 
 
 def test_persistence_counts_equal_a_naive_count_over_random_usage():
-    from gradhealth.patience import Persistence
+    from gradhealth.judge.patience import Persistence
 
     rng = torch.Generator().manual_seed(0)
     names = [f"u{i}" for i in range(6)]
@@ -338,7 +338,7 @@ def test_persistence_counts_equal_a_naive_count_over_random_usage():
 
 
 def test_persistence_rule_matches_the_beta_predictive_by_hand():
-    from gradhealth.patience import ALPHA, Persistence
+    from gradhealth.judge.patience import ALPHA, Persistence
 
     p = Persistence()
     status = lambda used: {"a": S.OK if used else S.NO_GRAD, "b": S.OK}  # noqa: E731
@@ -411,7 +411,7 @@ def test_stochastic_depth_p05_is_silent_under_raise(seed):
 
 
 def test_a_stochastic_depth_layer_removed_at_step_40_is_named_within_its_gap_limit():
-    from gradhealth.patience import gap_limit
+    from gradhealth.judge.patience import gap_limit
 
     reports, _ = depth_run(0, steps=140, remove=(40, 5), on_problem="ignore")
     dead = {n for n in reports[0].status if n.startswith("blocks.5.")}
@@ -488,7 +488,7 @@ def test_top1_moe_with_six_tokens_is_silent_under_raise(seed):
 
 @pytest.mark.parametrize("ban_at", [0, 30])
 def test_an_expert_that_stops_being_routed_is_named(ban_at):
-    from gradhealth.patience import gap_limit
+    from gradhealth.judge.patience import gap_limit
 
     reports, _ = few_token_run(0, steps=100, ban=(ban_at, 3), on_problem="ignore")
     dead = {"experts.3.weight", "experts.3.bias"}

@@ -1,4 +1,4 @@
-"""A gradient that piles up without a step (gradhealth/pileup.py): torchtune's optimizer in backward,
+"""A gradient that piles up without a step (gradhealth/judge/pileup.py): torchtune's optimizer in backward,
 as its recipes set it up, with ``tok_embeddings`` frozen at setup and unfrozen later (gradual
 unfreezing): its hooks were registered for what required grad at setup, so the embedding's
 ``.grad`` grows at every backward while the weight never moves."""
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import gradhealth as gh
+from gradhealth.judge import pileup
 
 
 # torchtune/training/memory.py, ported
@@ -103,7 +104,7 @@ def test_an_embedding_unfrozen_after_setup_piles_up_its_gradient_and_is_named(on
     assert f.params == ("tok_embeddings.weight",) and f.level == "error"
     # unfrozen at 2: its gradient grew at 3 to 10; its one optimizer never stepped meanwhile (the only
     # evidence: fused or not, no hook steps it), named once that lasted IDLE checks
-    assert report.step == 2 + gh.pileup.IDLE
+    assert report.step == 2 + pileup.IDLE
     assert "grown at each of the last 8 checks" in f.message and "hooked only the parameters requiring grad" in f.message
     assert report.status["tok_embeddings.weight"] is gh.Status.OK  # what the states alone say
     # the premise, from the same loop with the monitor told to ignore: the gradient piles up, the weight never moves
@@ -172,7 +173,7 @@ def test_a_check_without_gradients_between_two_checks_breaks_nothing(one_thread)
 
 
 def _naive_pileups(log, held_by, versions_tell):
-    """The rule over a whole run, parameter by parameter (the reference for :class:`gh.pileup.PileUp`,
+    """The rule over a whole run, parameter by parameter (the reference for :class:`pileup.PileUp`,
     which keeps its streaks as aligned lists): ``log`` per check: (grad norms, states, versions,
     total steps, steps per optimizer); returns per check {name: (streak, first norm)} named."""
     streak, prev, out = {}, {}, []
@@ -189,11 +190,11 @@ def _naive_pileups(log, held_by, versions_tell):
         streak, prev = now, gn
         named = {}
         for n, r in now.items():
-            if r[0] < gh.pileup.PILE or total <= r[2][0]:
+            if r[0] < pileup.PILE or total <= r[2][0]:
                 continue
             mine = held_by[n]
             ran = [stepped[o] != r[2][1][o] for o in mine]
-            if (r[0] >= gh.pileup.IDLE and not any(ran)) or (any(ran) and all(versions_tell[o] for o in mine)):
+            if (r[0] >= pileup.IDLE and not any(ran)) or (any(ran) and all(versions_tell[o] for o in mine)):
                 named[n] = (r[0], r[3])
         out.append(named)
     return out

@@ -1,4 +1,4 @@
-"""gradhealth.quick: the hot path's constructors build what the dataclasses' own __init__ builds."""
+"""gradhealth.base.quick: the hot path's constructors build what the dataclasses' own __init__ builds."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from gradhealth.observe import Observation
-from gradhealth.quick import quick
-from gradhealth.findings import Finding, FindingKind
-from gradhealth.report import Report
-from gradhealth.status import Status
+from gradhealth.measure.observe import Observation
+from gradhealth.base.quick import quick
+from gradhealth.base.findings import Finding, FindingKind
+from gradhealth.base.report import Report
+from gradhealth.base.status import Status
 
 
 @pytest.mark.parametrize("cls, given", [

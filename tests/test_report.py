@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import gradhealth as gh
-from gradhealth.report import group_by_module, is_problem
+from gradhealth.base.report import group_by_module, is_problem
 
 S = gh.Status
 
@@ -139,8 +139,8 @@ def test_to_frame_from_a_real_check():
 
 def test_nan_and_inf_norms_combine_the_same_everywhere():
     """str(report), the metrics and the module norms agree: NaN with an inf is NaN, not inf."""
-    from gradhealth.metrics import report_metrics
-    from gradhealth.stats import combine_norms
+    from gradhealth.publish.metrics import report_metrics
+    from gradhealth.measure.stats import combine_norms
 
     assert math.isnan(combine_norms([math.inf, math.nan])) and combine_norms([math.inf, 1.0]) == math.inf
     assert combine_norms([3.0, 4.0]) == 5.0 and combine_norms([]) == 0.0
@@ -160,7 +160,7 @@ def test_module_norms_read_off_runs_equal_the_general_sum():
     some entries have a gradient (a frozen base model's hold none: a module without any is left out)."""
     import random
 
-    from gradhealth import stats
+    from gradhealth.measure import stats
 
     rng = random.Random(0)
     for _ in range(3000):
@@ -190,7 +190,7 @@ def test_a_model_whose_modules_interleave_has_no_runs():
             return iter([("a.weight", self.a.weight), ("b.weight", self.b.weight), ("a.bias", self.a.bias),
                          ("b.bias", self.b.bias)])
 
-    from gradhealth.params import ParamView
+    from gradhealth.model.params import ParamView
 
     view = ParamView(Odd(), [])
     assert view.module_index == [0, 1, 0, 1] and view.module_runs is None

@@ -9,7 +9,11 @@ import torch
 from torch import nn
 
 import gradhealth as gh
-from gradhealth import deferred, deltas, guards, params, stale, trace
+from gradhealth.check import deferred
+from gradhealth.measure import deltas, stale
+from gradhealth.judge import guards
+from gradhealth.model import params
+from gradhealth.origin import trace
 
 torch.set_num_threads(1)
 

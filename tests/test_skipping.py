@@ -71,7 +71,7 @@ def test_a_nan_batch_changes_nothing_with_the_option_exactly_as_if_it_were_left_
     said = [str(w.message) for w in caught if issubclass(w.category, gh.GradHealthWarning)]
     assert len(said) == 2 and "STEP_SKIPPED" in said[0]  # said once, then once as resolved
     assert said[1].startswith("gradhealth step 6: resolved:") and "STEP_SKIPPED (warning, since step 5)" in said[1]
-    from gradhealth.metrics import report_metrics
+    from gradhealth.publish.metrics import report_metrics
 
     assert report_metrics(reports[5])["gradhealth/skipped"] == 1.0 and report_metrics(reports[4])["gradhealth/skipped"] == 0.0
 

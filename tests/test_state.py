@@ -1,4 +1,4 @@
-"""load_state_dict checks every key before it loads anything (gradhealth/state.py): fuzzed states
+"""load_state_dict checks every key before it loads anything (gradhealth/check/state.py): fuzzed states
 are never half-applied, never accepted when wrong; states from another model are refused."""
 
 import copy

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradhealth import stats
+from gradhealth.measure import stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

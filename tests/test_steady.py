@@ -1,4 +1,4 @@
-"""The healthy steady-state fast path (``gradhealth/steady.py``, ``gradhealth/quiet.py``) against the
+"""The healthy steady-state fast path (``gradhealth/check/steady.py``, ``gradhealth/check/quiet.py``) against the
 full path: one run, made twice from the same seeds (a monitor with the fast path, one without it:
 ``GradHealth._steady``), healthy, then planted problems one after the other (a frozen layer, a NaN
 batch, a missing ``zero_grad()``, a parameter dropped from the optimizer), healthy again between
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import gradhealth as gh
-from gradhealth import steady
+from gradhealth.check import steady
 from conftest import naive_classify
 
 pytestmark = pytest.mark.usefixtures("one_thread")

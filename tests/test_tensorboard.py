@@ -419,7 +419,7 @@ def test_a_picture_is_written_as_add_image_writes_it_pixel_for_pixel(tmp_path):
 def test_the_module_tags_follow_the_modules(tmp_path):
     """The per-module tags are made once per set of modules (``metrics._tags``): a report with other
     modules gets its own tags, each with its own norm."""
-    from gradhealth.metrics import report_metrics
+    from gradhealth.publish.metrics import report_metrics
 
     def report(norms):
         return gh.Report(step=0, status={}, grad_norm={}, total_grad_norm=1.0, module_grad_norm=norms)

@@ -120,7 +120,7 @@ def test_the_op_watch_reads_no_view_of_a_buffer_in_backward_and_still_names_the_
     op that did make the inf is still the one named."""
     import warnings
 
-    from gradhealth.opwatch import OpWatch
+    from gradhealth.origin.opwatch import OpWatch
 
     buf = torch.zeros(1 << 16)
     w = nn.Parameter(torch.ones(4))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import gradhealth as gh
-from gradhealth.snapshot import rng_state
+from gradhealth.origin.snapshot import rng_state
 
 torch.set_num_threads(1)
 

@@ -18,7 +18,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 from gradhealth.integrations.transformers import GradHealthCallback  # noqa: E402
 from gradhealth.demos.hf_trainer import HeadOutOfOptimizer, NaNLossOnce, Tokens, tiny_bert  # noqa: E402
-from gradhealth.report import frozen_summary  # noqa: E402
+from gradhealth.base.report import frozen_summary  # noqa: E402
 from conftest import CountClips  # noqa: E402
 from heap import frozen_heap  # noqa: E402,F401  (a fixture)
 

@@ -1,4 +1,4 @@
-"""Exactly zero gradients that are underflow (gradhealth/underflow.py): a deep tanh stack whose
+"""Exactly zero gradients that are underflow (gradhealth/judge/underflow.py): a deep tanh stack whose
 gradient shrinks through the layers until, in the first ones, every element is below float32's
 range. Its first layers read ZERO_GRAD; the layers at the edge come and go (zero at one check, 1e-38
 at the next), which must not pass for skipping (LayerDrop, an expert without tokens) and make the
@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 import gradhealth as gh
+from gradhealth.judge import underflow
+from gradhealth.publish import policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,12 +103,12 @@ def test_underflow_is_named_and_not_taken_for_skipping():
         assert not r.ok
         found = [f for f in r.findings_of("VANISHING_GRAD") if f.data.get("cause") == "underflow"]
         assert len(found) == 1 and "layers.0.weight" in found[0].params, r.step
-        assert all(0.0 < v < gh.underflow.FAINT for v in found[0].data["faint"].values())
+        assert all(0.0 < v < underflow.FAINT for v in found[0].data["faint"].values())
         assert "underflows float32 (below 1.2e-38" in found[0].message
         assert not any("layers.0." in f.message for f in r.findings_of("TRANSIENT_GRAD")), r.step
     words = str(gh.brief(reports[-1]))
     assert "underflows to exact zeros" in words and "do: keep the gradient's scale through the layers" in words
-    explained = gh.policy.explain(reports[-1])
+    explained = policy.explain(reports[-1])
     assert "exactly zero gradients: see VANISHING_GRAD below." in explained
 
 
@@ -209,7 +211,7 @@ def test_a_zero_layer_beside_an_unrelated_tiny_gradient_keeps_its_own_words():
     assert 0.0 < report.grad_norm["gate"] < 1e-30  # premise
     assert set(report.errors) == {"masked.weight", "masked.bias"}
     assert not report.findings_of("VANISHING_GRAD")
-    assert "dead ReLUs, a mask that selected nothing" in gh.policy.explain(report)
+    assert "dead ReLUs, a mask that selected nothing" in policy.explain(report)
 
 
 def test_a_float16_stack_underflows_at_float16s_edge():

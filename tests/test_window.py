@@ -1,4 +1,4 @@
-"""An accumulation window as its checks saw it (gradhealth/window.py): the deferred checks' losses and
+"""An accumulation window as its checks saw it (gradhealth/measure/window.py): the deferred checks' losses and
 valid counts kept on the device and read with the check that ends the window; the findings about a
 micro-batch inside it. The runs: DDP's accumulation on 2 gloo ranks and an
 engine's accumulation on one process (tests/accum_workers.py); DeepSpeed's is tests/test_deepspeed.py."""
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gradhealth.window import Seen, Window, findings, quiet_row
+from gradhealth.measure.window import Seen, Window, findings, quiet_row
 
 
 def _window(losses, counts=None):

@@ -1,4 +1,4 @@
-"""gradhealth/wrappers.py: a wrapper is seen through only when it is one (it owns no parameter, holds
+"""gradhealth/model/wrappers.py: a wrapper is seen through only when it is one (it owns no parameter, holds
 them all, and exists to distribute or compile the user's model), decided by what it does; a user's
 holder of ``self.module`` (Composer's ComposerClassifier, a LightningModule, a hand-written one) keeps
 its own names; a name pattern the user gives matches with a wrapper's or holder's prefix or without."""
@@ -277,7 +277,7 @@ def test_wrappers_are_seen_through_and_a_pattern_matches_with_their_prefix_or_wi
 
 
 def test_respell_adds_each_wrappers_prefix_or_leaves_it_out():
-    from gradhealth.wrappers import respell
+    from gradhealth.model.wrappers import respell
 
     net = _net()
     dp = nn.DataParallel(torch.compile(net, backend="eager"))
