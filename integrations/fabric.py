@@ -9,7 +9,7 @@ before it) and the optimizer::
     share_clip(fabric, monitor)                      # optional: one read of the gradients for the clip
 
 Fabric's DDP is found from the model, and a check inside (or just after) ``fabric.no_backward_sync``
-is deferred to the synchronising backward (:mod:`gradhealth.base.distributed`).
+is deferred to the synchronising backward (:mod:`gradhealth.ranks.ddp`).
 
 What the user configured stays: the same call, ``max_norm``, ``norm_type`` and result (a grad
 scaler's gradients are unscaled first, as Fabric does). A strategy with a clip of its own (FSDP's,

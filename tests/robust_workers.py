@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradhealth as gh
-from gradhealth.base import distributed
+from gradhealth.ranks.ddp import RankOrigin, Ranks
 
 
 def _boom(*args, **kwargs):
@@ -25,9 +25,9 @@ def run(rank, world, port, out):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         torch.set_num_threads(1)
         # every DDP hook of the monitor fails: the comm hook's norms, the DDP forward hooks
-        distributed.RankOrigin._note = _boom
-        distributed.RankOrigin._forward = _boom
-        distributed.Ranks._forward = _boom
+        RankOrigin._note = _boom
+        RankOrigin._forward = _boom
+        Ranks._forward = _boom
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
         ddp = nn.parallel.DistributedDataParallel(model)

@@ -140,3 +140,30 @@ def test_the_op_watch_reads_no_view_of_a_buffer_in_backward_and_still_names_the_
     ops = [op for _, phase, op, _ in watch.records if phase == "backward"]
     assert "aten.copy_.default" in ops and not any("narrow" in op or "expand" in op for op in ops), ops
     assert watch.resolve()[:2] == ("backward", "aten.div.Tensor")
+
+
+def test_the_line_named_is_the_users_never_a_frame_of_the_monitors_own():
+    """``source_of`` names the innermost frame of a recorded stack that is not torch's, the standard
+    library's or the monitor's own (the tracer, the op watch, the replay, the facade ``GradHealth``), wherever
+    the grouping of ``gradhealth/`` put those files: a replay run from inside ``check()`` names the model's
+    line, and a stack whose innermost frame is the facade's names the user's call below it."""
+    import os
+    import types
+
+    import gradhealth.monitor
+    import gradhealth.origin.replay
+    from gradhealth.origin.opwatch import source_of
+
+    user = os.path.abspath(__file__)
+
+    def named(frames):
+        tb = "".join(f'  File "{p}", line {n}, in {f}\n    {c}\n' for p, n, f, c in frames)
+        return source_of(types.SimpleNamespace(metadata={"traceback_": tb}))
+
+    train = (user, 10, "train", "monitor.check()")
+    facade = (os.path.abspath(gradhealth.monitor.__file__), 300, "check", "report = self._build(step, loss, optimizer)")
+    replay = (os.path.abspath(gradhealth.origin.replay.__file__), 50, "replay", "model(*args)")
+    forward = (user, 20, "forward", "y = x / n")
+    assert named([train, facade, replay, forward]) == f"{user}:20 in forward: y = x / n"
+    assert named([train, facade]) == f"{user}:10 in train: monitor.check()"
+    assert named([train, replay]) == f"{user}:10 in train: monitor.check()"

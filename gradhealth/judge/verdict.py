@@ -2,7 +2,11 @@
 is one function (in :mod:`.judges`, or a module of this stage) and one line in :func:`judge`.
 
 Each judge is a pure function of observed values (:mod:`.judges`, :mod:`gradhealth.ranks.crossrank`,
-:mod:`gradhealth.origin.replay`); this is the order they run in and what each is given.
+:mod:`gradhealth.origin.replay`); this is the order they run in and what each is given. Around them, the
+facade's ``_complete`` runs the stories that keep state from check to check, of this stage too: before
+:func:`judge`, which optimizers never step (:mod:`.unstepped`), transient or persistent gaps
+(:mod:`.patience`), underflow (:mod:`.underflow`) and pile-ups (:mod:`.pileup`), since they decide what a
+report tolerates; after it, the norm history (:mod:`.history`, :mod:`.fitted`), which needs the module norms.
 """
 
 from __future__ import annotations

@@ -192,7 +192,8 @@ def source_of(node) -> str | None:
     lines = "".join(tb if isinstance(tb, list) else [str(tb)]).splitlines()
     skip = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"], "<frozen")
     here = os.path.dirname(os.path.abspath(__file__))  # gradhealth's own frames (not its demo's models)
-    own = {os.path.join(here, f) for f in ("trace.py", "opwatch.py", "monitor.py", "replay.py")}
+    own = {os.path.join(here, f) for f in ("trace.py", "opwatch.py", "replay.py")} | {
+        os.path.join(os.path.dirname(here), "monitor.py")}
     frames = []
     for k, ln in enumerate(lines):
         m = re.match(r'\s*File "(.*)", line (\d+), in (.*)', ln)
