@@ -9,6 +9,7 @@ and where a NaN came from, after every backward pass.
 
 import importlib
 import importlib.util
+import pkgutil
 from typing import TYPE_CHECKING
 
 # Each public name is imported at its first use (PEP 562), so that what needs none of them
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from .monitor import GradHealth
     from .options import Options
     from .origin.replay import replay_nonfinite
+    from .origin.snapshot import rng_state
     from .base.report import Report
     from .publish.sinks import LoggingSink, Sink
     from .base.status import Status
@@ -42,7 +44,7 @@ _WHERE = {
     "GradHealthInternalWarning": "base.errors", "GradHealthWarning": "base.errors", "GradModeError": "base.errors",
     "check_loss": "judge.guards", "NormHistory": "judge.history", "Finding": "base.findings", "FindingKind": "base.findings",
     "masked_mean": "masking", "safe_div": "masking", "safe_log": "masking", "safe_sqrt": "masking",
-    "safe_where": "masking", "GradHealth": "monitor", "Options": "options", "replay_nonfinite": "origin.replay",
+    "safe_where": "masking", "GradHealth": "monitor", "Options": "options", "replay_nonfinite": "origin.replay", "rng_state": "origin.snapshot",
     "Report": "base.report", "LoggingSink": "publish.sinks", "Sink": "publish.sinks", "Status": "base.status",
     "assert_trains": "testing", "NonFiniteTracer": "origin.trace", "trace_nonfinite": "origin.trace",
 }
@@ -53,8 +55,11 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         value = importlib.import_module(f".{name}", __name__)  # a submodule: ``gh.monitor``, ``gh.judge``
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    else:  # (a module of the flat layout before the stages: say where it is now)
+        stages = [m.name for m in pkgutil.iter_modules(__path__) if m.ispkg] if not name.startswith("__") else []
+        moved = [f"{__name__}.{s}.{name}" for s in stages if importlib.util.find_spec(f"{__name__}.{s}.{name}")]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}"
+                             + (f"; the module is {moved[0]} (gradhealth/ is grouped by the stages of a check)" if moved else ""))
     globals()[name] = value
     return value
 
@@ -74,6 +79,7 @@ __all__ = [
     "FindingKind",
     "Options",
     "replay_nonfinite",
+    "rng_state",
     "brief",
     "Sink",
     "LoggingSink",

@@ -284,7 +284,7 @@ class GradHealth:
 
     forward_record = property(lambda self: self.carry.forward, doc="What the monitor saw when the model's forward last ran.")
 
-    def diagnose_loss(self, loss) -> str | None:  # (gh.guards.diagnose_loss with what this monitor saw of the forward)
+    def diagnose_loss(self, loss) -> str | None:  # (gradhealth.judge.guards.diagnose_loss with what this monitor saw of the forward)
         return diagnose_loss(loss, self.model, self.carry.forward)
 
     alarm = staticmethod(alarm)

@@ -102,8 +102,9 @@ def test_the_report_command_reads_a_log_without_importing_torch(tmp_path):
 
 def test_every_public_name_resolves_lazily_and_as_before():
     """What ``import gradhealth`` offered when it imported every module: each name of ``__all__``
-    (``from gradhealth import *`` too), the submodules as attributes, and ``gh.brief`` /
-    ``gh.classify`` the functions even after their modules were imported; an unknown name says so."""
+    (``from gradhealth import *`` too), the submodules as attributes (``gh.monitor``, each stage: ``gh.judge``),
+    and ``gh.brief`` / ``gh.classify`` the functions even after their modules were imported; an unknown name
+    says so, and a module of the flat layout before the stages says where it is now."""
     code = """
 import gradhealth as gh, gradhealth.publish.brief, gradhealth.judge.classify, types
 assert callable(gh.brief) and not isinstance(gh.brief, types.ModuleType)
@@ -113,6 +114,13 @@ exec("from gradhealth import *", ns)
 assert all(ns[n] is getattr(gh, n) for n in gh.__all__)
 assert gh.GradHealth.__module__ == "gradhealth.monitor" and gh.monitor.GradHealth is gh.GradHealth
 assert set(gh.__all__) <= set(dir(gh))
+assert gh.judge.__name__ == "gradhealth.judge" and gh.measure.__name__ == "gradhealth.measure"
+try:
+    gh.stats
+except AttributeError as e:
+    assert "gradhealth.measure.stats" in str(e), e
+else:
+    raise AssertionError("gh.stats resolved")
 try:
     gh.no_such_name
 except AttributeError as e:

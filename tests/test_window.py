@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from gradhealth.measure.window import Seen, Window, findings, quiet_row
+from gradhealth.judge.micro_batches import findings
+from gradhealth.measure.window import Seen, Window, quiet_row
 
 
 def _window(losses, counts=None):

@@ -1,4 +1,7 @@
-"""Loss-side guards: is this loss able to produce gradients at all, and if not, why."""
+"""Loss-side guards: is this loss able to produce gradients at all, and if not, why; the forward watch that
+sees what the loss alone cannot (grad mode, the modules run in eval(), a reentrant checkpoint, the loop's calls
+and the router's tokens, recorded as a :class:`~gradhealth.measure.observe.ForwardRecord`); and the findings
+of the eval-mode idioms taken as intended (frozen BatchNorm, ``norm_eval``)."""
 
 from __future__ import annotations
 
@@ -6,11 +9,13 @@ import functools
 import math
 import operator
 import weakref
+from collections.abc import Collection
 
 import torch
 from torch import Tensor, nn
 
 from ..base.errors import GradModeError
+from ..base.findings import Finding, FindingKind
 from ..base.hooks import guarded
 from ..base.naming import ROOT
 from ..model.checkpointing import _in_reentrant_checkpoint, checkpoint_cut, reentrant_checkpointing, uses_checkpointing
@@ -18,7 +23,7 @@ from ..model.modes import mode_matters, reads_training
 from ..measure.observe import ForwardRecord
 
 __all__ = ["ForwardWatch", "diagnose_loss", "check_loss", "uses_checkpointing", "reads_training",
-           "mode_matters", "reentrant_checkpointing", "checkpoint_cut"]
+           "mode_matters", "reentrant_checkpointing", "checkpoint_cut", "frozen_norms", "norm_eval", "norm_idioms"]
 
 _CUT_HINT = (
     "the graph was cut between the model and the loss: look for .detach(), .data, .item(), "
@@ -346,3 +351,40 @@ class ForwardWatch:
             if _WATCHED.get(m) is self.carry:
                 del _WATCHED[m]
         self._hooked = [{} for _ in self._hooked]
+
+
+def frozen_norms(names: Collection[str], step: int) -> list[Finding]:
+    """FROZEN_NORM (info): normalisation layers run in eval() mode with frozen or no affine
+    parameters during training: the frozen-BatchNorm fine-tuning idiom, intended."""
+    if not names:
+        return []
+    shown = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return [Finding(FindingKind.FROZEN_NORM, f"{len(names)} normalisation layer{'s' if len(names) != 1 else ''} ({shown}) ran in "
+                    "eval() mode with frozen affine parameters during training: the frozen-BatchNorm idiom of "
+                    "fine-tuning, taken as intended (their running statistics stay fixed); not an eval-mode mistake",
+                    params=tuple(sorted(names)), level="info", step=step)]
+
+
+def norm_eval(names: Collection[str], step: int) -> list[Finding]:
+    """FROZEN_NORM (info): normalisation layers alone in eval() mode while the rest of the model
+    trains, their affine parameters still training: ``norm_eval`` (detection backbones) and QAT's
+    ``freeze_bn_stats``, intended."""
+    if not names:
+        return []
+    shown = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return [Finding(FindingKind.FROZEN_NORM, f"{len(names)} normalisation layer{'s' if len(names) != 1 else ''} ({shown}) ran in "
+                    "eval() mode while the rest of the model trained: the norm_eval / freeze_bn_stats idiom (running "
+                    "statistics kept fixed on purpose, the affine parameters still training), taken as intended; not "
+                    "an eval-mode mistake", params=tuple(sorted(names)), level="info", step=step)]
+
+
+def norm_idioms(carry, step: int) -> list[Finding]:
+    """FROZEN_NORM / the norm_eval info, each once, at the first check after such layers ran."""
+    found = []
+    if carry.frozen_norms and not carry.frozen_norms_said:
+        found += frozen_norms(carry.frozen_norms, step)
+        carry.frozen_norms_said = True
+    if carry.norm_eval and not carry.norm_eval_said:
+        found += norm_eval(carry.norm_eval, step)
+        carry.norm_eval_said = True
+    return found

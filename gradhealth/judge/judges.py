@@ -17,9 +17,9 @@ from ..base.findings import Finding, FindingKind
 from ..base.naming import on_ranks, agree, matches
 from ..base.report import describe_names
 from ..base.status import Status
-from ..model.modes import frozen_norms, norm_eval, norm_idioms  # noqa: F401 (judges of the eval-mode idioms)
 from ..measure import stats
 from ..measure.observe import ForwardRecord
+from .guards import frozen_norms, norm_eval, norm_idioms  # noqa: F401 (judges of the eval-mode idioms)
 
 __all__ = ["loss_cause", "empty_valid_set", "eval_mode", "stale_grad", "expect_frozen", "not_updated",
            "frozen_but_changed", "skipped_step", "optimizer_skip", "amp_skip", "amp_floor", "transient_grads", "frozen_norms",

@@ -29,7 +29,7 @@ from ..measure import window
 from ..ranks import crossrank
 from ..origin.calls import origin as loop_origin
 from ..origin.replay import arm_tracer, traced
-from . import judges
+from . import judges, micro_batches
 from .guards import output_maxima
 
 __all__ = ["judge"]
@@ -103,10 +103,10 @@ def judge(m, report, obs, across, sel, launch=None) -> list:
     if across is not None and across.window_mask > 0:  # (inside the window this check ends: every rank's, gathered)
         names_v = sorted(obs.valid)
         row = obs.window.row(names_v) if obs.window is not None else window.quiet_row(names_v)
-        found += window.findings(dist.all_gather(row, m.ranks.device), names_v, step, report.grads_finite, True)
+        found += micro_batches.findings(dist.all_gather(row, m.ranks.device), names_v, step, report.grads_finite, True)
     elif across is None and obs.window is not None and obs.window.notable:
         names_v = sorted(obs.valid)
-        found += window.findings([obs.window.row(names_v)], names_v, step, report.grads_finite, False)
+        found += micro_batches.findings([obs.window.row(names_v)], names_v, step, report.grads_finite, False)
     if nonfinite and report.expert_status:
         found += judges.nonfinite_experts(report.expert_status, step)
     no_grad = _named(report.errors, Status.NO_GRAD) if not quiet else []

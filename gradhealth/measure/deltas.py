@@ -38,7 +38,6 @@ import torch
 from torch import Tensor
 from torch.nn.parameter import is_lazy
 
-from ..base import saved as checked
 from ..base.distributed import dtensor_type, to_local
 from ..base.errors import GradHealthInternalWarning
 from ..base.hooks import step_hooks
@@ -50,6 +49,7 @@ from .rules import _RULES, rule_norms, rule_of
 from .stale import WITNESSES, StaleWatch
 from .stats import joined, plan_groups
 from .steps import StepStats, found_inf, unarmed_skip, with_found_inf
+from .tracker_state import TrackerState
 
 __all__ = ["UpdateTracker", "StepStats", "WITNESSES", "SAMPLE", "UPDATE_EVERY", "CHANGE_EVERY"]
 
@@ -86,7 +86,7 @@ class _OptPlan:
 _LIGHT = (None, None, None, None, False)
 
 
-class UpdateTracker(checked.TrackerState):
+class UpdateTracker(TrackerState):
     """Installs a step post-hook on each optimizer; measures the steps that follow a check."""
 
     def __init__(self, entries, optimizers, mode: str = "auto", update_every: int = UPDATE_EVERY,

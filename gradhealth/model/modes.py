@@ -1,21 +1,18 @@
 """Which modules compute differently in eval() than in train(): decided from their code (does the
 forward read ``training``?) and from what the flag switches (running statistics, a dropout rate
 above 0), once per class: what lets a model left in eval() be an error only where it matters
-(`gradhealth.judge.guards.ForwardWatch` hooks those modules). And the judges of the eval-mode idioms taken
-as intended (frozen BatchNorm, ``norm_eval``)."""
+(`gradhealth.judge.guards.ForwardWatch` hooks those modules; the findings of the eval-mode idioms taken
+as intended, frozen BatchNorm and ``norm_eval``, are judged there too)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import types
-from collections.abc import Collection
 
 from torch import nn
 
-from ..base.findings import Finding, FindingKind
-
-__all__ = ["reads_training", "mode_matters", "frozen_norms", "norm_eval", "norm_idioms"]
+__all__ = ["reads_training", "mode_matters"]
 
 _MODULE_NAMES = frozenset(dir(nn.Module))
 
@@ -75,38 +72,3 @@ def mode_matters(module: nn.Module) -> bool:
     return any(r > 0 for r in rates) if rates else True
 
 
-def frozen_norms(names: Collection[str], step: int) -> list[Finding]:
-    """FROZEN_NORM (info): normalisation layers run in eval() mode with frozen or no affine
-    parameters during training: the frozen-BatchNorm fine-tuning idiom, intended."""
-    if not names:
-        return []
-    shown = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return [Finding(FindingKind.FROZEN_NORM, f"{len(names)} normalisation layer{'s' if len(names) != 1 else ''} ({shown}) ran in "
-                    "eval() mode with frozen affine parameters during training: the frozen-BatchNorm idiom of "
-                    "fine-tuning, taken as intended (their running statistics stay fixed); not an eval-mode mistake",
-                    params=tuple(sorted(names)), level="info", step=step)]
-
-
-def norm_eval(names: Collection[str], step: int) -> list[Finding]:
-    """FROZEN_NORM (info): normalisation layers alone in eval() mode while the rest of the model
-    trains, their affine parameters still training: ``norm_eval`` (detection backbones) and QAT's
-    ``freeze_bn_stats``, intended."""
-    if not names:
-        return []
-    shown = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return [Finding(FindingKind.FROZEN_NORM, f"{len(names)} normalisation layer{'s' if len(names) != 1 else ''} ({shown}) ran in "
-                    "eval() mode while the rest of the model trained: the norm_eval / freeze_bn_stats idiom (running "
-                    "statistics kept fixed on purpose, the affine parameters still training), taken as intended; not "
-                    "an eval-mode mistake", params=tuple(sorted(names)), level="info", step=step)]
-
-
-def norm_idioms(carry, step: int) -> list[Finding]:
-    """FROZEN_NORM / the norm_eval info, each once, at the first check after such layers ran."""
-    found = []
-    if carry.frozen_norms and not carry.frozen_norms_said:
-        found += frozen_norms(carry.frozen_norms, step)
-        carry.frozen_norms_said = True
-    if carry.norm_eval and not carry.norm_eval_said:
-        found += norm_eval(carry.norm_eval, step)
-        carry.norm_eval_said = True
-    return found

@@ -23,8 +23,7 @@ from .experts import find_stacks
 from .optimizers import optimizer_param_ids
 from .wrappers import respell, unwrap, user_names
 
-__all__ = ["ParamView", "Selection", "ModelChanges", "LiveMeta", "check_model", "named_parameters", "is_lazy", "lazy_names",
-           "optimizer_param_ids"]
+__all__ = ["ParamView", "Selection", "ModelChanges", "LiveMeta", "check_model", "named_parameters", "is_lazy", "lazy_names"]
 
 
 def check_model(model) -> nn.Module:
