@@ -98,6 +98,7 @@ TABLE = [
     ("NonFiniteTracer model", lambda: gh.NonFiniteTracer(5), TypeError, "model must be a torch.nn.Module"),
     ("replay_nonfinite run", lambda: gh.replay_nonfinite(M(), "x"), TypeError, "replay_nonfinite: run must be a callable"),
     ("replay_nonfinite model", lambda: gh.replay_nonfinite("x", lambda: None), TypeError, "model must be a torch.nn.Module"),
+    ("rng_state argument", lambda: gh.rng_state(0), TypeError, "rng_state() takes 0 positional arguments"),
     ("assert_trains model", lambda: gh.assert_trains("x", None, lambda m, b: 0, None), TypeError, "model must be a torch.nn.Module"),
     ("assert_trains optimizer", lambda: gh.assert_trains(M(), None, lambda m, b: 0, None), TypeError, "assert_trains needs an optimizer"),
     ("assert_trains loss_fn", lambda: gh.assert_trains(M(), torch.optim.SGD(M().parameters(), lr=1), 5, None), TypeError,

@@ -97,7 +97,7 @@ def replay_nonfinite(model: nn.Module, run, *, rng=None, step: int = 0, label: s
     """Replay a step whose gradients were NaN/inf under the tracer; leave everything as it was.
 
     ``run()`` does the forward and backward of that step (its return value is ignored). ``rng``
-    (from [rng_state][gradhealth.origin.snapshot.rng_state], taken before the failing step) replays the same
+    (from [gh.rng_state][gradhealth.rng_state], taken before the failing step) replays the same
     dropout masks and random draws. Returns the NONFINITE_ORIGIN finding, which also says whether
     the NaN reproduced; None (with a warning) if the replay itself failed.
 
