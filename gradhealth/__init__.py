@@ -53,10 +53,10 @@ _WHERE = {
 def __getattr__(name: str):
     if name in _WHERE:
         value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    elif name.isidentifier() and not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         value = importlib.import_module(f".{name}", __name__)  # a submodule: ``gh.monitor``, ``gh.judge``
     else:  # (a module of the flat layout before the stages: say where it is now)
-        stages = [m.name for m in pkgutil.iter_modules(__path__) if m.ispkg] if not name.startswith("__") else []
+        stages = [m.name for m in pkgutil.iter_modules(__path__) if m.ispkg] if name.isidentifier() and not name.startswith("__") else []
         moved = [f"{__name__}.{s}.{name}" for s in stages if importlib.util.find_spec(f"{__name__}.{s}.{name}")]
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}"
                              + (f"; the module is {moved[0]} (gradhealth/ is grouped by the stages of a check)" if moved else ""))

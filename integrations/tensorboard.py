@@ -33,7 +33,7 @@ from torch.utils.tensorboard.summary import custom_scalars
 from gradhealth.publish.metrics import PREFIX, clip_metrics, report_metrics, update_metrics
 from gradhealth.base.naming import module_of
 from gradhealth.base.report import Report, describe_groups, group_by_module
-from gradhealth.measure.stats import combine_norms
+from gradhealth.base.combine import combine_norms
 from gradhealth.base.status import Status, hint
 
 from .gradient_flow import CODES, WORST, Window, expert_map_image, flow_picture, labelled_experts, load_font, png

@@ -53,42 +53,16 @@ def test_no_core_module_is_too_long_to_read():
     assert not long, long
 
 
-def _imports_of(module: str) -> set[str]:
-    """The core modules ``module`` imports, at the top or inside a function (relative imports of any
-    level: ``from .x import``, ``from ..stage.x import``, ``from ..stage import x``)."""
-    import ast
-
-    tree = ast.parse(open(os.path.join(os.path.dirname(gradhealth.__file__), *module.split(".")) + ".py").read())
-    package = module.split(".")[:-1]
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
-            out |= {".".join(base + [a.name]) for a in node.names} | {".".join(base)}
-    return out & set(CORE)
-
-
 def test_no_import_cycle_in_the_core():
     """Two modules that import each other (even inside a function) hold something that belongs to one
-    of them or to a third, lower module."""
-    graph = {m: _imports_of(m) for m in CORE if m != "__init__"}
-    assert "base.distributed" in graph["ranks.replicas"]  # the check reads real edges
-    state: dict[str, int] = {}
-    cycles = []
+    of them or to a third, lower module (the imports as tests/test_layers.py reads them)."""
+    from test_layers import cycles, graph
 
-    def visit(m, path):
-        state[m] = 1
-        for n in sorted(graph.get(m, ())):
-            if state.get(n) == 1:
-                cycles.append(path[path.index(n):] + [n])
-            elif n not in state:
-                visit(n, path + [n])
-        state[m] = 2
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [m])
-    assert not cycles, cycles
+    edges = {m: {b for b, _ in targets} for m, targets in graph().items() if m != "__init__"}
+    assert "base.distributed" in edges["ranks.replicas"]  # the check reads real edges
+    found = cycles(edges)
+    assert not found, found
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]  # (it finds one)
 
 
 def test_the_report_command_reads_a_log_without_importing_torch(tmp_path):
@@ -121,6 +95,7 @@ except AttributeError as e:
     assert "gradhealth.measure.stats" in str(e), e
 else:
     raise AssertionError("gh.stats resolved")
+assert not hasattr(gh, "a.b") and not hasattr(gh, "")  # (a name that cannot be a module's: no import tried)
 try:
     gh.no_such_name
 except AttributeError as e:

@@ -91,6 +91,25 @@ def upward(edges: dict[str, list[tuple[str, int]]]) -> list[str]:
     return bad
 
 
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of a directed graph ({node: the nodes it points to}), each as a path back to its start."""
+    found, state = [], {}
+
+    def visit(n, path):
+        state[n] = 1
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                found.append(path[path.index(m):] + [m])
+            elif m not in state:
+                visit(m, path + [m])
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    return found
+
+
 def group_cycles(edges) -> list[list[str]]:
     """The cycles of the graph of groups (an edge wherever one module imports another group's)."""
     g: dict[str, set[str]] = {}
@@ -98,21 +117,7 @@ def group_cycles(edges) -> list[list[str]]:
         for b, _ in targets:
             if group(a) != group(b):
                 g.setdefault(group(a), set()).add(group(b))
-    cycles, state = [], {}
-
-    def visit(n, path):
-        state[n] = 1
-        for m in sorted(g.get(n, ())):
-            if state.get(m) == 1:
-                cycles.append(path[path.index(m):] + [m])
-            elif m not in state:
-                visit(m, path + [m])
-        state[n] = 2
-
-    for n in sorted(g):
-        if n not in state:
-            visit(n, [n])
-    return cycles
+    return cycles(g)
 
 
 def test_every_stage_is_a_package_of_its_own_folder_and_nothing_else_groups_the_core():
